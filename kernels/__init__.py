@@ -1,0 +1,9 @@
+"""The trio-cuda kernel library, installed as ``trio_cuda.kernels``.
+
+Kernel definitions only, written against :func:`trio_cuda.kernel`. Each is a
+launcher: call it with tensors, partitions, ops and scalars to get a DeviceOp.
+"""
+
+from ._elementwise import add, saxpy
+
+__all__ = ["add", "saxpy"]

@@ -1,0 +1,76 @@
+"""trio-cuda: CUDA work as a first-class citizen of trio's structured concurrency.
+
+Describe GPU work as lazy :class:`DeviceOp` objects, compose them with ``then``,
+``map``, :func:`zip`, ``unzip`` and ``shared``, and ``await`` them inside trio
+nurseries. The public API is everything re-exported here, plus ``trio_cuda.api``
+(tensor constructors and copies) and ``trio_cuda.kernels`` (the kernel library).
+
+The backend (CUDA or the simulated device) is chosen when this package is imported;
+import it before ``numba.cuda``.
+"""
+
+from ._backends import select as _select
+
+_select()
+
+from . import api  # noqa: E402
+from ._backends import backend_name  # noqa: E402
+from ._device import (  # noqa: E402
+    Device,
+    DeviceStatistics,
+    current_device,
+    device,
+    device_count,
+    devices,
+    use_device,
+)
+from ._errors import (  # noqa: E402
+    DeviceError,
+    DeviceFault,
+    DeviceOutOfMemory,
+    DeviceUnavailable,
+    GraphCaptureError,
+    LaunchError,
+    NestedExecutionError,
+    OpAlreadyExecuted,
+)
+from ._kernel import Kernel, kernel  # noqa: E402
+from ._op import DeviceOp, ScheduledOp, SharedOp, value, zip  # noqa: E402
+from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin  # noqa: E402
+from ._stream import Stream  # noqa: E402
+from ._tensor import Partition, Tensor  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Device",
+    "DeviceError",
+    "DeviceFault",
+    "DeviceOp",
+    "DeviceOutOfMemory",
+    "DeviceStatistics",
+    "DeviceUnavailable",
+    "GraphCaptureError",
+    "Kernel",
+    "LaunchError",
+    "NestedExecutionError",
+    "OpAlreadyExecuted",
+    "Partition",
+    "ScheduledOp",
+    "SchedulingPolicy",
+    "SharedOp",
+    "SingleStream",
+    "Stream",
+    "StreamPoolRoundRobin",
+    "Tensor",
+    "api",
+    "backend_name",
+    "current_device",
+    "device",
+    "device_count",
+    "devices",
+    "kernel",
+    "use_device",
+    "value",
+    "zip",
+]

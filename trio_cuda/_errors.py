@@ -1,0 +1,81 @@
+"""The error hierarchy of trio-cuda.
+
+Everything the device or the driver can do wrong is a :class:`DeviceError`.
+Bad arguments are builtin errors (``ValueError``, ``TypeError``) raised before
+any GPU work, as in the rest of the Python ecosystem. ``trio.Cancelled`` is
+never caught or wrapped.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceError",
+    "LaunchError",
+    "DeviceOutOfMemory",
+    "DeviceFault",
+    "DeviceUnavailable",
+    "GraphCaptureError",
+    "NestedExecutionError",
+    "OpAlreadyExecuted",
+]
+
+
+class DeviceError(Exception):
+    """Base class of every error that comes from a device or its driver.
+
+    Attributes:
+        device: The ordinal of the device concerned, or ``None``.
+        op: A short description of the operation (usually a kernel name), or ``None``.
+    """
+
+    def __init__(self, message: str, *, device: int | None = None, op: str | None = None):
+        self.device = device
+        self.op = op
+        where = []
+        if op is not None:
+            where.append(f"op {op}")
+        if device is not None:
+            where.append(f"device {device}")
+        if where:
+            message = f"{message} ({', '.join(where)})"
+        super().__init__(message)
+
+
+class LaunchError(DeviceError):
+    """The driver refused to submit an operation (raised at submission)."""
+
+
+class DeviceOutOfMemory(DeviceError):
+    """A device allocation failed because the device has no memory left."""
+
+
+class DeviceFault(DeviceError):
+    """An asynchronous fault on the device (for example an illegal address).
+
+    After a fault the device refuses new work until :meth:`Device.reset` is called.
+    Every task waiting on the device sees this error.
+    """
+
+
+class DeviceUnavailable(DeviceError):
+    """The device cannot take work: it is faulted and not yet reset, or it is gone."""
+
+
+class GraphCaptureError(DeviceError):
+    """An operation cannot be captured into a CUDA graph, or ran while a capture was open."""
+
+
+class NestedExecutionError(RuntimeError):
+    """A DeviceOp was executed from inside another op's submission.
+
+    Executing an op inside a ``.then()``/``.map()`` callback would submit work onto
+    another stream behind the runtime's back; return the op from the callback instead.
+    """
+
+
+class OpAlreadyExecuted(RuntimeError):
+    """A single-use DeviceOp was executed a second time.
+
+    Ops describe work that happens once. Use ``op.shared()`` for an op with several
+    consumers.
+    """

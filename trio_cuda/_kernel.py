@@ -1,0 +1,201 @@
+"""The kernel launcher: numba-cuda kernel functions as DeviceOp factories.
+
+::
+
+    @trio_cuda.kernel
+    def add(z, x, y):
+        i, j = cuda.grid(2)
+        if i < z.shape[0] and j < z.shape[1]:
+            z[i, j] = x[i, j] + y[i, j]
+
+    out = add(api.zeros((32, 32)).partition((4, 4)), x, y)   # a DeviceOp
+
+Arguments may be DeviceOps, tensors, partitions and scalars, interchangeably. The
+output of the launch op is the tuple of the (resolved) arguments. Partitions are the
+outputs: the launch grid is their tile grid (all partition arguments must share it),
+one block per tile, and the block shape is the tile shape unless the kernel fixes
+one (``@kernel(block=...)``). Tensor arguments are read-only inputs. Dimension ``i``
+of the tile grid maps to CUDA dimension ``x, y, z`` in order, so ``cuda.grid(2)``
+gives ``(i, j)`` for element ``[i, j]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ._backends._boundary import KernelSource
+from ._execution import Lane
+from ._op import DeviceOp
+from ._tensor import Partition, Tensor
+
+__all__ = ["Kernel", "kernel"]
+
+_SCALARS = (int, float, bool, complex, np.number, np.bool_)
+
+
+def _check_dims(dims: Any, what: str) -> tuple[int, ...]:
+    if isinstance(dims, int):
+        dims = (dims,)
+    dims = tuple(dims)
+    if not 1 <= len(dims) <= 3 or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
+        raise ValueError(f"{what} must be 1 to 3 positive ints, got {dims!r}")
+    return dims
+
+
+class Kernel(KernelSource):
+    """A launcher made by :func:`kernel`. Calling it returns a launch DeviceOp.
+
+    Attributes:
+        name: The kernel's name (used in errors).
+        py_func: The Python kernel function.
+        nparams: The number of parameters.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        block: Any = None,
+        sim: Callable[..., Any] | None = None,
+        validate: Callable[..., None] | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"kernel() needs a function, got {fn!r}")
+        params = inspect.signature(fn).parameters.values()
+        if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty for p in params):
+            raise TypeError(f"kernel {fn.__name__}: parameters must be plain positional (no defaults, *args or keywords)")
+        self.py_func = fn
+        self.name = name or fn.__name__
+        self.nparams = len(list(params))
+        self.block = _check_dims(block, "block") if block is not None else None
+        self.host_impl = sim
+        self._validate = validate
+        self.__doc__ = fn.__doc__
+        self.__wrapped__ = fn
+
+    def __repr__(self) -> str:
+        return f"<trio_cuda.Kernel {self.name}>"
+
+    def __call__(self, *args: Any) -> DeviceOp[tuple]:
+        """A DeviceOp that launches this kernel on ``args``; its output is the tuple of args."""
+        if len(args) != self.nparams:
+            raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
+        for i, a in enumerate(args):
+            if not isinstance(a, (DeviceOp, Tensor, Partition) + _SCALARS):
+                raise TypeError(
+                    f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, "
+                    f"got {type(a).__name__}"
+                )
+        return _Launch(self, args)
+
+
+def kernel(
+    fn: Callable[..., Any] | None = None,
+    *,
+    block: Any = None,
+    sim: Callable[..., Any] | None = None,
+    validate: Callable[..., None] | None = None,
+    name: str | None = None,
+) -> Any:
+    """Decorate a numba-cuda kernel function into a launcher of DeviceOps.
+
+    Args:
+        fn: The kernel, written with ``numba.cuda`` (``cuda.grid``, ``cuda.threadIdx``, ...).
+        block: A fixed block shape (1-3 ints) instead of the tile shape.
+        sim: On the simulated device, call ``sim(*args)`` (numpy arrays and scalars)
+            instead of simulating the kernel thread by thread: for kernels whose
+            effect is time (sleeps) or that the simulator would run too slowly.
+        validate: Called as ``validate(*args)`` with the resolved arguments before
+            launching; raises ValueError/TypeError for bad input.
+        name: A name for errors (default: the function's name).
+    """
+
+    def wrap(f: Callable[..., Any]) -> Kernel:
+        return Kernel(f, block=block, sim=sim, validate=validate, name=name)
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class _Launch(DeviceOp[tuple]):
+    __slots__ = ("_kernel", "_args")
+
+    def __init__(self, k: Kernel, args: tuple[Any, ...]) -> None:
+        super().__init__(tuple(a for a in args if isinstance(a, DeviceOp)), len(args))
+        self._kernel = k
+        self._args = args
+
+    def _run(self, lane: Lane, values: Sequence[Any]) -> tuple:
+        k = self._kernel
+        name = k.name
+        if values:
+            it = iter(values)
+            args = tuple(next(it) if isinstance(a, DeviceOp) else a for a in self._args)
+        else:
+            args = self._args
+        device = lane.device
+        grid: tuple[int, ...] | None = None
+        tile: tuple[int, ...] | None = None
+        kargs: list[Any] = []
+        reads = []
+        writes = []
+        for i, a in enumerate(args):
+            if isinstance(a, Partition):
+                t = a.tensor
+                if grid is None:
+                    grid, tile = a.grid, a.tile_shape
+                elif a.grid != grid:
+                    raise ValueError(f"kernel {name}: partition arguments disagree on the tile grid: {grid} and {a.grid}")
+                writes.append(t)
+                kargs.append(t._arg(True))
+            elif isinstance(a, Tensor):
+                t = a
+                reads.append(t)
+                kargs.append(t._arg(False))
+            elif isinstance(a, _SCALARS):
+                kargs.append(a)
+                continue
+            else:
+                raise TypeError(f"kernel {name} argument {i}: an op produced {type(a).__name__}, not a Tensor, Partition or scalar")
+            if t.device is not device:
+                raise ValueError(
+                    f"kernel {name} argument {i} is on device {t.device.ordinal} but the launch runs on "
+                    f"device {device.ordinal}; copy it with api.dup(t, device=...) or use_device()"
+                )
+            t._check_live()
+        if grid is None:
+            raise ValueError(f"kernel {name}: no Partition argument to take the launch grid from")
+        if len(grid) > 3:
+            raise ValueError(f"kernel {name}: a {len(grid)}-D tile grid cannot be launched (CUDA grids have at most 3 dims)")
+        block = k.block or tile
+        assert block is not None
+        if len(block) > 3:
+            raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
+        if k._validate is not None:
+            k._validate(*args)
+        s = lane.stream
+        for t in writes:
+            if t._tracked:
+                lane.write(t._buffer)
+        for t in reads:
+            if t._tracked:
+                lane.read(t._buffer)
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        block3 = tuple(block) + (1,) * (3 - len(block))
+        device._driver.launch(k, grid3, block3, kargs, s.handle)  # type: ignore[arg-type]
+        seq = lane.end()
+        for t in writes:
+            if t._tracked:
+                b = t._buffer
+                b.writer = (s, seq)
+                b.readers.clear()
+        for t in reads:
+            if t._tracked:
+                t._buffer.readers[s] = seq
+        lane.ops.append(name)
+        device._counters["launches"] += 1
+        return args
+

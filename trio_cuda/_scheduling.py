@@ -1,0 +1,94 @@
+"""Scheduling policies: which stream an op runs on. Nothing else.
+
+Dependencies between streams are tracked elsewhere (per tensor), so a policy is free
+to spread work: any stream choice is correct, the choice only affects overlap.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+
+from ._device import Device, _as_device
+from ._stream import Stream
+
+__all__ = ["SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin"]
+
+
+class SchedulingPolicy(abc.ABC):
+    """Decides the stream of each submission (and of each independent ``zip`` branch).
+
+    Attributes:
+        device: The device whose streams this policy hands out.
+    """
+
+    device: Device
+
+    @abc.abstractmethod
+    def next_stream(self) -> Stream:
+        """The stream for the next submission or independent branch."""
+
+    @property
+    @abc.abstractmethod
+    def streams(self) -> tuple[Stream, ...]:
+        """Every stream the policy may return."""
+
+
+class StreamPoolRoundRobin(SchedulingPolicy):
+    """Rotates over a fixed pool of streams so independent work overlaps (the default).
+
+    Args:
+        device: The device (default: the current device).
+        num_streams: Size of the pool (default 4).
+    """
+
+    def __init__(self, device: Device | int | None = None, num_streams: int = 4) -> None:
+        if not isinstance(num_streams, int) or isinstance(num_streams, bool) or num_streams < 1:
+            raise ValueError(f"num_streams must be a positive int, not {num_streams!r}")
+        self.device = _as_device(device)
+        self._streams = tuple(self.device.create_stream() for _ in range(num_streams))
+        self._next = itertools.cycle(self._streams).__next__
+        self._lock = threading.Lock()
+
+    def next_stream(self) -> Stream:
+        with self._lock:
+            return self._next()
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        return self._streams
+
+    def __repr__(self) -> str:
+        return f"StreamPoolRoundRobin(device={self.device.ordinal}, num_streams={len(self._streams)})"
+
+
+class SingleStream(SchedulingPolicy):
+    """Pins all work to one stream: everything runs in submission order.
+
+    Args:
+        device: The device (default: the current device, or the stream's device).
+        stream: The stream to use (default: a new stream of the device).
+    """
+
+    def __init__(self, device: Device | int | None = None, stream: Stream | None = None) -> None:
+        if stream is not None:
+            if not isinstance(stream, Stream):
+                raise TypeError(f"expected a Stream, got {stream!r}")
+            if device is not None and _as_device(device) is not stream.device:
+                raise ValueError("the stream belongs to another device")
+            self.device = stream.device
+            self._stream = stream
+        else:
+            self.device = _as_device(device)
+            self._stream = self.device.create_stream()
+
+    def next_stream(self) -> Stream:
+        return self._stream
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        return (self._stream,)
+
+    def __repr__(self) -> str:
+        return f"SingleStream(device={self.device.ordinal})"
