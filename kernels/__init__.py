@@ -5,5 +5,6 @@ launcher: call it with tensors, partitions, ops and scalars to get a DeviceOp.
 """
 
 from ._elementwise import add, saxpy
+from ._timing import sleep
 
-__all__ = ["add", "saxpy"]
+__all__ = ["add", "saxpy", "sleep"]

@@ -158,9 +158,10 @@ class Device:
         fault = self._driver.fault()
         if fault is not None:
             raise DeviceFault(
-                f"device {self.ordinal} refuses new work: it faulted earlier ({fault}); "
-                "call trio_cuda.device(%d).reset() to recover" % self.ordinal,
-                device=None,
+                f"the device refuses new work until it is reset: it faulted earlier ({fault}); "
+                f"call trio_cuda.device({self.ordinal}).reset() to recover",
+                device=self.ordinal,
+                op=getattr(fault, "op", None),
             ) from fault
 
     def reset(self) -> None:

@@ -24,11 +24,13 @@ class DeviceError(Exception):
     """Base class of every error that comes from a device or its driver.
 
     Attributes:
+        message: The message without the op and device.
         device: The ordinal of the device concerned, or ``None``.
         op: A short description of the operation (usually a kernel name), or ``None``.
     """
 
     def __init__(self, message: str, *, device: int | None = None, op: str | None = None):
+        self.message = message
         self.device = device
         self.op = op
         where = []

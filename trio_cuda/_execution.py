@@ -290,10 +290,8 @@ def _fault(fault: DeviceFault, lane: Lane) -> DeviceFault:
     ops = _describe(lane)
     if ops is None or fault.op is not None:
         return fault
-    new = DeviceFault(f"{fault.args[0]}; the submission waited for ran: {ops}", device=None, op=None)
-    new.device = fault.device if fault.device is not None else lane.device.ordinal
-    new.op = ops
-    return new
+    device = fault.device if fault.device is not None else lane.device.ordinal
+    return DeviceFault(f"{fault.message} (in the work of this submission)", device=device, op=ops)
 
 
 def check_blocking_allowed(what: str) -> None:

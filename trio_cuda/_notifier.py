@@ -68,6 +68,7 @@ class Notifier:
         self._waiters: list[_Waiter] = []
         self._thread: threading.Thread | None = None
         self.wakeups = 0  # helper-thread wake-ups, for tests and docs
+        self.batches = 0  # run_sync_soon calls that woke tasks
 
     def parked(self) -> int:
         """How many waits are parked on the helper thread now."""
@@ -124,6 +125,7 @@ class Notifier:
                 with self._lock:
                     self._waiters.extend(keep)
             for token, batch in batches.items():
+                self.batches += 1
                 try:
                     token.run_sync_soon(_wake, batch)
                 except trio.RunFinishedError:

@@ -91,10 +91,11 @@ class DeviceOp(Generic[T]):
         """The last element of a tuple output."""
         return _Select(self, -1, None)
 
-    def unzip(self, n: int | None = None) -> "tuple[DeviceOp[Any], ...]":
+    def unzip(self, n: int | None = None) -> "tuple[SharedOp[Any], ...]":
         """Fan a tuple output out into ``n`` independent ops; this op executes at most once.
 
         ``n`` may be omitted when the arity is known (zip, kernel launches, tuple values).
+        The returned ops are shared ops: each may have several consumers too.
         """
         arity = self._arity
         if n is None:
@@ -106,7 +107,7 @@ class DeviceOp(Generic[T]):
         elif arity is not None and n != arity:
             raise ValueError(f"unzip({n}) of an op with {arity} outputs")
         src = self.shared()
-        return tuple(_Select(src, i, n) for i in range(n))
+        return tuple(SharedOp(_Select(src, i, n)) for i in range(n))
 
     def shared(self) -> "SharedOp[T]":
         """An op that executes this one once; every consumer (and re-await) sees the same output."""

@@ -103,10 +103,10 @@ def backend() -> Backend:
         if _backend is None:
             name, reason = select()
             if name == "cuda":
-                from ._cuda import CudaBackend
-
                 if _cuda_device_count() == 0:
                     raise DeviceUnavailable(f"the CUDA backend was requested ({reason}) but no CUDA device is usable")
+                from ._cuda import CudaBackend
+
                 b: Backend = CudaBackend()
             else:
                 from ._sim import SimBackend

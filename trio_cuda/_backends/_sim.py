@@ -132,7 +132,7 @@ def _describe_fault(what: str, exc: BaseException) -> DeviceFault:
         kind = "write to a read-only input (pass a tensor the kernel writes as a partition)"
     else:
         kind = f"{type(exc).__name__}"
-    fault = DeviceFault(f"{what}: {kind}: {exc}")
+    fault = DeviceFault(f"{kind}: {exc}", op=what)
     fault.__cause__ = exc
     return fault
 
@@ -156,8 +156,7 @@ class _SimDevice(DeviceDriver):
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
         if fault.device is None:
-            fault.device = self.ordinal
-            fault.args = (f"{fault.args[0]} (device {self.ordinal})",)
+            fault = DeviceFault(fault.message, device=self.ordinal, op=fault.op)
         with _cond:
             if self._fault is None:
                 self._fault = fault

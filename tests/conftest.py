@@ -1,0 +1,89 @@
+"""Test configuration: the simulated device gets 3 devices; every trio test has a deadline.
+
+The same tests run on the CUDA backend (``TRIO_CUDA_BACKEND=cuda``, or automatically on
+a machine with a GPU). Tests marked ``gpu`` need CUDA and are skipped on the simulator;
+tests that need several devices skip when there are fewer.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRIO_CUDA_SIM_DEVICES", "3")
+
+import gc  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import trio  # noqa: E402
+
+import trio_cuda  # noqa: E402
+
+DEADLINE = float(os.environ.get("TRIO_CUDA_TEST_DEADLINE", "90"))
+ON_CUDA = trio_cuda.backend_name() == "cuda"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sim_only: relies on the simulated device's behaviour")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("gpu") and not ON_CUDA:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if item.get_closest_marker("sim_only") and ON_CUDA:
+            item.add_marker(pytest.mark.skip(reason="simulated-device behaviour"))
+        fn = getattr(item, "function", None)
+        if fn is not None and _is_async(fn):
+            item.add_marker(pytest.mark.usefixtures("_deadline"))
+
+
+def _is_async(fn: object) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+@pytest.fixture
+async def _deadline(nursery: trio.Nursery):  # type: ignore[no-untyped-def]
+    """Fail a trio test that runs longer than DEADLINE seconds instead of hanging."""
+
+    async def watchdog() -> None:
+        await trio.sleep(DEADLINE)
+        raise trio.TooSlowError(f"test exceeded its {DEADLINE:.0f} s deadline (a hang?)")
+
+    nursery.start_soon(watchdog)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _healthy_devices():  # type: ignore[no-untyped-def]
+    """Each test starts with usable devices; a test that faults one resets it."""
+    for d in trio_cuda.devices():
+        if d.is_faulted:
+            d.reset()
+    yield
+    for d in trio_cuda.devices():
+        if d.is_faulted:
+            d.reset()
+
+
+@pytest.fixture
+def dev() -> trio_cuda.Device:
+    return trio_cuda.device(0)
+
+
+def needs_devices(n: int):  # type: ignore[no-untyped-def]
+    return pytest.mark.skipif(trio_cuda.device_count() < n, reason=f"needs {n} devices")
+
+
+def counter() -> "trio_cuda.DeviceOp[trio_cuda.Partition]":
+    """A fresh 1-element int32 counter partition, for the sleep kernel."""
+    return trio_cuda.api.zeros((1,), np.int32).partition((1,))
+
+
+def settle() -> None:
+    """Drop garbage and flush deferred frees on every device (plain code)."""
+    gc.collect()
+    for d in trio_cuda.devices():
+        d.synchronize()

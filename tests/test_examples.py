@@ -1,0 +1,19 @@
+"""The examples run, check their own results, and exit 0."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("name", ["async_add.py", "async_saxpy.py"])
+def test_example_runs_and_checks_itself(name: str) -> None:
+    r = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "correct" in r.stdout

@@ -1,0 +1,124 @@
+"""The kernel launcher and the library kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trio_cuda  # before numba.cuda: it chooses the backend
+from numba import cuda
+from trio_cuda import api
+from trio_cuda.kernels import add, saxpy
+
+from .conftest import needs_devices
+
+
+@trio_cuda.kernel
+def block_ids(out):  # type: ignore[no-untyped-def]
+    i, j = cuda.grid(2)
+    out[i, j] = cuda.blockIdx.x * 1000 + cuda.blockIdx.y * 100 + cuda.threadIdx.x * 10 + cuda.threadIdx.y
+
+
+@trio_cuda.kernel(block=(2,))
+def fill_rows(out, v):  # type: ignore[no-untyped-def]
+    row = cuda.blockIdx.x
+    for j in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+        out[row, j] = v
+
+
+async def test_grid_is_the_tile_grid_and_block_the_tile() -> None:
+    out = await block_ids(api.zeros((4, 6), np.int32).partition((2, 3))).first().to_host()
+    i, j = np.indices((4, 6))
+    expected = (i // 2) * 1000 + (j // 3) * 100 + (i % 2) * 10 + (j % 3)
+    np.testing.assert_array_equal(out, expected)
+
+
+async def test_fixed_block_shape() -> None:
+    out = await fill_rows(api.zeros((3, 5)).partition((1, 5)), np.float32(4.0)).first().to_host()
+    np.testing.assert_array_equal(out, np.full((3, 5), 4.0, np.float32))
+
+
+async def test_output_is_the_tuple_of_arguments() -> None:
+    x = await api.ones((4,))
+    y = await api.ones((4,))
+    out = await add(api.zeros((4,)).partition((2,)), x, y)
+    assert isinstance(out, tuple) and len(out) == 3
+    assert isinstance(out[0], trio_cuda.Partition) and out[1] is x and out[2] is y
+
+
+@pytest.mark.parametrize("shape,tile", [((8,), (4,)), ((4, 6), (2, 3)), ((2, 4, 2), (1, 2, 2))])
+async def test_add_matches_numpy(shape: tuple[int, ...], tile: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(shape).astype(np.float32)
+    b = rng.standard_normal(shape).astype(np.float32)
+    z = await add(api.empty(shape).partition(tile), api.from_host(a), api.from_host(b)).first().to_host()
+    np.testing.assert_allclose(z, a + b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+async def test_saxpy_matches_numpy(dtype: type) -> None:
+    x = np.arange(12, dtype=dtype).reshape(3, 4)
+    y = np.ones((3, 4), dtype)
+    a = dtype(3)
+    out = await saxpy(a, api.from_host(x), api.from_host(y).partition((1, 4))).last().to_host()
+    np.testing.assert_array_equal(out, a * x + y)
+
+
+def test_launcher_checks_arguments_at_construction() -> None:
+    dev = trio_cuda.device(0)
+    before = dev.statistics()
+    with pytest.raises(TypeError, match="takes 3 arguments, got 2"):
+        add(api.zeros((4,)), api.ones((4,)))
+    with pytest.raises(TypeError, match="argument 1"):
+        add(api.zeros((4,)).partition((2,)), "x", api.ones((4,)))
+    with pytest.raises(TypeError, match="argument 2"):
+        add(api.zeros((4,)).partition((2,)), api.ones((4,)), np.ones(4))
+    assert dev.statistics() == before
+
+
+def test_kernel_decorator_rejects_odd_signatures() -> None:
+    with pytest.raises(TypeError, match="positional"):
+
+        @trio_cuda.kernel
+        def k(*args):  # type: ignore[no-untyped-def]
+            pass
+
+    with pytest.raises(ValueError, match="block"):
+        trio_cuda.kernel(block=(0,))(lambda x: None)
+    with pytest.raises(TypeError, match="function"):
+        trio_cuda.kernel(3)
+
+
+async def test_launch_errors_before_any_work() -> None:
+    dev = trio_cuda.device(0)
+    x = await api.ones((4,))
+    y = await api.ones((4, 1))
+    z = await api.zeros((4,))
+    before = dev.statistics()
+    with pytest.raises(ValueError, match="no Partition"):
+        await add(z, x, x)
+    with pytest.raises(ValueError, match="shape"):
+        await add(z.partition((2,)), x, y.reshape(2, 2))
+    with pytest.raises(TypeError, match="dtype"):
+        await add(z.partition((2,)), x, api.ones((4,), np.float64))
+    with pytest.raises(ValueError, match="disagree"):
+        await saxpy(1.0, z.partition((4,)), x.partition((2,)))
+    with pytest.raises(TypeError, match="produced str"):
+        await add(z.partition((2,)), trio_cuda.value("x"), x)
+    with pytest.raises(ValueError, match="4-D tile grid"):
+        await add(api.zeros((1, 1, 1, 2)).partition((1, 1, 1, 1)), api.ones((1, 1, 1, 2)), api.ones((1, 1, 1, 2)))
+    after = dev.statistics()
+    assert after.launches == before.launches
+
+
+async def test_too_large_block_is_a_launch_error() -> None:
+    with pytest.raises(trio_cuda.LaunchError, match="add") as info:
+        await add(api.zeros((2048,)).partition((2048,)), api.ones((2048,)), api.ones((2048,)))
+    assert info.value.device == 0
+
+
+@needs_devices(2)
+async def test_wrong_device_is_rejected() -> None:
+    other = await api.ones((4,), device=1)
+    with pytest.raises(ValueError, match="device 1"):
+        await add(api.zeros((4,)).partition((2,)), other, other)
