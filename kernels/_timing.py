@@ -8,6 +8,8 @@ from typing import Any
 import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda
 
+from ._intrinsics import globaltimer
+
 
 def _sleep_on_host(counter: Any, ns: Any) -> None:
     # The simulated device sleeps without the GIL, so streams visibly overlap.
@@ -26,15 +28,14 @@ def _check_sleep(counter: Any, ns: Any) -> None:
 
 @trio_cuda.kernel(sim=_sleep_on_host, validate=_check_sleep)
 def sleep(counter: Any, ns: Any) -> None:
-    """Keep one block busy for about ``ns`` nanoseconds, then add 1 to ``counter[0]``.
+    """Keep one block busy for ``ns`` nanoseconds (by the GPU's timer), then add 1 to ``counter[0]``.
 
     Launch it on a 1-D integer partition with one tile (``api.zeros((1,), np.int32)
     .partition((1,))``): the grid is one block of one thread. ``counter`` counts the
     sleeps that ran, which makes ordering visible.
     """
     if cuda.grid(1) == 0:
-        slept = 0
-        while slept < ns:
+        start = globaltimer()
+        while globaltimer() - start < ns:
             cuda.nanosleep(1000)
-            slept += 1000
         counter[0] += 1

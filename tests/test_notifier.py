@@ -104,3 +104,21 @@ async def test_fast_path_short_work() -> None:
     # Tiny work completes on the fast path or the slow path; either way it completes.
     for _ in range(20):
         np.testing.assert_array_equal(await api.full((2,), 1.0).to_host(), [1.0, 1.0])
+
+
+def test_armed_event_posts_the_waker_on_completion(dev: trio_cuda.Device) -> None:
+    # The backend contract the slow path relies on: arm() posts the waker once the
+    # event completes (on CUDA: a host function that is sem_post), not before.
+    from trio_cuda._backends import backend
+    from trio_cuda._execution import submit
+
+    waker = backend().new_waker()
+    s = dev.create_stream()
+    c = counter().sync_on(s)
+    _, ev, _ = submit(sleep(c, 200_000_000), s)
+    assert ev is not None
+    dev._driver.arm(ev.handle, s.handle, waker)
+    assert not waker.wait(0.05), "posted before the work completed"
+    assert waker.wait(10.0), "never posted"
+    assert ev.query()
+    np.testing.assert_array_equal(api.memcpy(np.zeros(1, np.int32), c).sync(), [1])

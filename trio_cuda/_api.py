@@ -28,7 +28,7 @@ class _Staging:
     the data out), so the buffer is recycled only when both are done with it.
     """
 
-    __slots__ = ("device", "buf", "size", "holds")
+    __slots__ = ("device", "buf", "size", "holds", "generation")
 
     def __init__(self, device: Device, nbytes: int, holds: int) -> None:
         size = 1 << max(12, (nbytes - 1).bit_length())
@@ -37,12 +37,15 @@ class _Staging:
         self.buf = pool.pop() if pool else device._driver.host_alloc(size)
         self.size = size
         self.holds = holds
+        self.generation = device._generation
 
     def release(self) -> None:
         with LOCK:
             self.holds -= 1
             if self.holds == 0 and self.buf is not None:
-                self.device._staging_pool[self.size].append(self.buf)
+                # Host memory pinned before a device reset went away with the context.
+                if self.generation == self.device._generation:
+                    self.device._staging_pool[self.size].append(self.buf)
                 self.buf = None  # type: ignore[assignment]
 
 

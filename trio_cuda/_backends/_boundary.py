@@ -18,7 +18,6 @@ once the device has faulted asynchronously.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -26,18 +25,39 @@ import numpy as np
 __all__ = ["ArrayArg", "Backend", "DeviceDriver", "KernelSource", "Waker"]
 
 
-@dataclass(frozen=True, slots=True)
 class ArrayArg:
     """A device array passed to a kernel: where it lives and how it is laid out.
 
-    Strides are in bytes, as numpy and numba count them.
+    Strides are in bytes, as numpy and numba count them. Tensors cache their
+    ArrayArgs, so per-argument work done here is done once per tensor.
     """
 
-    ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: np.dtype
-    writable: bool
+    __slots__ = ("ptr", "shape", "strides", "dtype", "writable", "_params")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype, writable: bool) -> None:
+        self.ptr = ptr
+        self.shape = shape
+        self.strides = strides
+        self.dtype = dtype
+        self.writable = writable
+        self._params: tuple[int, ...] | None = None
+
+    def numba_params(self) -> tuple[int, ...]:
+        """The array flattened as numba passes it to a kernel.
+
+        (meminfo, parent, nitems, itemsize, data, *shape, *strides); meminfo and parent
+        are unused on the device and passed as null.
+        """
+        p = self._params
+        if p is None:
+            nitems = 1
+            for n in self.shape:
+                nitems *= n
+            p = self._params = (0, 0, nitems, self.dtype.itemsize, self.ptr, *self.shape, *self.strides)
+        return p
+
+    def __repr__(self) -> str:
+        return f"ArrayArg(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}, writable={self.writable})"
 
 
 class KernelSource(abc.ABC):

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Run the whole test suite on a CUDA machine and record the result.
+#
+# Usage: scripts/cuda-tests.sh [RESULTS_DIR]     (default: benchmarks/results)
+#
+# Works on a machine with network (after `pip install -e ".[test]"`) and on an offline
+# one: if ./.whl holds wheels (../shared/scripts/offline-wheels.sh), they are installed
+# into /tmp/site first. The package is used from the source tree: trio_cuda.kernels is
+# made importable through a symlink to kernels/ when the package is not installed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+results=${1:-benchmarks/results}
+mkdir -p "$results"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "import trio_cuda.kernels" 2>/dev/null; then
+  [ -e trio_cuda/kernels ] || ln -s ../kernels trio_cuda/kernels
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export TRIO_CUDA_BACKEND=cuda PYTHONUNBUFFERED=1
+gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+day=$(date -u +%Y-%m-%d)
+log="$results/cuda-tests-$day.log"
+python3 -m pytest -q -rs -p no:cacheprovider 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|[0-9]+ (passed|failed|skipped|error)" "$log" | tail -1)
+{
+  echo "# Test suite on CUDA ($day)"
+  echo
+  echo "- GPU: ${gpu:-unknown}"
+  echo "- command: scripts/cuda-tests.sh (TRIO_CUDA_BACKEND=cuda python3 -m pytest -q -rs)"
+  echo "- python: $(python3 --version 2>&1); numba-cuda: $(python3 -c 'import numba_cuda; print(numba_cuda.__version__)' 2>/dev/null); cuda-bindings: $(python3 -c 'import cuda.bindings; print(cuda.bindings.__version__)' 2>/dev/null); numpy: $(python3 -c 'import numpy; print(numpy.__version__)')"
+  echo "- result: ${summary:-no summary} (exit status $rc)"
+  echo
+  echo "Skipped tests and their reasons:"
+  echo
+  grep -E "^SKIPPED" "$log" | sed 's/^/    /'
+} > "$results/cuda-tests-$day.md"
+cat "$results/cuda-tests-$day.md"
+exit "$rc"

@@ -1,0 +1,599 @@
+"""The CUDA backend: the driver API through ``cuda.bindings``.
+
+* One **primary context** per device, made current lazily on each thread that calls in.
+* **Streams** are non-blocking driver streams; **events** are created with timing off
+  and blocking sync (a waiting thread sleeps instead of spinning).
+* **Memory** is stream-ordered (``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync``) from
+  the device's default pool, whose release threshold is raised so that steady-state
+  allocation never returns memory to the OS. Host copies go through pinned memory
+  (``cuMemHostAlloc``), which the runtime pools.
+* **Kernels** are numba-cuda Python functions compiled once per (signature, compute
+  capability) to PTX by numba's compiler, linked to a cubin by the driver, cached in
+  memory and on disk (``TRIO_CUDA_CACHE_DIR``, default ``~/.cache/trio-cuda``), loaded
+  with ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` from pre-packed
+  parameters in numba's argument layout. numba's dispatcher is never on the launch path.
+* **Completion**: ``arm`` queues, on a side stream per work stream, a wait for the event
+  and a host function that is libc's ``sem_post`` itself (no Python callback, no GIL),
+  posting the semaphore the notifier's helper thread sleeps on.
+* Every driver result goes through :func:`check`, which turns a bad ``CUresult`` into the
+  project's errors; sticky errors (illegal address, ...) mark the device faulted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import pathlib
+import struct
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError
+from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker
+
+__all__ = ["CudaBackend", "check"]
+
+R = cu.CUresult
+_SUCCESS = R.CUDA_SUCCESS
+_NOT_READY = R.CUDA_ERROR_NOT_READY
+
+# Errors after which the context is unusable: asynchronous device faults.
+_STICKY = {
+    getattr(R, n)
+    for n in (
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_ASSERT",
+        "CUDA_ERROR_LAUNCH_TIMEOUT",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+    )
+    if hasattr(R, n)
+}
+_CAPTURE = {getattr(R, n) for n in dir(R) if n.startswith("CUDA_ERROR_STREAM_CAPTURE")}
+
+
+def _name(err: Any) -> str:
+    try:
+        e, s = cu.cuGetErrorName(err)
+        return s.decode() if e == _SUCCESS else str(err)
+    except Exception:
+        return str(err)
+
+
+def check(result: Any, what: str, device: "CudaDevice | None" = None, *, launch: bool = False, op: str | None = None) -> Any:
+    """Unpack a cuda.bindings result tuple; raise the project's error for a bad CUresult."""
+    err = result[0]
+    if err == _SUCCESS:
+        n = len(result)
+        return None if n == 1 else result[1] if n == 2 else result[1:]
+    raise error(err, what, device, launch=launch, op=op)
+
+
+def error(err: Any, what: str, device: "CudaDevice | None", *, launch: bool = False, op: str | None = None) -> DeviceError:
+    """The project's error for a bad CUresult (sticky errors also fault the device)."""
+    ordinal = device.ordinal if device is not None else None
+    msg = f"{what} failed: {_name(err)}"
+    if err == R.CUDA_ERROR_OUT_OF_MEMORY:
+        return DeviceOutOfMemory(msg, device=ordinal, op=op)
+    if err in _STICKY:
+        fault = DeviceFault(msg, device=ordinal, op=op)
+        if device is not None:
+            device._set_fault(fault)
+            return device._fault or fault
+        return fault
+    if err in _CAPTURE:
+        return GraphCaptureError(msg, device=ordinal, op=op)
+    if launch:
+        return LaunchError(msg, device=ordinal, op=op)
+    return DeviceError(msg, device=ordinal, op=op)
+
+
+# -- the semaphore the host functions post ----------------------------------------------
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_SEM_SIZE = 64  # sizeof(sem_t) is 32 on x86-64 Linux; leave room
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+_libc.sem_post.argtypes = [ctypes.c_void_p]
+_libc.sem_wait.argtypes = [ctypes.c_void_p]
+_libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+_SEM_POST_ADDR = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
+
+
+class _SemWaker(Waker):
+    """A POSIX semaphore: posted by CUDA host functions (libc's sem_post), waited without the GIL."""
+
+    def __init__(self) -> None:
+        self._buf = ctypes.create_string_buffer(_SEM_SIZE)
+        self.addr = ctypes.addressof(self._buf)
+        if _libc.sem_init(self.addr, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+
+    def wait(self, timeout: float | None) -> bool:
+        # ctypes releases the GIL around foreign calls.
+        if timeout is None:
+            while _libc.sem_wait(self.addr) != 0:
+                pass  # EINTR
+            return True
+        deadline = time.time() + timeout
+        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+        return _libc.sem_timedwait(self.addr, ctypes.byref(ts)) == 0
+
+    def post(self) -> None:
+        _libc.sem_post(self.addr)
+
+
+# -- kernels ------------------------------------------------------------------------------
+_SCALAR_FORMATS = {
+    # numba's argument packing: one slot per scalar (complex: real and imaginary slots).
+    "b": ("b7x", 1), "B": ("B7x", 1), "?": ("B7x", 1),
+    "h": ("h6x", 1), "H": ("H6x", 1), "i": ("i4x", 1), "I": ("I4x", 1),
+    "l": ("q", 1), "L": ("Q", 1), "q": ("q", 1), "Q": ("Q", 1),
+    "e": ("e6x", 1), "f": ("f4x", 1), "d": ("d", 1),
+    "F": ("f4xf4x", 2), "D": ("dd", 2),
+}
+
+
+def _scalar_dtype(v: Any) -> np.dtype:
+    if isinstance(v, np.generic):
+        return v.dtype
+    if isinstance(v, bool):
+        return np.dtype(np.bool_)
+    if isinstance(v, int):
+        return np.dtype(np.int64)
+    if isinstance(v, float):
+        return np.dtype(np.float64)
+    if isinstance(v, complex):
+        return np.dtype(np.complex128)
+    raise TypeError(f"unsupported kernel scalar {v!r}")
+
+
+class _Launcher:
+    """One compiled kernel for one signature on one device, with its parameter buffer."""
+
+    __slots__ = ("function", "module", "fmt", "slots", "buf", "ptrs", "params_addr")
+
+    def __init__(self, module: Any, function: Any, fmt: str, nslots: int) -> None:
+        self.module = module
+        self.function = function
+        self.fmt = fmt
+        self.slots = nslots
+        self.buf = (ctypes.c_uint64 * max(nslots, 1))()
+        base = ctypes.addressof(self.buf)
+        self.ptrs = (ctypes.c_void_p * max(nslots, 1))(*[base + 8 * i for i in range(nslots)])
+        self.params_addr = ctypes.addressof(self.ptrs)
+
+
+def _signature_key(args: Sequence[Any]) -> tuple[Any, ...]:
+    key = []
+    for a in args:
+        if type(a) is ArrayArg:
+            key.append((a.dtype.char, len(a.shape)))
+        else:
+            key.append(_scalar_dtype(a).char)
+    return tuple(key)
+
+
+def _numba_signature(args: Sequence[Any]) -> tuple[Any, ...]:
+    from numba import from_dtype, types
+
+    sig = []
+    for a in args:
+        if type(a) is ArrayArg:
+            sig.append(types.Array(from_dtype(a.dtype), len(a.shape), "C"))
+        else:
+            sig.append(from_dtype(_scalar_dtype(a)))
+    return tuple(sig)
+
+
+def _param_format(args: Sequence[Any]) -> tuple[str, int]:
+    fmt = ["<"]
+    slots = 0
+    for a in args:
+        if type(a) is ArrayArg:
+            n = 5 + 2 * len(a.shape)
+            fmt.append("q" * n)
+            slots += n
+        else:
+            f, n = _SCALAR_FORMATS[_scalar_dtype(a).char]
+            fmt.append(f)
+            slots += n
+    return "".join(fmt), slots
+
+
+def _param_values(args: Sequence[Any]) -> list[Any]:
+    vals: list[Any] = []
+    for a in args:
+        if type(a) is ArrayArg:
+            vals.extend(a.numba_params())
+        elif isinstance(a, (complex, np.complexfloating)):
+            vals.extend((a.real, a.imag))
+        else:
+            vals.append(a)
+    return vals
+
+
+def _cache_dir() -> pathlib.Path | None:
+    d = os.environ.get("TRIO_CUDA_CACHE_DIR")
+    path = pathlib.Path(d) if d else pathlib.Path.home() / ".cache" / "trio-cuda"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:
+        return None
+
+
+def _source_stamp(fn: Any) -> str:
+    code = fn.__code__
+    try:
+        st = os.stat(code.co_filename)
+        stamp = f"{st.st_mtime_ns}:{st.st_size}"
+    except OSError:
+        stamp = repr(code.co_code)
+    return f"{code.co_filename}:{fn.__qualname__}:{code.co_firstlineno}:{stamp}"
+
+
+def _compile_cubin(device: "CudaDevice", source: KernelSource, args: Sequence[Any]) -> tuple[bytes, str]:
+    """PTX from numba, linked to a cubin for this device; cached on disk."""
+    import numba
+    from numba.cuda import compile_ptx
+
+    from .. import __version__
+
+    sig = _numba_signature(args)
+    cc = device.compute_capability
+    key_text = "|".join([__version__, numba.__version__, _source_stamp(source.py_func), repr(sig), repr(cc)])
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
+    cache = _cache_dir()
+    if cache is not None:
+        cubin_path = cache / f"{key}.cubin"
+        name_path = cache / f"{key}.name"
+        if cubin_path.exists() and name_path.exists():
+            return cubin_path.read_bytes(), name_path.read_text()
+    ptx, _ = compile_ptx(source.py_func, sig, cc=cc)
+    entry = None
+    for line in ptx.splitlines():
+        if ".entry" in line:
+            entry = line.split(".entry", 1)[1].strip().split("(")[0].strip()
+            break
+    if entry is None:
+        raise LaunchError("numba produced no kernel entry", op=source.name, device=device.ordinal)
+    cubin = device._link(ptx.encode(), source.name)
+    if cache is not None:
+        for path, data in ((cubin_path, cubin), (name_path, entry.encode())):
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+    return cubin, entry
+
+
+# -- graphs ----------------------------------------------------------------------------------
+class _Graph:
+    __slots__ = ("graph", "exec", "nodes")
+
+    def __init__(self, graph: Any, exec_: Any, nodes: int) -> None:
+        self.graph = graph
+        self.exec = exec_
+        self.nodes = nodes
+
+
+class CudaDevice(DeviceDriver):
+    """One CUDA device through its primary context."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self.cu_device = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        raw = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName")
+        self.name = raw.split(b"\0", 1)[0].decode()
+        attr = cu.CUdevice_attribute
+        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "cuDeviceGetAttribute")
+        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute")
+        self.compute_capability = (int(major), int(minor))
+        self.total_memory = int(check(cu.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
+        self._fault: DeviceFault | None = None
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self._setup()
+
+    def _setup(self) -> None:
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain", self)
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._current()
+        self.pool = check(cu.cuDeviceGetDefaultMemPool(self.cu_device), "cuDeviceGetDefaultMemPool", self)
+        threshold = cu.cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
+        check(cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold), "cuMemPoolSetAttribute", self)
+        self._launchers: dict[tuple[Any, ...], _Launcher] = {}
+        self._notify: dict[Any, Any] = {}
+        self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+
+    # -- context ------------------------------------------------------------------
+    def _current(self) -> None:
+        tls = self._tls
+        if getattr(tls, "generation", None) != self._generation or _thread_ctx.get() is not self:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent", self)
+            tls.generation = self._generation
+            _thread_ctx.set(self)
+
+    # -- faults -------------------------------------------------------------------
+    def _set_fault(self, fault: DeviceFault) -> None:
+        with self._lock:
+            if self._fault is None:
+                self._fault = fault
+
+    def fault(self) -> BaseException | None:
+        return self._fault
+
+    def reset(self) -> None:
+        self._launchers = {}
+        self._notify = {}
+        check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
+        check(cu.cuDevicePrimaryCtxRelease(self.cu_device), "cuDevicePrimaryCtxRelease", self)
+        self._fault = None
+        self._setup()
+
+    # -- streams and events ---------------------------------------------------------
+    def create_stream(self) -> Any:
+        self._current()
+        return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
+
+    def create_event(self) -> Any:
+        self._current()
+        return check(cu.cuEventCreate(self._event_flags), "cuEventCreate", self)
+
+    def record(self, event: Any, stream: Any) -> None:
+        self._current()
+        err = cu.cuEventRecord(event, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "cuEventRecord", self, launch=True)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._current()
+        err = cu.cuStreamWaitEvent(stream, event, 0)[0]
+        if err != _SUCCESS:
+            raise error(err, "cuStreamWaitEvent", self, launch=True)
+
+    def query(self, event: Any) -> bool:
+        self._current()
+        err = cu.cuEventQuery(event)[0]
+        if err == _SUCCESS:
+            return True
+        if err == _NOT_READY:
+            if self._fault is not None:
+                raise self._fault
+            return False
+        raise error(err, "cuEventQuery", self)
+
+    def synchronize(self, event: Any) -> None:
+        self._current()
+        err = cu.cuEventSynchronize(event)[0]
+        if err != _SUCCESS:
+            raise error(err, "cuEventSynchronize", self)
+
+    def arm(self, event: Any, stream: Any, waker: Waker) -> None:
+        assert isinstance(waker, _SemWaker)
+        self._current()
+        key = int(stream)
+        side = self._notify.get(key)
+        if side is None:
+            side = self._notify[key] = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
+        err = cu.cuStreamWaitEvent(side, event, 0)[0]
+        if err == _SUCCESS:
+            err = cu.cuLaunchHostFunc(side, cu.CUhostFn(_SEM_POST_ADDR), waker.addr)[0]
+        if err != _SUCCESS:
+            # The helper thread's periodic poll still catches this event.
+            e = error(err, "arming a completion wake-up", self)
+            if isinstance(e, DeviceFault):
+                waker.post()
+
+    # -- memory ------------------------------------------------------------------------
+    def alloc(self, nbytes: int, stream: Any) -> int:
+        self._current()
+        err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, self.pool, stream)
+        if err != _SUCCESS:
+            raise error(err, f"allocating {nbytes} bytes", self, launch=True)
+        return int(ptr)
+
+    def free(self, ptr: int, stream: Any) -> None:
+        if self._fault is not None:
+            return  # the context is gone with the fault; reset releases everything
+        self._current()
+        err = cu.cuMemFreeAsync(ptr, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "cuMemFreeAsync", self)
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        self._current()
+        ptr = int(check(cu.cuMemHostAlloc(nbytes, 0), f"pinning {nbytes} bytes of host memory", self))
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        return arr
+
+    def host_free(self, buf: np.ndarray) -> None:
+        self._current()
+        check(cu.cuMemFreeHost(buf.ctypes.data), "cuMemFreeHost", self)
+
+    def fill(self, ptr: int, nbytes: int, pattern: bytes, stream: Any) -> None:
+        self._current()
+        n = len(pattern)
+        if n == 1:
+            res = cu.cuMemsetD8Async(ptr, pattern[0], nbytes, stream)
+        elif n == 2:
+            res = cu.cuMemsetD16Async(ptr, struct.unpack("<H", pattern)[0], nbytes // 2, stream)
+        elif n == 4:
+            res = cu.cuMemsetD32Async(ptr, struct.unpack("<I", pattern)[0], nbytes // 4, stream)
+        elif n == 8:
+            lo, hi = struct.unpack("<II", pattern)
+            rows = nbytes // 8
+            res = cu.cuMemsetD2D32Async(ptr, 8, lo, 1, rows, stream)
+            if res[0] == _SUCCESS:
+                res = cu.cuMemsetD2D32Async(ptr + 4, 8, hi, 1, rows, stream)
+        else:
+            raise ValueError(f"fill pattern of {n} bytes")
+        if res[0] != _SUCCESS:
+            raise error(res[0], "memset", self, launch=True)
+
+    def copy_h2d(self, dst: int, src: np.ndarray, stream: Any) -> None:
+        self._current()
+        err = cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "copy host to device", self, launch=True)
+
+    def copy_d2h(self, dst: np.ndarray, src: int, stream: Any) -> None:
+        self._current()
+        err = cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "copy device to host", self, launch=True)
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._current()
+        err = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "copy device to device", self, launch=True)
+
+    def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: Any) -> None:
+        assert isinstance(src_driver, CudaDevice)
+        self._current()
+        err = cu.cuMemcpyPeerAsync(dst, self.ctx, src, src_driver.ctx, nbytes, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, f"copy from device {src_driver.ordinal}", self, launch=True)
+
+    def mem_info(self) -> tuple[int, int]:
+        self._current()
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo", self)
+        return int(free), int(total)
+
+    # -- kernels ---------------------------------------------------------------------
+    def _link(self, ptx: bytes, name: str) -> bytes:
+        self._current()
+        state = check(cu.cuLinkCreate(0, [], []), "cuLinkCreate", self)
+        try:
+            check(
+                cu.cuLinkAddData(state, cu.CUjitInputType.CU_JIT_INPUT_PTX, ptx, len(ptx), name.encode(), 0, [], []),
+                f"linking kernel {name}",
+                self,
+            )
+            cubin_ptr, size = check(cu.cuLinkComplete(state), f"linking kernel {name}", self)
+            return ctypes.string_at(int(cubin_ptr), int(size))
+        finally:
+            cu.cuLinkDestroy(state)
+
+    def _launcher(self, source: KernelSource, args: Sequence[Any]) -> _Launcher:
+        key = (id(source), _signature_key(args))
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            cubin, entry = _compile_cubin(self, source, args)
+            self._current()
+            op = f"kernel {source.name}"
+            module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData", self, launch=True, op=op)
+            function = check(cu.cuModuleGetFunction(module, entry.encode()), "cuModuleGetFunction", self, launch=True, op=op)
+            fmt, nslots = _param_format(args)
+            launcher = _Launcher(module, function, fmt, nslots)
+            self._launchers[key] = launcher
+        return launcher
+
+    def launch(
+        self,
+        source: KernelSource,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[Any],
+        stream: Any,
+    ) -> None:
+        self._current()
+        launcher = self._launcher(source, args)
+        struct.pack_into(launcher.fmt, launcher.buf, 0, *_param_values(args))
+        err = cu.cuLaunchKernel(
+            launcher.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream, launcher.params_addr, 0
+        )[0]
+        if err != _SUCCESS:
+            raise error(err, f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {source.name}")
+
+    # -- graphs ----------------------------------------------------------------------
+    def begin_capture(self, stream: Any) -> None:
+        self._current()
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture", self)
+
+    def end_capture(self, stream: Any) -> _Graph:
+        self._current()
+        graph = check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture", self)
+        nodes = check(cu.cuGraphGetNodes(graph), "cuGraphGetNodes", self)
+        count = nodes[1] if isinstance(nodes, tuple) else len(nodes)
+        exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate", self)
+        return _Graph(graph, exec_, int(count))
+
+    def graph_launch(self, graph: _Graph, stream: Any) -> None:
+        self._current()
+        err = cu.cuGraphLaunch(graph.exec, stream)[0]
+        if err != _SUCCESS:
+            raise error(err, "cuGraphLaunch", self, launch=True)
+
+    def graph_nodes(self, graph: _Graph) -> int:
+        return graph.nodes
+
+    def graph_destroy(self, graph: _Graph) -> None:
+        if self._fault is None:
+            self._current()
+            cu.cuGraphExecDestroy(graph.exec)
+            cu.cuGraphDestroy(graph.graph)
+
+
+class _ThreadCtx(threading.local):
+    device: CudaDevice | None = None
+
+    def get(self) -> CudaDevice | None:
+        return self.device
+
+    def set(self, d: CudaDevice) -> None:
+        self.device = d
+
+
+_thread_ctx = _ThreadCtx()
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self) -> None:
+        check(cu.cuInit(0), "cuInit")
+        self._count = int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+        self._drivers: dict[int, CudaDevice] = {}
+        self._lock = threading.Lock()
+        version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
+        first = self.driver(0)
+        self.description = (
+            f"CUDA backend ({self._count} device{'s' if self._count != 1 else ''}, device 0: {first.name}, "
+            f"cc {first.compute_capability[0]}.{first.compute_capability[1]}, driver {version // 1000}.{version % 1000 // 10})"
+        )
+
+    def device_count(self) -> int:
+        return self._count
+
+    def driver(self, ordinal: int) -> DeviceDriver:
+        d = self._drivers.get(ordinal)
+        if d is None:
+            with self._lock:
+                d = self._drivers.get(ordinal)
+                if d is None:
+                    d = self._drivers[ordinal] = CudaDevice(ordinal)
+        return d
+
+    def new_waker(self) -> Waker:
+        return _SemWaker()
