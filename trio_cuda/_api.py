@@ -84,7 +84,7 @@ def _new_tensor(lane: Lane, shape: tuple[int, ...], dtype: np.dtype, device: Dev
     ln = lane.on(dev)
     _no_capture(ln, "allocating a tensor")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    ptr = dev._alloc(nbytes, ln.stream) if nbytes else 0
+    ptr = dev._alloc(nbytes, ln.stream, f"allocating a {dtype} tensor of shape {shape}") if nbytes else 0
     return ln, Tensor._new(Buffer(dev, ptr, nbytes), shape, dtype)
 
 

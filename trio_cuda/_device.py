@@ -186,14 +186,17 @@ class Device:
         notifier().device_reset(self)
 
     # -- memory -----------------------------------------------------------------
-    def _alloc(self, nbytes: int, stream: Stream) -> int:
+    def _alloc(self, nbytes: int, stream: Stream, what: str = "allocation") -> int:
         """Stream-ordered allocation; on exhaustion, flush frees, synchronize and retry once."""
         self._flush_frees(stream)
         try:
             ptr = self._driver.alloc(nbytes, stream.handle)
         except DeviceOutOfMemory:
             self._synchronize_locked()
-            ptr = self._driver.alloc(nbytes, stream.handle)
+            try:
+                ptr = self._driver.alloc(nbytes, stream.handle)
+            except DeviceOutOfMemory as err:
+                raise DeviceOutOfMemory(err.message, device=self.ordinal, op=what) from None
         self._bytes_in_use += nbytes
         self._counters["allocations"] += 1
         return ptr

@@ -4,10 +4,10 @@ What is simulated, and how:
 
 * **Streams** are worker threads, each running its commands in FIFO order, so work
   on different streams really overlaps (whenever it does not hold the GIL).
-* **Events** are generation counters: ``record`` enqueues a command that completes
-  the generation; ``wait_event`` enqueues a command that blocks its stream until the
-  generation recorded at call time has completed. An event never recorded counts
-  as complete, as on CUDA.
+* **Events** hold their latest record (a ticket): ``record`` enqueues a command that
+  completes a new ticket; ``wait_event`` enqueues a command that blocks its stream until
+  the ticket current at call time completes, so re-recording never releases an earlier
+  waiter. An event never recorded counts as complete, as on CUDA.
 * **Memory** is numpy byte arrays at fake 256-byte aligned addresses with a
   configurable capacity (``TRIO_CUDA_SIM_MEMORY`` bytes, default 4 GiB). Allocation
   is reserved at call time and released when the stream reaches the free,
@@ -60,14 +60,25 @@ class _SimWaker(Waker):
         self._sem.release()
 
 
+class _Ticket:
+    """One record of an event: complete once the stream reaches it."""
+
+    __slots__ = ("done", "armed")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.armed: list[Waker] = []
+
+
 class _SimEvent:
-    __slots__ = ("device", "recorded", "completed", "armed")
+    """An event: its latest record (a ticket). Waits capture the ticket current at call
+    time, so re-recording an event never releases earlier waiters early, as on CUDA."""
+
+    __slots__ = ("device", "ticket")
 
     def __init__(self, device: "_SimDevice") -> None:
         self.device = device
-        self.recorded = 0
-        self.completed = 0
-        self.armed: list[tuple[int, Waker]] = []
+        self.ticket: _Ticket | None = None  # never recorded: complete
 
 
 class _SimGraph:
@@ -198,22 +209,20 @@ class _SimDevice(DeviceDriver):
     def record(self, event: _SimEvent, stream: _SimStream) -> None:
         self._check()
         self._live(stream)
-        with _cond:
-            event.recorded += 1
-            gen = event.recorded
+        ticket = _Ticket()
+        event.ticket = ticket
         if stream.capture is not None:
             # As on CUDA, a record inside a capture only marks a point for other streams
             # of the capture to depend on; it adds no node.
             _capture_events[event] = stream.capture
             return
-        stream.enqueue(lambda: self._complete(event, gen), "event record")
+        stream.enqueue(lambda: self._complete(ticket), "event record")
 
-    def _complete(self, event: _SimEvent, gen: int) -> None:
+    def _complete(self, ticket: _Ticket) -> None:
         with _cond:
-            if event.completed < gen:
-                event.completed = gen
-            ready = [w for g, w in event.armed if g <= gen]
-            event.armed = [(g, w) for g, w in event.armed if g > gen]
+            ticket.done = True
+            ready = ticket.armed
+            ticket.armed = []
             _cond.notify_all()
         for w in ready:
             w.post()
@@ -221,8 +230,7 @@ class _SimDevice(DeviceDriver):
     def wait_event(self, stream: _SimStream, event: _SimEvent) -> None:
         self._check()
         self._live(stream)
-        with _cond:
-            gen = event.recorded
+        ticket = event.ticket
         # A stream that waits on an event recorded in an open capture joins that capture;
         # a capture replays its commands in capture order, so nothing is left to wait for.
         cap = _capture_events.get(event)
@@ -231,13 +239,13 @@ class _SimDevice(DeviceDriver):
                 stream.capture = cap
                 cap.streams.add(stream)
             return
-        if gen == 0:
+        if ticket is None or ticket.done:
             return
         src = event.device
 
         def wait() -> None:
             with _cond:
-                while event.completed < gen:
+                while not ticket.done:
                     if src._fault is not None:
                         raise DeviceFault(f"waited on an event of device {src.ordinal}, which faulted: {src._fault}")
                     if src.generation != gen_src or self.generation != stream.generation:
@@ -251,13 +259,15 @@ class _SimDevice(DeviceDriver):
         dev = event.device
         if dev._fault is not None:
             raise dev._fault
-        return event.completed >= event.recorded
+        t = event.ticket
+        return t is None or t.done
 
     def synchronize(self, event: _SimEvent) -> None:
         dev = event.device
         gen = dev.generation
+        ticket = event.ticket
         with _cond:
-            while event.completed < event.recorded:
+            while ticket is not None and not ticket.done:
                 if dev._fault is not None:
                     raise dev._fault
                 if dev.generation != gen:
@@ -268,11 +278,12 @@ class _SimDevice(DeviceDriver):
 
     def arm(self, event: _SimEvent, stream: _SimStream, waker: Waker) -> None:
         dev = event.device
+        ticket = event.ticket
         with _cond:
             dev._wakers.add(waker)
-            done = event.completed >= event.recorded or dev._fault is not None
+            done = ticket is None or ticket.done or dev._fault is not None
             if not done:
-                event.armed.append((event.recorded, waker))
+                ticket.armed.append(waker)
         if done:
             waker.post()
 

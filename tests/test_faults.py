@@ -1,0 +1,140 @@
+"""Device errors: launch errors, out of memory, asynchronous faults, reset."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda  # before numba.cuda: it chooses the backend
+from numba import cuda
+from trio_cuda import api
+from trio_cuda.kernels import sleep
+
+from .conftest import counter, needs_devices
+
+
+@trio_cuda.kernel
+def scribble(z):  # type: ignore[no-untyped-def]
+    # Far out of bounds: an IndexError on the simulated device, an illegal address on a GPU.
+    i = cuda.grid(1)
+    z[i + (1 << 40)] = 1.0
+
+
+def bad_op() -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+    return scribble(api.zeros((32,)).partition((32,)))
+
+
+async def test_fault_names_the_op_and_device_and_sticks_until_reset(dev: trio_cuda.Device) -> None:
+    before = await api.arange(4)
+    with pytest.raises(trio_cuda.DeviceFault) as info:
+        await bad_op()
+    err = info.value
+    assert err.device == dev.ordinal
+    assert err.op is not None and "scribble" in err.op
+    assert "scribble" in str(err) and "device 0" in str(err)
+    assert dev.is_faulted and dev.statistics().faulted
+    submissions = dev.statistics().submissions
+    with pytest.raises(trio_cuda.DeviceFault, match="reset"):
+        await api.ones((2,))
+    with pytest.raises(trio_cuda.DeviceFault, match="reset"):
+        await trio.to_thread.run_sync(api.ones((2,)).sync)
+    assert dev.statistics().submissions == submissions  # refused before any work
+    dev.reset()
+    assert not dev.is_faulted
+    np.testing.assert_array_equal(await api.full((3,), 2.0).to_host(), [2, 2, 2])
+    with pytest.raises(ValueError, match="before device 0 was reset"):
+        await before.to_host()
+    # Streams and policies keep working after the reset.
+    await sleep(counter(), 1000).schedule(trio_cuda.SingleStream(dev))
+
+
+async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Device) -> None:
+    outcomes: list[str] = []
+
+    async def waiter() -> None:
+        try:
+            await sleep(counter(), 3_000_000_000)
+            outcomes.append("completed")
+        except trio_cuda.DeviceFault:
+            outcomes.append("fault")
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as n:
+        for _ in range(3):
+            n.start_soon(waiter)
+        await trio.sleep(0.1)
+        with pytest.raises(trio_cuda.DeviceFault):
+            await bad_op()
+    assert outcomes == ["fault"] * 3
+    assert time.perf_counter() - start < 2.0, "the waiters were not woken by the fault"
+
+
+async def test_nursery_propagates_a_fault_and_cancels_siblings(dev: trio_cuda.Device) -> None:
+    sibling = "running"
+
+    async def sibling_task() -> None:
+        nonlocal sibling
+        try:
+            await trio.sleep(30)
+        except trio.Cancelled:
+            sibling = "cancelled"
+            raise
+
+    async def faulting() -> None:
+        await trio.sleep(0.02)
+        await bad_op()
+
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with trio.open_nursery() as n:
+            n.start_soon(sibling_task)
+            n.start_soon(faulting)
+    assert info.value.subgroup(trio_cuda.DeviceFault) is not None
+    assert sibling == "cancelled"
+
+
+@needs_devices(2)
+async def test_other_devices_keep_working(dev: trio_cuda.Device) -> None:
+    with pytest.raises(trio_cuda.DeviceFault):
+        await bad_op()
+    other = trio_cuda.device(1)
+    assert dev.is_faulted and not other.is_faulted
+    with trio_cuda.use_device(other):
+        np.testing.assert_array_equal(await api.full((2,), 7.0).to_host(), [7, 7])
+
+
+async def test_out_of_memory_is_an_exception(dev: trio_cuda.Device) -> None:
+    with pytest.raises(trio_cuda.DeviceOutOfMemory) as info:
+        await api.empty((1 << 50,), np.uint8)  # 1 PiB
+    assert info.value.device == dev.ordinal and "allocating" in str(info.value)
+    assert not dev.is_faulted
+    np.testing.assert_array_equal(await api.ones((2,)).to_host(), [1, 1])
+
+
+async def test_launch_error_is_raised_at_submission(dev: trio_cuda.Device) -> None:
+    from trio_cuda.kernels import add
+
+    with pytest.raises(trio_cuda.LaunchError) as info:
+        await add(api.zeros((2048,)).partition((2048,)), api.ones((2048,)), api.ones((2048,)))
+    assert info.value.device == dev.ordinal and "add" in str(info.value)
+    assert not dev.is_faulted
+    np.testing.assert_array_equal(await api.ones((2,)).to_host(), [1, 1])
+
+
+@pytest.mark.sim_only
+async def test_writing_an_input_tensor_is_caught_on_the_simulated_device() -> None:
+    @trio_cuda.kernel
+    def writes_input(out, x):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        x[i] = 1.0
+        out[i] = 2.0
+
+    with pytest.raises(trio_cuda.DeviceFault, match="read-only input"):
+        await writes_input(api.zeros((4,)).partition((4,)), api.zeros((4,)))
+
+
+def test_device_errors_share_one_base() -> None:
+    for cls in (trio_cuda.LaunchError, trio_cuda.DeviceOutOfMemory, trio_cuda.DeviceFault, trio_cuda.GraphCaptureError):
+        assert issubclass(cls, trio_cuda.DeviceError)
