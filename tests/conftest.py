@@ -12,6 +12,8 @@ import os
 os.environ.setdefault("TRIO_CUDA_SIM_DEVICES", "3")
 
 import gc  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -21,10 +23,32 @@ import trio_cuda  # noqa: E402
 
 DEADLINE = float(os.environ.get("TRIO_CUDA_TEST_DEADLINE", "90"))
 ON_CUDA = trio_cuda.backend_name() == "cuda"
+# Tests marked faults_device poison the device on purpose. On CUDA each runs in a child
+# process, so the rest of the session keeps a healthy device (TRIO_CUDA_ISOLATE_FAULTS=1
+# does the same on the simulated device, to test this machinery).
+ISOLATED = os.environ.get("TRIO_CUDA_ISOLATED") == "1"
+ISOLATE_FAULTS = (ON_CUDA or os.environ.get("TRIO_CUDA_ISOLATE_FAULTS") == "1") and not ISOLATED
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sim_only: relies on the simulated device's behaviour")
+    config.addinivalue_line("markers", "faults_device: faults a device on purpose (isolated in a child process on CUDA)")
+
+
+@pytest.hookimpl(hookwrapper=True, trylast=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    if ISOLATE_FAULTS and item.get_closest_marker("faults_device"):
+        nodeid = item.nodeid
+
+        def run_isolated(*args: object, **kwargs: object) -> None:
+            env = dict(os.environ, TRIO_CUDA_ISOLATED="1")
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid]
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(item.config.rootpath))
+            if r.returncode != 0:
+                pytest.fail(f"isolated run of {nodeid} failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}", pytrace=False)
+
+        item.obj = run_isolated  # type: ignore[attr-defined]
+    yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

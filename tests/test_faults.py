@@ -27,6 +27,7 @@ def bad_op() -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
     return scribble(api.zeros((32,)).partition((32,)))
 
 
+@pytest.mark.faults_device
 async def test_fault_names_the_op_and_device_and_sticks_until_reset(dev: trio_cuda.Device) -> None:
     before = await api.arange(4)
     with pytest.raises(trio_cuda.DeviceFault) as info:
@@ -51,6 +52,7 @@ async def test_fault_names_the_op_and_device_and_sticks_until_reset(dev: trio_cu
     await sleep(counter(), 1000).schedule(trio_cuda.SingleStream(dev))
 
 
+@pytest.mark.faults_device
 async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Device) -> None:
     outcomes: list[str] = []
 
@@ -72,6 +74,7 @@ async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Dev
     assert time.perf_counter() - start < 2.0, "the waiters were not woken by the fault"
 
 
+@pytest.mark.faults_device
 async def test_nursery_propagates_a_fault_and_cancels_siblings(dev: trio_cuda.Device) -> None:
     sibling = "running"
 
@@ -95,6 +98,7 @@ async def test_nursery_propagates_a_fault_and_cancels_siblings(dev: trio_cuda.De
     assert sibling == "cancelled"
 
 
+@pytest.mark.faults_device
 @needs_devices(2)
 async def test_other_devices_keep_working(dev: trio_cuda.Device) -> None:
     with pytest.raises(trio_cuda.DeviceFault):
@@ -123,6 +127,7 @@ async def test_launch_error_is_raised_at_submission(dev: trio_cuda.Device) -> No
     np.testing.assert_array_equal(await api.ones((2,)).to_host(), [1, 1])
 
 
+@pytest.mark.faults_device
 @pytest.mark.sim_only
 async def test_writing_an_input_tensor_is_caught_on_the_simulated_device() -> None:
     @trio_cuda.kernel

@@ -98,7 +98,7 @@ def _h2d(ln: Lane, dst_ptr: int, data: np.ndarray) -> None:
     st.buf[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     dev._driver.copy_h2d(dst_ptr, st.buf[:nbytes], ln.stream.handle)
     ln.stream.keep(st)
-    dev._counters["copies"] += 1
+    dev._stats.copies += 1
 
 
 class _Alloc(DeviceOp[Tensor]):
@@ -119,7 +119,7 @@ class _Alloc(DeviceOp[Tensor]):
         if buf.nbytes:
             if self._pattern is not None:
                 ln.device._driver.fill(buf.ptr, buf.nbytes, self._pattern, s.handle)
-                ln.device._counters["copies"] += 1
+                ln.device._stats.copies += 1
             elif self._host is not None:
                 _h2d(ln, buf.ptr, self._host)
         # Even an uninitialized tensor is "written" by its stream-ordered allocation.
@@ -220,7 +220,7 @@ def _d2h(lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
     seq = ln.end()
     if t._tracked:
         buf.readers[s] = seq
-    dev._counters["copies"] += 1
+    dev._stats.copies += 1
     return _HostResult(st, out, nbytes)
 
 
@@ -285,7 +285,7 @@ class _Memcpy(DeviceOp[Any]):
                     drv.copy_d2d(dst.ptr, src.ptr, dst.nbytes, s.handle)
                 else:
                     drv.copy_peer(dst.ptr, src.device._driver, src.ptr, dst.nbytes, s.handle)
-                ln.device._counters["copies"] += 1
+                ln.device._stats.copies += 1
         seq = ln.end()
         if dst._tracked:
             dbuf.writer = (s, seq)
@@ -335,7 +335,7 @@ class _Dup(DeviceOp[Tensor]):
                 drv.copy_d2d(t.ptr, src.ptr, t.nbytes, s.handle)
             else:
                 drv.copy_peer(t.ptr, src.device._driver, src.ptr, t.nbytes, s.handle)
-            target._counters["copies"] += 1
+            target._stats.copies += 1
         seq = ln.end()
         t._buffer.writer = (s, seq)
         if src._tracked:

@@ -69,6 +69,14 @@ class DeviceStatistics:
     faulted: bool
 
 
+class _Counters:
+    __slots__ = ("submissions", "launches", "graph_launches", "allocations", "frees", "copies", "stream_waits")
+
+    def __init__(self) -> None:
+        self.submissions = self.launches = self.graph_launches = self.allocations = 0
+        self.frees = self.copies = self.stream_waits = 0
+
+
 class Device:
     """One GPU (or simulated GPU). Get devices from :func:`devices` / :func:`device`."""
 
@@ -89,9 +97,7 @@ class Device:
         self._pending_frees: collections.deque[tuple[int, int, Any]] = collections.deque()
         self._staging_pool: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
         self._bytes_in_use = 0
-        self._counters = collections.Counter(
-            submissions=0, launches=0, graph_launches=0, allocations=0, frees=0, copies=0, stream_waits=0
-        )
+        self._stats = _Counters()
         self._capturing = 0
         return self
 
@@ -198,7 +204,7 @@ class Device:
             except DeviceOutOfMemory as err:
                 raise DeviceOutOfMemory(err.message, device=self.ordinal, op=what) from None
         self._bytes_in_use += nbytes
-        self._counters["allocations"] += 1
+        self._stats.allocations += 1
         return ptr
 
     def _defer_free(self, ptr: int, nbytes: int, generation: int, accesses: Any) -> None:
@@ -228,7 +234,7 @@ class Device:
                 target.wait_for(s, seq)
             self._driver.free(ptr, target.handle)
             target.mark()
-            self._counters["frees"] += 1
+            self._stats.frees += 1
 
     def memory_in_use(self) -> int:
         """Bytes of device memory held by live tensors (and frees not yet enqueued)."""
@@ -259,17 +265,17 @@ class Device:
 
     def statistics(self) -> DeviceStatistics:
         """A frozen snapshot of this device's counters."""
-        c = self._counters
+        c = self._stats
         return DeviceStatistics(
             ordinal=self.ordinal,
             backend=self._backend_name,
-            submissions=c["submissions"],
-            launches=c["launches"],
-            graph_launches=c["graph_launches"],
-            allocations=c["allocations"],
-            frees=c["frees"],
-            copies=c["copies"],
-            stream_waits=c["stream_waits"],
+            submissions=c.submissions,
+            launches=c.launches,
+            graph_launches=c.graph_launches,
+            allocations=c.allocations,
+            frees=c.frees,
+            copies=c.copies,
+            stream_waits=c.stream_waits,
             bytes_in_use=self._bytes_in_use,
             streams=len(self._streams),
             faulted=self.is_faulted,
@@ -314,7 +320,9 @@ def device(ordinal: int) -> Device:
 def current_device() -> Device:
     """The device that ``await op`` uses in this task or thread (device 0 unless changed)."""
     d = _current.get()
-    return d if d is not None else device(0)
+    if d is not None:
+        return d
+    return _devices[0] if _devices is not None else device(0)
 
 
 def _as_device(d: "Device | int | None") -> Device:

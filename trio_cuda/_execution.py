@@ -43,7 +43,13 @@ __all__ = [
 ]
 
 LOCK = threading.RLock()
-_tls = threading.local()
+
+
+class _ThreadState(threading.local):
+    active = False  # True while this thread is inside a submission
+
+
+_tls = _ThreadState()
 
 
 # -- pending host values ------------------------------------------------------------
@@ -182,6 +188,13 @@ class Lane:
 # -- the walk ---------------------------------------------------------------------------
 def evaluate(root: "DeviceOp[Any]", lane: Lane) -> Any:
     """Enqueue the work of ``root`` and everything it depends on; return its output value."""
+    if root._state is None and not root._inputs:
+        # A lone op (the common `await launch(tensors...)`): no walk needed.
+        root._state = True
+        r = root._run(lane, ())
+        if type(r) is not Continue:
+            return r
+        root = r.op
     values: list[Any] = []
     work: list[tuple[Any, Lane, int]] = [(root, lane, -1)]
     try:
@@ -198,8 +211,10 @@ def evaluate(root: "DeviceOp[Any]", lane: Lane) -> Any:
 
 
 def _walk(work: list[tuple[Any, Lane, int]], values: list[Any]) -> None:
+    # Frames are (op, lane, n): n < 0 enters the op, n >= 0 runs it on its n input values.
     pop = work.pop
     push = work.append
+    vpush = values.append
     while work:
         op, ln, n = pop()
         if n < 0:
@@ -211,38 +226,39 @@ def _walk(work: list[tuple[Any, Lane, int]], values: list[Any]) -> None:
                         f"{op!r} was executed already; an op describes work that happens once "
                         "(use .shared() for an op with several consumers)"
                     )
-                values.append(op._reuse(ln))
-                continue
-            inputs = op._inputs
-            if not inputs:
-                op._state = True
-                r = op._run(ln, ())
-                if type(r) is Continue:
-                    push((r.op, ln, -1))
-                else:
-                    values.append(r)
+                vpush(op._reuse(ln))
                 continue
             op._state = True
+            inputs = op._inputs
             k = len(inputs)
-            push((op, ln, k))
-            lanes = op._lanes(ln, k)
-            for i in range(k - 1, -1, -1):
-                push((inputs[i], lanes[i] if lanes is not None else ln, -1))
+            if k:
+                push((op, ln, k))
+                if op._forks:
+                    lanes = op._lanes(ln, k)
+                    for i in range(k - 1, -1, -1):
+                        push((inputs[i], lanes[i], -1))
+                elif k == 1:
+                    push((inputs[0], ln, -1))
+                else:
+                    for i in range(k - 1, -1, -1):
+                        push((inputs[i], ln, -1))
+                continue
+            r = op._run(ln, ())
         else:
-            if n:
+            if n == 1:
+                r = op._run(ln, (values.pop(),))
+            else:
                 args = values[-n:]
                 del values[-n:]
-            else:
-                args = ()
-            r = op._run(ln, args)
-            if type(r) is Continue:
-                push((r.op, ln, -1))
-            else:
-                values.append(r)
+                r = op._run(ln, args)
+        if type(r) is Continue:
+            push((r.op, ln, -1))
+        else:
+            vpush(r)
 
 
 def _check_not_nested(what: str) -> None:
-    if getattr(_tls, "active", False):
+    if _tls.active:
         raise NestedExecutionError(
             f"{what} inside another op's submission (a then()/map() callback or an open graph "
             "capture); return the op from the callback instead of executing it"
@@ -251,10 +267,11 @@ def _check_not_nested(what: str) -> None:
 
 def submit(op: "DeviceOp[Any]", stream: Stream, capture: Any = None) -> tuple[Any, Event | None, Lane]:
     """Enqueue ``op`` on ``stream``; returns (output value, completion event or None, lane)."""
-    _check_not_nested("executing a DeviceOp")
+    if _tls.active:
+        _check_not_nested("executing a DeviceOp")
     device = stream.device
     with LOCK:
-        if capture is None and device._capturing:
+        if device._capturing and capture is None:
             from ._errors import GraphCaptureError
 
             raise GraphCaptureError(
@@ -262,20 +279,22 @@ def submit(op: "DeviceOp[Any]", stream: Stream, capture: Any = None) -> tuple[An
                 "finish the capture first (or record the op into the capture scope)",
                 device=device.ordinal,
             )
-        device._check_usable()
+        if device._driver.fault() is not None:
+            device._check_usable()
         if stream._generation != device._generation:
             stream._attach()
         _tls.active = True
         try:
-            stream.retire()
-            if capture is None:
+            if stream._keep:
+                stream.retire()
+            if device._pending_frees and capture is None:
                 device._flush_frees(stream)
             lane = Lane(stream, capture)
             value = evaluate(op, lane)
             ev = lane.finish()
         finally:
             _tls.active = False
-        device._counters["submissions"] += 1
+        device._stats.submissions += 1
     return value, ev, lane
 
 

@@ -74,6 +74,7 @@ class Kernel(KernelSource):
         self.block = _check_dims(block, "block") if block is not None else None
         self.host_impl = sim
         self._validate = validate
+        self._plans: dict[tuple[Any, ...], Any] = {}
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -84,13 +85,19 @@ class Kernel(KernelSource):
         """A DeviceOp that launches this kernel on ``args``; its output is the tuple of args."""
         if len(args) != self.nparams:
             raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
+        ops = []
         for i, a in enumerate(args):
-            if not isinstance(a, (DeviceOp, Tensor, Partition) + _SCALARS):
+            t = type(a)
+            if t is Partition or t is Tensor or t is float or t is int:
+                continue
+            if isinstance(a, DeviceOp):
+                ops.append(a)
+            elif not isinstance(a, (Tensor, Partition) + _SCALARS):
                 raise TypeError(
                     f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, "
                     f"got {type(a).__name__}"
                 )
-        return _Launch(self, args)
+        return _Launch(self, args, tuple(ops))
 
 
 def kernel(
@@ -120,28 +127,92 @@ def kernel(
     return wrap(fn) if fn is not None else wrap
 
 
+class _Plan:
+    """A validated launch of one kernel on one set of arguments, ready to enqueue."""
+
+    __slots__ = ("device", "generation", "prepared", "writes", "reads")
+
+    def __init__(self, device: Any, prepared: Any, writes: tuple[int, ...], reads: tuple[int, ...]) -> None:
+        self.device = device
+        self.generation = device._generation
+        self.prepared = prepared
+        self.writes = writes
+        self.reads = reads
+
+
+_PLAN_CACHE_SIZE = 512
+
+
+def _plan_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    # Tensors contribute their cached ArrayArg objects (a new tensor, even at a recycled
+    # address, has new ones), so the key holds no device memory alive.
+    key = []
+    for a in args:
+        t = type(a)
+        if t is Partition:
+            key.append(a._key())
+        elif t is Tensor:
+            key.append(a._arg(False))
+        else:
+            key.append((t, a))
+    return tuple(key)
+
+
 class _Launch(DeviceOp[tuple]):
     __slots__ = ("_kernel", "_args")
 
-    def __init__(self, k: Kernel, args: tuple[Any, ...]) -> None:
-        super().__init__(tuple(a for a in args if isinstance(a, DeviceOp)), len(args))
+    def __init__(self, k: Kernel, args: tuple[Any, ...], ops: tuple[DeviceOp[Any], ...]) -> None:
+        self._inputs = ops
+        self._state = None
+        self._arity = len(args)
         self._kernel = k
         self._args = args
 
     def _run(self, lane: Lane, values: Sequence[Any]) -> tuple:
         k = self._kernel
-        name = k.name
         if values:
             it = iter(values)
             args = tuple(next(it) if isinstance(a, DeviceOp) else a for a in self._args)
         else:
             args = self._args
         device = lane.device
+        try:
+            key = _plan_key(args)
+            plan = k._plans.get(key)
+        except TypeError:  # an unhashable scalar-like value: validated (and refused) below
+            key, plan = None, None
+        if plan is None or plan.device is not device or plan.generation != device._generation:
+            plan = self._plan(k, args, device)
+            if key is not None:
+                if len(k._plans) >= _PLAN_CACHE_SIZE:
+                    k._plans.clear()
+                k._plans[key] = plan
+        s = lane.stream
+        for i in plan.writes:
+            lane.write(args[i].tensor._buffer)
+        for i in plan.reads:
+            lane.read(args[i]._buffer)
+        device._driver.launch(plan.prepared, s.handle)
+        seq = lane.end()
+        for i in plan.writes:
+            b = args[i].tensor._buffer
+            b.writer = (s, seq)
+            b.readers.clear()
+        for i in plan.reads:
+            args[i]._buffer.readers[s] = seq
+        lane.ops.append(k.name)
+        device._stats.launches += 1
+        return args
+
+    @staticmethod
+    def _plan(k: Kernel, args: tuple[Any, ...], device: Any) -> _Plan:
+        """Validate the arguments against the device and build the launch (no GPU work)."""
+        name = k.name
         grid: tuple[int, ...] | None = None
         tile: tuple[int, ...] | None = None
         kargs: list[Any] = []
-        reads = []
-        writes = []
+        writes: list[int] = []
+        reads: list[int] = []
         for i, a in enumerate(args):
             if isinstance(a, Partition):
                 t = a.tensor
@@ -149,11 +220,13 @@ class _Launch(DeviceOp[tuple]):
                     grid, tile = a.grid, a.tile_shape
                 elif a.grid != grid:
                     raise ValueError(f"kernel {name}: partition arguments disagree on the tile grid: {grid} and {a.grid}")
-                writes.append(t)
+                if t._tracked:
+                    writes.append(i)
                 kargs.append(t._arg(True))
             elif isinstance(a, Tensor):
                 t = a
-                reads.append(t)
+                if t._tracked:
+                    reads.append(i)
                 kargs.append(t._arg(False))
             elif isinstance(a, _SCALARS):
                 kargs.append(a)
@@ -176,26 +249,7 @@ class _Launch(DeviceOp[tuple]):
             raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
         if k._validate is not None:
             k._validate(*args)
-        s = lane.stream
-        for t in writes:
-            if t._tracked:
-                lane.write(t._buffer)
-        for t in reads:
-            if t._tracked:
-                lane.read(t._buffer)
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         block3 = tuple(block) + (1,) * (3 - len(block))
-        device._driver.launch(k, grid3, block3, kargs, s.handle)  # type: ignore[arg-type]
-        seq = lane.end()
-        for t in writes:
-            if t._tracked:
-                b = t._buffer
-                b.writer = (s, seq)
-                b.readers.clear()
-        for t in reads:
-            if t._tracked:
-                t._buffer.readers[s] = seq
-        lane.ops.append(name)
-        device._counters["launches"] += 1
-        return args
-
+        prepared = device._driver.prepare_launch(k, grid3, block3, kargs)
+        return _Plan(device, prepared, tuple(writes), tuple(reads))

@@ -42,6 +42,7 @@ class DeviceOp(Generic[T]):
     """
 
     __slots__ = ("_inputs", "_state", "_arity")
+    _forks = False  # True if _lanes() may put inputs on other lanes
 
     def __init__(self, inputs: tuple["DeviceOp[Any]", ...] = (), arity: int | None = None) -> None:
         self._inputs = inputs
@@ -278,7 +279,9 @@ class _Select(DeviceOp[Any]):
         self._expect = expect
 
     def _run(self, lane: Lane, args: Any) -> Any:
-        (v,) = args
+        v = args[0]
+        if type(v) is tuple and self._expect is None and v:
+            return v[self._index]
         if isinstance(v, Pending):
             index, expect = self._index, self._expect
             return Pending(lambda: _pick(v.resolve(), index, expect))
@@ -287,6 +290,7 @@ class _Select(DeviceOp[Any]):
 
 class _Zip(DeviceOp[tuple]):
     __slots__ = ()
+    _forks = True
 
     def __init__(self, ops: tuple[DeviceOp[Any], ...]) -> None:
         super().__init__(ops, len(ops))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import itertools
-import threading
 
 from ._device import Device, _as_device
 from ._stream import Stream
@@ -48,12 +47,11 @@ class StreamPoolRoundRobin(SchedulingPolicy):
             raise ValueError(f"num_streams must be a positive int, not {num_streams!r}")
         self.device = _as_device(device)
         self._streams = tuple(self.device.create_stream() for _ in range(num_streams))
+        # itertools.cycle's __next__ is one C call: atomic under the GIL, no lock needed.
         self._next = itertools.cycle(self._streams).__next__
-        self._lock = threading.Lock()
 
     def next_stream(self) -> Stream:
-        with self._lock:
-            return self._next()
+        return self._next()
 
     @property
     def streams(self) -> tuple[Stream, ...]:

@@ -148,7 +148,7 @@ class Stream:
         ev = other.event_at(seq)
         self.device._driver.wait_event(self.handle, ev.handle)
         self._waited[other] = ev.seq
-        self.device._counters["stream_waits"] += 1
+        self.device._stats.stream_waits += 1
         return True
 
     # -- keep-alive -----------------------------------------------------------

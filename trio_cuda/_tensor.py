@@ -240,10 +240,16 @@ class Partition:
         grid: Tiles along each dimension (``shape[i] // tile_shape[i]``).
     """
 
-    __slots__ = ("tensor", "tile_shape", "grid")
+    __slots__ = ("tensor", "tile_shape", "grid", "_k")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Partition cannot be constructed directly; use tensor.partition(tile_shape)")
+
+    def _key(self) -> tuple[Any, ...]:
+        k = self._k
+        if k is None:
+            k = self._k = (self.tensor._arg(True), self.tile_shape)
+        return k
 
     @classmethod
     def _new(cls, tensor: Tensor, tile_shape: Any) -> "Partition":
@@ -259,6 +265,7 @@ class Partition:
         self.tensor = tensor
         self.tile_shape = tile
         self.grid = tuple(n // t for n, t in zip(tensor.shape, tile))
+        self._k: tuple[Any, ...] | None = None
         return self
 
     @property

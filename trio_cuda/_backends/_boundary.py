@@ -156,15 +156,20 @@ class DeviceDriver(abc.ABC):
 
     # -- kernels --------------------------------------------------------------
     @abc.abstractmethod
-    def launch(
+    def prepare_launch(
         self,
         source: KernelSource,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         args: Sequence[ArrayArg | int | float | bool | np.generic],
-        stream: Any,
-    ) -> None:
-        """Enqueue one launch. Raises LaunchError if the launch is refused."""
+    ) -> Any:
+        """Everything a launch needs but the stream: the loaded kernel and its packed
+        parameters. The runtime caches the result per (kernel, arguments), so a hot
+        launch is one driver call. Raises LaunchError for an invalid configuration."""
+
+    @abc.abstractmethod
+    def launch(self, prepared: Any, stream: Any) -> None:
+        """Enqueue a prepared launch. Raises LaunchError if the launch is refused."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

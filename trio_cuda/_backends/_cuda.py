@@ -167,19 +167,33 @@ def _scalar_dtype(v: Any) -> np.dtype:
 
 
 class _Launcher:
-    """One compiled kernel for one signature on one device, with its parameter buffer."""
+    """One compiled kernel for one signature on one device."""
 
-    __slots__ = ("function", "module", "fmt", "slots", "buf", "ptrs", "params_addr")
+    __slots__ = ("function", "module", "fmt", "slots")
 
     def __init__(self, module: Any, function: Any, fmt: str, nslots: int) -> None:
         self.module = module
         self.function = function
         self.fmt = fmt
         self.slots = nslots
-        self.buf = (ctypes.c_uint64 * max(nslots, 1))()
+
+
+class _Prepared:
+    """A launch minus its stream: the function, the geometry and the packed parameters."""
+
+    __slots__ = ("function", "gx", "gy", "gz", "bx", "by", "bz", "params", "buf", "ptrs", "name")
+
+    def __init__(self, launcher: _Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], values: list[Any], name: str) -> None:
+        n = max(launcher.slots, 1)
+        self.buf = (ctypes.c_uint64 * n)()
+        struct.pack_into(launcher.fmt, self.buf, 0, *values)
         base = ctypes.addressof(self.buf)
-        self.ptrs = (ctypes.c_void_p * max(nslots, 1))(*[base + 8 * i for i in range(nslots)])
-        self.params_addr = ctypes.addressof(self.ptrs)
+        self.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
+        self.params = ctypes.addressof(self.ptrs)
+        self.function = launcher.function
+        self.gx, self.gy, self.gz = grid
+        self.bx, self.by, self.bz = block
+        self.name = name
 
 
 def _signature_key(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -285,6 +299,13 @@ def _compile_cubin(device: "CudaDevice", source: KernelSource, args: Sequence[An
     return cubin, entry
 
 
+class _ThreadState(threading.local):
+    token: object = None  # the token of the context current on this thread
+
+
+_tls = _ThreadState()
+
+
 # -- graphs ----------------------------------------------------------------------------------
 class _Graph:
     __slots__ = ("graph", "exec", "nodes")
@@ -309,13 +330,12 @@ class CudaDevice(DeviceDriver):
         self.compute_capability = (int(major), int(minor))
         self.total_memory = int(check(cu.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
         self._fault: DeviceFault | None = None
-        self._tls = threading.local()
         self._lock = threading.Lock()
         self._setup()
 
     def _setup(self) -> None:
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.cu_device), "cuDevicePrimaryCtxRetain", self)
-        self._generation = getattr(self, "_generation", 0) + 1
+        self._token = object()  # identifies this context incarnation on each thread
         self._current()
         self.pool = check(cu.cuDeviceGetDefaultMemPool(self.cu_device), "cuDeviceGetDefaultMemPool", self)
         threshold = cu.cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
@@ -326,11 +346,10 @@ class CudaDevice(DeviceDriver):
 
     # -- context ------------------------------------------------------------------
     def _current(self) -> None:
-        tls = self._tls
-        if getattr(tls, "generation", None) != self._generation or _thread_ctx.get() is not self:
+        """Make this device's context current on the calling thread (once per thread)."""
+        if _tls.token is not self._token:
             check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent", self)
-            tls.generation = self._generation
-            _thread_ctx.set(self)
+            _tls.token = self._token
 
     # -- faults -------------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -371,7 +390,8 @@ class CudaDevice(DeviceDriver):
             raise error(err, "cuStreamWaitEvent", self, launch=True)
 
     def query(self, event: Any) -> bool:
-        self._current()
+        if _tls.token is not self._token:
+            self._current()
         err = cu.cuEventQuery(event)[0]
         if err == _SUCCESS:
             return True
@@ -508,22 +528,22 @@ class CudaDevice(DeviceDriver):
             self._launchers[key] = launcher
         return launcher
 
-    def launch(
+    def prepare_launch(
         self,
         source: KernelSource,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         args: Sequence[Any],
-        stream: Any,
-    ) -> None:
-        self._current()
-        launcher = self._launcher(source, args)
-        struct.pack_into(launcher.fmt, launcher.buf, 0, *_param_values(args))
-        err = cu.cuLaunchKernel(
-            launcher.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0, stream, launcher.params_addr, 0
-        )[0]
+    ) -> _Prepared:
+        return _Prepared(self._launcher(source, args), grid, block, _param_values(args), source.name)
+
+    def launch(self, p: _Prepared, stream: Any) -> None:
+        if _tls.token is not self._token:
+            self._current()
+        err = cu.cuLaunchKernel(p.function, p.gx, p.gy, p.gz, p.bx, p.by, p.bz, 0, stream, p.params, 0)[0]
         if err != _SUCCESS:
-            raise error(err, f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {source.name}")
+            grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
+            raise error(err, f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
 
     # -- graphs ----------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:
@@ -553,19 +573,6 @@ class CudaDevice(DeviceDriver):
             self._current()
             cu.cuGraphExecDestroy(graph.exec)
             cu.cuGraphDestroy(graph.graph)
-
-
-class _ThreadCtx(threading.local):
-    device: CudaDevice | None = None
-
-    def get(self) -> CudaDevice | None:
-        return self.device
-
-    def set(self, d: CudaDevice) -> None:
-        self.device = d
-
-
-_thread_ctx = _ThreadCtx()
 
 
 class CudaBackend(Backend):

@@ -408,19 +408,22 @@ class _SimDevice(DeviceDriver):
             self._kernels[id(source)] = k
         return k
 
-    def launch(
+    def prepare_launch(
         self,
         source: KernelSource,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         args: Sequence[ArrayArg | int | float | bool | np.generic],
-        stream: _SimStream,
-    ) -> None:
-        self._check()
-        self._live(stream)
+    ) -> tuple[Any, ...]:
         _check_launch_config(source.name, grid, block, self.ordinal)
         impl = source.host_impl
         compiled = None if impl is not None else self._compiled(source)
+        return (source.name, impl, compiled, grid, block, tuple(args))
+
+    def launch(self, prepared: tuple[Any, ...], stream: _SimStream) -> None:
+        self._check()
+        self._live(stream)
+        name, impl, compiled, grid, block, args = prepared
 
         def run() -> None:
             values = [self._array(a) if isinstance(a, ArrayArg) else a for a in args]
@@ -433,7 +436,7 @@ class _SimDevice(DeviceDriver):
             with _kernel_lock:
                 compiled[grid, block](*wrapped)
 
-        stream.enqueue(run, f"kernel {source.name}")
+        stream.enqueue(run, f"kernel {name}")
 
     def _array(self, a: ArrayArg) -> np.ndarray:
         if a.shape:
