@@ -12,8 +12,11 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", ["async_add.py", "async_saxpy.py"])
-def test_example_runs_and_checks_itself(name: str) -> None:
-    r = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+@pytest.mark.parametrize(
+    "name,args",
+    [("async_add.py", []), ("async_saxpy.py", []), ("cuda_graphs_deviceop.py", ["--tokens", "1"])],
+)
+def test_example_runs_and_checks_itself(name: str, args: list[str]) -> None:
+    r = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "correct" in r.stdout

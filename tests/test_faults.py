@@ -13,7 +13,7 @@ from numba import cuda
 from trio_cuda import api
 from trio_cuda.kernels import sleep
 
-from .conftest import counter, needs_devices
+from .conftest import ON_CUDA, counter, needs_devices
 
 
 @trio_cuda.kernel
@@ -43,6 +43,14 @@ async def test_fault_names_the_op_and_device_and_sticks_until_reset(dev: trio_cu
     with pytest.raises(trio_cuda.DeviceFault, match="reset"):
         await trio.to_thread.run_sync(api.ones((2,)).sync)
     assert dev.statistics().submissions == submissions  # refused before any work
+    if ON_CUDA:
+        # Measured: the CUDA driver keeps an illegal-address error for the whole process.
+        with pytest.raises(trio_cuda.DeviceFault, match="restart the process"):
+            dev.reset()
+        assert dev.is_faulted
+        with pytest.raises(trio_cuda.DeviceFault, match="reset"):
+            await api.ones((2,))
+        return
     dev.reset()
     assert not dev.is_faulted
     np.testing.assert_array_equal(await api.full((3,), 2.0).to_host(), [2, 2, 2])
@@ -50,6 +58,16 @@ async def test_fault_names_the_op_and_device_and_sticks_until_reset(dev: trio_cu
         await before.to_host()
     # Streams and policies keep working after the reset.
     await sleep(counter(), 1000).schedule(trio_cuda.SingleStream(dev))
+
+
+@pytest.mark.faults_device
+async def test_reset_of_a_healthy_device(dev: trio_cuda.Device) -> None:
+    old = await api.arange(4)
+    dev.reset()
+    assert not dev.is_faulted
+    with pytest.raises(ValueError, match="reset"):
+        await old.to_host()
+    np.testing.assert_array_equal(await api.arange(4).to_host(), np.arange(4, dtype=np.float32))
 
 
 @pytest.mark.faults_device

@@ -122,3 +122,43 @@ async def test_wrong_device_is_rejected() -> None:
     other = await api.ones((4,), device=1)
     with pytest.raises(ValueError, match="device 1"):
         await add(api.zeros((4,)).partition((2,)), other, other)
+
+
+async def test_rms_norm_matches_numpy() -> None:
+    from trio_cuda.kernels import rms_norm
+
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, np.float64):
+        x = rng.standard_normal((2, 40)).astype(dtype)
+        w = rng.standard_normal(40).astype(dtype)
+        out = await rms_norm(api.empty((2, 40), dtype).partition((1, 40)), api.from_host(x), api.from_host(w), 1e-5).first().to_host()
+        x64 = x.astype(np.float64)
+        ref = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5) * w
+        np.testing.assert_allclose(out, ref, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+async def test_matvec_matches_numpy() -> None:
+    from trio_cuda.kernels import matvec
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 40)).astype(np.float32)
+    x = rng.standard_normal(40).astype(np.float32)
+    y = await matvec(api.empty((16,)).partition((8,)), api.from_host(a), api.from_host(x)).first().to_host()
+    np.testing.assert_allclose(y, a.astype(np.float64) @ x, rtol=1e-5, atol=1e-5)
+
+
+async def test_decode_kernels_reject_bad_input() -> None:
+    from trio_cuda.kernels import matvec, rms_norm
+
+    a = await api.zeros((16, 40))
+    x = await api.zeros((40,))
+    with pytest.raises(ValueError, match="tiles of 8"):
+        await matvec(api.empty((16,)).partition((4,)), a, x)
+    with pytest.raises(ValueError, match="shapes do not agree"):
+        await matvec(api.empty((16,)).partition((8,)), a, api.zeros((41,)))
+    with pytest.raises(TypeError, match="dtype"):
+        await matvec(api.empty((16,)).partition((8,)), a, api.zeros((40,), np.float64))
+    with pytest.raises(ValueError, match="one row"):
+        await rms_norm(api.empty((2, 40)).partition((2, 40)), api.zeros((2, 40)), x, 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        await rms_norm(api.empty((2, 40)).partition((1, 40)), api.zeros((2, 40)), x, 0.0)

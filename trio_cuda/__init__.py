@@ -34,6 +34,7 @@ from ._errors import (  # noqa: E402
     NestedExecutionError,
     OpAlreadyExecuted,
 )
+from ._graph import CudaGraph, GraphScope, capture_graph  # noqa: E402
 from ._kernel import Kernel, kernel  # noqa: E402
 from ._op import DeviceOp, ScheduledOp, SharedOp, value, zip  # noqa: E402
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin  # noqa: E402
@@ -43,6 +44,9 @@ from ._tensor import Partition, Tensor  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CudaGraph",
+    "GraphScope",
+    "capture_graph",
     "Device",
     "DeviceError",
     "DeviceFault",

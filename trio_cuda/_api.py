@@ -97,7 +97,7 @@ def _h2d(ln: Lane, dst_ptr: int, data: np.ndarray) -> None:
     st = _Staging(dev, nbytes, 1)
     st.buf[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     dev._driver.copy_h2d(dst_ptr, st.buf[:nbytes], ln.stream.handle)
-    ln.stream.keep(st)
+    ln.keep(st)
     dev._stats.copies += 1
 
 
@@ -123,7 +123,7 @@ class _Alloc(DeviceOp[Tensor]):
             elif self._host is not None:
                 _h2d(ln, buf.ptr, self._host)
         # Even an uninitialized tensor is "written" by its stream-ordered allocation.
-        buf.writer = (s, ln.end())
+        ln.wrote(buf, ln.end())
         return t
 
 
@@ -216,10 +216,10 @@ def _d2h(lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
     st = _Staging(dev, nbytes, 2)
     s = ln.stream
     dev._driver.copy_d2h(st.buf[:nbytes], t.ptr, s.handle)
-    s.keep(st)
+    ln.keep(st)
     seq = ln.end()
     if t._tracked:
-        buf.readers[s] = seq
+        ln.was_read(buf, seq)
     dev._stats.copies += 1
     return _HostResult(st, out, nbytes)
 
@@ -288,10 +288,9 @@ class _Memcpy(DeviceOp[Any]):
                 ln.device._stats.copies += 1
         seq = ln.end()
         if dst._tracked:
-            dbuf.writer = (s, seq)
-            dbuf.readers.clear()
+            ln.wrote(dbuf, seq)
         if not isinstance(src, np.ndarray) and src._tracked:
-            src._buffer.readers[s] = seq
+            ln.was_read(src._buffer, seq)
         return dst
 
 
@@ -337,9 +336,9 @@ class _Dup(DeviceOp[Tensor]):
                 drv.copy_peer(t.ptr, src.device._driver, src.ptr, t.nbytes, s.handle)
             target._stats.copies += 1
         seq = ln.end()
-        t._buffer.writer = (s, seq)
+        ln.wrote(t._buffer, seq)
         if src._tracked:
-            src._buffer.readers[s] = seq
+            ln.was_read(src._buffer, seq)
         return t
 
 

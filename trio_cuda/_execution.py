@@ -138,6 +138,9 @@ class Lane:
         s = self.stream
         if seq <= stream.done_seq:
             return
+        cap = self.capture
+        if cap is not None and not cap.inside(stream, seq):
+            return  # work from before the capture: the capture is ordered after it
         if stream is s:
             if seq > self.need:
                 self.need = seq
@@ -146,19 +149,44 @@ class Lane:
         self.need = s.mark()
 
     # dependency tracking -----------------------------------------------------------
+    # read()/write() order this lane after the buffer's pending accesses (before the op
+    # is enqueued); wrote()/was_read() register the op's access (after). Inside a graph
+    # capture only accesses made within the capture are waited for (the capture joined
+    # every stream of the device when it began), and the capture remembers each buffer's
+    # state before it so that it can be restored: nothing really ran.
     def read(self, buf: "Buffer") -> None:
+        cap = self.capture
+        if cap is not None:
+            cap.touch(buf, False)
         w = buf.writer
-        if w is not None and w[0] is not self.stream:
+        if w is not None and w[0] is not self.stream and (cap is None or cap.inside(w[0], w[1])):
             self.stream.wait_for(w[0], w[1])
 
     def write(self, buf: "Buffer") -> None:
+        cap = self.capture
+        if cap is not None:
+            cap.touch(buf, True)
         s = self.stream
         w = buf.writer
-        if w is not None and w[0] is not s:
+        if w is not None and w[0] is not s and (cap is None or cap.inside(w[0], w[1])):
             s.wait_for(w[0], w[1])
         for r, seq in buf.readers.items():
-            if r is not s:
+            if r is not s and (cap is None or cap.inside(r, seq)):
                 s.wait_for(r, seq)
+
+    def wrote(self, buf: "Buffer", seq: int) -> None:
+        buf.writer = (self.stream, seq)
+        buf.readers.clear()
+
+    def was_read(self, buf: "Buffer", seq: int) -> None:
+        buf.readers[self.stream] = seq
+
+    def keep(self, obj: Any) -> None:
+        """Keep host memory a pending copy uses alive until the copy is done (or the graph dies)."""
+        if self.capture is not None:
+            self.capture.keep.append(obj)
+        else:
+            self.stream.keep(obj)
 
     def end(self) -> int:
         """Close the point of the op just enqueued; returns its seq."""

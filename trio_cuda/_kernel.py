@@ -201,7 +201,8 @@ class _Launch(DeviceOp[tuple]):
         for i in plan.reads:
             args[i]._buffer.readers[s] = seq
         lane.ops.append(k.name)
-        device._stats.launches += 1
+        if lane.capture is None:
+            device._stats.launches += 1
         return args
 
     @staticmethod

@@ -361,12 +361,36 @@ class CudaDevice(DeviceDriver):
         return self._fault
 
     def reset(self) -> None:
+        """Reset the primary context; raise DeviceFault if the device cannot work again.
+
+        Measured on an H200 (driver 580, CUDA 13): after an illegal address no driver
+        call brings the device back inside the process (cuDevicePrimaryCtxReset, releasing
+        and retaining the primary context again, and cuCtxCreate all fail with the sticky
+        error; benchmarks/probe_reset_variants.py). Then the device stays faulted and the
+        error says so: only a new process can use it.
+        """
+        fault = self._fault
         self._launchers = {}
         self._notify = {}
-        check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
-        check(cu.cuDevicePrimaryCtxRelease(self.cu_device), "cuDevicePrimaryCtxRelease", self)
-        self._fault = None
-        self._setup()
+        try:
+            check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
+            cu.cuDevicePrimaryCtxRelease(self.cu_device)  # balanced by the retain in _setup
+            self._fault = None
+            self._setup()
+            # Prove the context works: a stream-ordered allocation and free.
+            stream = self.create_stream()
+            self.free(self.alloc(256, stream), stream)
+            check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize", self)
+            check(cu.cuStreamDestroy(stream), "cuStreamDestroy", self)
+        except DeviceError as err:
+            reason = fault.message if fault is not None else err.message
+            self._fault = DeviceFault(
+                f"the device cannot recover inside this process after: {reason}. The CUDA driver keeps "
+                "this error for the whole process; restart the process to use the device again",
+                device=self.ordinal,
+                op=getattr(fault, "op", None),
+            )
+            raise self._fault from err
 
     # -- streams and events ---------------------------------------------------------
     def create_stream(self) -> Any:
@@ -548,7 +572,7 @@ class CudaDevice(DeviceDriver):
     # -- graphs ----------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:
         self._current()
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         check(cu.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture", self)
 
     def end_capture(self, stream: Any) -> _Graph:

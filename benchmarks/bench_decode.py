@@ -1,0 +1,213 @@
+"""The decode step of examples/cuda_graphs_deviceop.py in every execution mode (issue 5).
+
+Hidden 2048, 22 layers of rms_norm -> matvec Q -> matvec O -> residual add (88 kernels
+per token), float32, on one GPU, in one run. Per token:
+
+* ``trio: await per kernel``: one ``await`` per kernel (a sync after every kernel);
+* ``trio: await per token``: the whole step as one DAG, awaited once;
+* ``trio: graph replay``: ``await graph.launch()`` of the captured step;
+* ``raw cuGraphLaunch``: cuda.bindings ``cuGraphLaunch`` of the same instantiated graph +
+  ``cuStreamSynchronize``; and its GPU-only time (timing events around back-to-back
+  replays);
+* ``torch eager`` and ``torch CUDA graph`` on the same shapes (rms_norm as PyTorch ops).
+
+Prints a table (ms per token, us per graph node) with the targets, and writes
+``decode-<date>.md`` / ``.json`` under ``--out``. On the simulated device it runs with
+tiny sizes only as a smoke test (``--hidden 16 --layers 2 --tokens 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+import trio_cuda
+from trio_cuda import api
+from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from cuda_graphs_deviceop import EPS, build  # noqa: E402
+
+
+def per_kernel_ops(m: Any) -> list[Any]:
+    hdim = m.hidden
+    h1, hn1 = m.h.reshape(hdim), m.hn.reshape(hdim)
+    ops = []
+    for w_norm, wq, wo in m.weights:
+        ops.append(lambda w_norm=w_norm: rms_norm(m.hn.partition((1, hdim)), m.h, w_norm, EPS))
+        ops.append(lambda wq=wq: matvec(m.q.partition((MATVEC_ROWS,)), wq, hn1))
+        ops.append(lambda wo=wo: matvec(m.o.partition((MATVEC_ROWS,)), wo, m.q))
+        ops.append(lambda: add(h1.partition((min(hdim, 256),)), h1, m.o))
+    return ops
+
+
+async def trio_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float], Any, Any]:
+    m = await build(hidden, layers)
+    dev = trio_cuda.current_device()
+    policy = trio_cuda.SingleStream(dev)  # one stream: the modes differ only in how they wait
+    dev.policy = policy
+    makers = per_kernel_ops(m)
+    for mk in makers:  # warm-up: compile and load every kernel
+        await mk()
+    await m.step()
+    res: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        for mk in makers:
+            await mk()
+    res["trio: await per kernel"] = (time.perf_counter() - t0) / tokens * 1e3
+
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        await m.step()
+    res["trio: await per token"] = (time.perf_counter() - t0) / tokens * 1e3
+
+    graph = m.step().graph()
+    await graph.launch()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        await graph.launch()
+    res["trio: graph replay"] = (time.perf_counter() - t0) / tokens * 1e3
+    return res, graph, m
+
+
+def raw_graph(graph: Any, tokens: int) -> dict[str, float]:
+    from cuda.bindings import driver as cu
+
+    if trio_cuda.backend_name() != "cuda":
+        return {}
+    exec_ = graph._handle.exec
+    s = graph.device.policy.next_stream().handle
+    ok = cu.CUresult.CUDA_SUCCESS
+
+    def chk(r: Any) -> Any:
+        if r[0] != ok:
+            raise RuntimeError(str(r[0]))
+        return r[1] if len(r) > 1 else None
+
+    chk(cu.cuGraphLaunch(exec_, s))
+    chk(cu.cuStreamSynchronize(s))
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        chk(cu.cuGraphLaunch(exec_, s))
+        chk(cu.cuStreamSynchronize(s))
+    out = {"raw cuGraphLaunch + sync": (time.perf_counter() - t0) / tokens * 1e3}
+    start, end = chk(cu.cuEventCreate(0)), chk(cu.cuEventCreate(0))
+    chk(cu.cuEventRecord(start, s))
+    for _ in range(tokens):
+        chk(cu.cuGraphLaunch(exec_, s))
+    chk(cu.cuEventRecord(end, s))
+    chk(cu.cuEventSynchronize(end))
+    out["GPU-only time of one replay"] = chk(cu.cuEventElapsedTime(start, end)) / tokens
+    cu.cuEventDestroy(start)
+    cu.cuEventDestroy(end)
+    return out
+
+
+def torch_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float], str | None]:
+    try:
+        import torch
+
+        dev = torch.device("cuda")
+        g = torch.Generator(device="cpu").manual_seed(0)
+        ws = [
+            (
+                torch.randn(hidden, generator=g).to(dev),
+                (torch.randn(hidden, hidden, generator=g) / hidden**0.5).to(dev),
+                (torch.randn(hidden, hidden, generator=g) / hidden**0.5 / 2).to(dev),
+            )
+            for _ in range(layers)
+        ]
+        h = torch.randn(hidden, generator=g).to(dev)
+
+        def step(h: Any) -> Any:
+            for w, wq, wo in ws:
+                hn = h * torch.rsqrt(h.pow(2).mean() + EPS) * w
+                h = h + torch.mv(wo, torch.mv(wq, hn))
+            return h
+
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                step(h)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            step(h)
+            torch.cuda.synchronize()
+        res = {"torch eager": (time.perf_counter() - t0) / tokens * 1e3}
+        static = h.clone()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            out = step(static)
+        cg.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            cg.replay()
+            torch.cuda.synchronize()
+        res["torch CUDA graph"] = (time.perf_counter() - t0) / tokens * 1e3
+        del out
+        return res, None
+    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+        return {}, f"{type(e).__name__}: {e}"
+
+
+def main() -> int:
+    sim = trio_cuda.backend_name() == "sim"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=16 if sim else 2048)
+    ap.add_argument("--layers", type=int, default=2 if sim else 22)
+    ap.add_argument("--tokens", type=int, default=2 if sim else 100)
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+
+    res, graph, _ = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
+    res.update(raw_graph(graph, args.tokens))
+    torch_error = None
+    if not sim:
+        t, torch_error = torch_modes(args.hidden, args.layers, args.tokens)
+        res.update(t)
+    nodes = graph.nodes
+    lines = ["| mode | ms per token | us per graph node |", "|---|---|---|"]
+    for k, v in res.items():
+        per_node = f"{v * 1e3 / nodes:.3f}" if ("graph" in k or "replay" in k) else ""
+        lines.append(f"| {k} | {v:.4f} | {per_node} |")
+    checks = []
+    if "raw cuGraphLaunch + sync" in res:
+        r = res["trio: graph replay"] / res["raw cuGraphLaunch + sync"]
+        checks.append(f"- graph replay vs raw cuGraphLaunch (per node): {r:.3f}x (target <= 1.1x)")
+        g = res["trio: graph replay"] / res["GPU-only time of one replay"]
+        checks.append(f"- graph token time vs its GPU-only time: {g:.3f}x (target <= 1.10x)")
+    sp = res["trio: await per kernel"] / res["trio: await per token"]
+    checks.append(f"- one await per token vs await per kernel: {sp:.2f}x faster (target >= 1.7x)")
+    if torch_error:
+        checks.append(f"- torch: {torch_error}")
+    dev = trio_cuda.current_device()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (
+        f"# Decode step ({stamp})\n\nGPU: {dev.name}, backend {trio_cuda.backend_name()}; hidden {args.hidden}, "
+        f"{args.layers} layers, {4 * args.layers} kernels per token, graph of {nodes} nodes; {args.tokens} tokens per mode, "
+        "one stream.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
+    )
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    day = dt.date.today().isoformat()
+    (out / f"decode-{day}.md").write_text(text)
+    (out / f"decode-{day}.json").write_text(json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
