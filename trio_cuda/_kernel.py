@@ -159,7 +159,7 @@ def _plan_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 class _Launch(DeviceOp[tuple]):
-    __slots__ = ("_kernel", "_args")
+    __slots__ = ("_kernel", "_args", "_inputs_at")
 
     def __init__(self, k: Kernel, args: tuple[Any, ...], ops: tuple[DeviceOp[Any], ...]) -> None:
         self._inputs = ops
@@ -167,14 +167,21 @@ class _Launch(DeviceOp[tuple]):
         self._arity = len(args)
         self._kernel = k
         self._args = args
+        self._inputs_at = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp)) if ops else ()
 
     def _run(self, lane: Lane, values: Sequence[Any]) -> tuple:
         k = self._kernel
+        args = self._args
         if values:
-            it = iter(values)
-            args = tuple(next(it) if isinstance(a, DeviceOp) else a for a in self._args)
-        else:
-            args = self._args
+            pos = self._inputs_at
+            if len(pos) == 1:
+                i = pos[0]
+                args = args[:i] + (values[0],) + args[i + 1 :]
+            else:
+                merged = list(args)
+                for i, v in zip(pos, values):
+                    merged[i] = v
+                args = tuple(merged)
         device = lane.device
         try:
             key = _plan_key(args)
@@ -188,18 +195,35 @@ class _Launch(DeviceOp[tuple]):
                     k._plans.clear()
                 k._plans[key] = plan
         s = lane.stream
-        for i in plan.writes:
-            lane.write(args[i].tensor._buffer)
-        for i in plan.reads:
-            lane.read(args[i]._buffer)
+        writes = [args[i].tensor._buffer for i in plan.writes]
+        reads = [args[i]._buffer for i in plan.reads]
+        if lane.capture is None:
+            # Inline of Lane.write / Lane.read (the hot path of every launch).
+            for b in writes:
+                w = b.writer
+                if w is not None and w[0] is not s:
+                    s.wait_for(w[0], w[1])
+                for r, rseq in b.readers.items():
+                    if r is not s:
+                        s.wait_for(r, rseq)
+            for b in reads:
+                w = b.writer
+                if w is not None and w[0] is not s:
+                    s.wait_for(w[0], w[1])
+        else:
+            for b in writes:
+                lane.write(b)
+            for b in reads:
+                lane.read(b)
         device._driver.launch(plan.prepared, s.handle)
-        seq = lane.end()
-        for i in plan.writes:
-            b = args[i].tensor._buffer
+        s.seq += 1
+        seq = s.seq
+        for b in writes:
             b.writer = (s, seq)
-            b.readers.clear()
-        for i in plan.reads:
-            args[i]._buffer.readers[s] = seq
+            if b.readers:
+                b.readers.clear()
+        for b in reads:
+            b.readers[s] = seq
         lane.ops.append(k.name)
         if lane.capture is None:
             device._stats.launches += 1

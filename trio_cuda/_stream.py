@@ -27,13 +27,14 @@ class Event:
     Events come from a per-device pool and go back to it when no longer referenced.
     """
 
-    __slots__ = ("stream", "seq", "handle", "done")
+    __slots__ = ("stream", "seq", "handle", "done", "generation")
 
     def __init__(self, stream: "Stream", seq: int, handle: Any) -> None:
         self.stream = stream
         self.seq = seq
         self.handle = handle
         self.done = False
+        self.generation = stream._generation
 
     def query(self) -> bool:
         """True once the work before this event has completed.
@@ -61,7 +62,9 @@ class Event:
 
     def __del__(self) -> None:
         try:
-            self.stream.device._event_pool.append(self.handle)
+            device = self.stream.device
+            if self.generation == device._generation:  # events die with a device reset
+                device._event_pool.append(self.handle)
         except Exception:  # interpreter shutdown
             pass
 

@@ -87,7 +87,7 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 class Buffer:
     """One device allocation and its pending accesses. Internal."""
 
-    __slots__ = ("device", "ptr", "nbytes", "generation", "writer", "readers", "__weakref__")
+    __slots__ = ("device", "ptr", "nbytes", "generation", "writer", "readers", "args", "__weakref__")
 
     def __init__(self, device: "Device", ptr: int, nbytes: int) -> None:
         self.device = device
@@ -96,6 +96,9 @@ class Buffer:
         self.generation = device._generation
         self.writer: tuple[Stream, int] | None = None
         self.readers: dict[Stream, int] = {}
+        # Kernel argument descriptors of the views of this buffer, by geometry: views
+        # made anew (reshape, partition) share them, so launch plans stay cached.
+        self.args: dict[tuple[Any, ...], ArrayArg] = {}
 
     def accesses(self) -> list[tuple["Stream", int]]:
         acc = list(self.readers.items())
@@ -178,12 +181,17 @@ class Tensor:
     def _arg(self, writable: bool) -> ArrayArg:
         args = self._args
         if args is None:
-            ptr = self.ptr
-            strides = self.strides
-            args = self._args = (
-                ArrayArg(ptr, self.shape, strides, self.dtype, False),
-                ArrayArg(ptr, self.shape, strides, self.dtype, True),
-            )
+            cache = self._buffer.args
+            key = (self._offset, self.shape, self.dtype.str)
+            args = cache.get(key)
+            if args is None:
+                ptr = self.ptr
+                strides = self.strides
+                args = cache[key] = (
+                    ArrayArg(ptr, self.shape, strides, self.dtype, False),
+                    ArrayArg(ptr, self.shape, strides, self.dtype, True),
+                )
+            self._args = args
         return args[writable]
 
     def _check_live(self) -> None:

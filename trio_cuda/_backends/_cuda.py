@@ -338,8 +338,15 @@ class CudaDevice(DeviceDriver):
         self._token = object()  # identifies this context incarnation on each thread
         self._current()
         self.pool = check(cu.cuDeviceGetDefaultMemPool(self.cu_device), "cuDeviceGetDefaultMemPool", self)
+        attr = cu.CUmemPool_attribute
         threshold = cu.cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
-        check(cu.cuMemPoolSetAttribute(self.pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold), "cuMemPoolSetAttribute", self)
+        check(cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold), "cuMemPoolSetAttribute", self)
+        # No hidden cross-stream waits: by default the pool may make an allocation wait
+        # for the stream that freed the memory it reuses, i.e. for everything queued on
+        # that stream before the free (seen: a fresh allocation waiting behind an
+        # unrelated 3 s kernel). Memory freed on other streams is reused only once the
+        # free has completed, or when the allocating stream already depends on it.
+        check(cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0), "cuMemPoolSetAttribute", self)
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
         self._notify: dict[Any, Any] = {}
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
