@@ -73,6 +73,11 @@ async def test_reset_of_a_healthy_device(dev: trio_cuda.Device) -> None:
 @pytest.mark.faults_device
 async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Device) -> None:
     outcomes: list[str] = []
+    # Load both kernels first: on CUDA, loading a kernel waits for running work, which
+    # would hold the faulting launch back until the sleeps were over.
+    target = await api.zeros((32,))
+    scribble.prepare(target.partition((32,)))
+    await sleep(counter(), 1000)
 
     async def waiter() -> None:
         try:
@@ -87,7 +92,7 @@ async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Dev
             n.start_soon(waiter)
         await trio.sleep(0.1)
         with pytest.raises(trio_cuda.DeviceFault):
-            await bad_op()
+            await scribble(target.partition((32,)))
     assert outcomes == ["fault"] * 3
     assert time.perf_counter() - start < 2.0, "the waiters were not woken by the fault"
 

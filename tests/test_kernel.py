@@ -162,3 +162,17 @@ async def test_decode_kernels_reject_bad_input() -> None:
         await rms_norm(api.empty((2, 40)).partition((2, 40)), api.zeros((2, 40)), x, 1e-5)
     with pytest.raises(ValueError, match="eps"):
         await rms_norm(api.empty((2, 40)).partition((1, 40)), api.zeros((2, 40)), x, 0.0)
+
+
+async def test_prepare_validates_and_compiles_ahead() -> None:
+    x = await api.ones((4,))
+    z = await api.zeros((4,))
+    add.prepare(z.partition((2,)), x, x)
+    with pytest.raises(ValueError, match="shape"):
+        add.prepare(z.partition((2,)), x, await api.ones((5,)))
+    with pytest.raises(TypeError, match="takes 3"):
+        add.prepare(z.partition((2,)), x)
+    with pytest.raises(ValueError, match="one device"):
+        saxpy.prepare(1.0, 2.0, 3.0)
+    out = await add(z.partition((2,)), x, x).first().to_host()
+    np.testing.assert_array_equal(out, [2, 2, 2, 2])

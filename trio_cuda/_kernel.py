@@ -81,6 +81,27 @@ class Kernel(KernelSource):
     def __repr__(self) -> str:
         return f"<trio_cuda.Kernel {self.name}>"
 
+    def prepare(self, *args: Any) -> None:
+        """Compile and load the kernel for these arguments now, and validate them.
+
+        The first launch of a kernel for a new argument signature compiles it (numba,
+        cached on disk) and loads it into the device, synchronously, which can stall the
+        trio loop and, on CUDA, wait for work already running on the device. Call this
+        at start-up with example tensors to pay that cost up front. ``args`` are what the
+        launch will get: tensors, partitions and scalars (not ops); the device is theirs.
+        """
+        if len(args) != self.nparams:
+            raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
+        from ._execution import LOCK
+
+        devices = {a.device for a in args if isinstance(a, (Tensor, Partition))}
+        if len(devices) != 1:
+            raise ValueError(f"kernel {self.name}: prepare() needs tensor arguments on one device")
+        (device,) = devices
+        with LOCK:
+            plan = _Launch._plan(self, tuple(args), device)
+            self._plans[_plan_key(tuple(args))] = plan
+
     def __call__(self, *args: Any) -> DeviceOp[tuple]:
         """A DeviceOp that launches this kernel on ``args``; its output is the tuple of args."""
         if len(args) != self.nparams:

@@ -3,10 +3,12 @@
 Two paths, chosen by measurements on an H200 (see docs/notifier.md):
 
 * **Fast path** (:func:`wait_event`): the awaiting task polls its event between trio
-  checkpoints for a short budget (``TRIO_CUDA_POLL_BUDGET_US``, default 2000 us). The
-  loop stays hot, other tasks keep running, and a tiny op's round trip costs about
-  one event query more than spinning. The budget covers a whole decode step's graph
-  replay (0.7 ms on an H200); waits that outlast it cost at most that much CPU.
+  checkpoints for a budget (``TRIO_CUDA_POLL_BUDGET_US``; by default 5000 us on CUDA
+  and 100 us on the simulated device, whose "GPU" threads need the GIL that polling
+  would hold). The loop stays hot, other tasks keep running, completion is seen within
+  one scheduler pass. The CUDA budget covers a decode step's graph replay (0.7 ms on
+  an H200) and a few 1 ms kernels queued on one stream; a wait that outlasts it costs
+  at most that much CPU, then parks.
 * **Slow path** (:class:`Notifier`): past the budget the task parks, and one helper
   thread per process watches all parked waits. The backend *arms* each event so
   that its completion posts a waker the helper blocks on without the GIL (on CUDA a
@@ -36,7 +38,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Notifier", "notifier", "wait_event"]
 
-_POLL_BUDGET_NS = int(float(os.environ.get("TRIO_CUDA_POLL_BUDGET_US", "2000")) * 1000)
+_budget_ns: int | None = None
+
+
+def poll_budget_ns() -> int:
+    """How long an awaiting task polls before parking (nanoseconds)."""
+    global _budget_ns
+    if _budget_ns is None:
+        env = os.environ.get("TRIO_CUDA_POLL_BUDGET_US")
+        us = float(env) if env else backend().poll_budget_us
+        _budget_ns = int(us * 1000)
+    return _budget_ns
 _FAULT_POLL_S = 0.02
 
 
@@ -157,7 +169,7 @@ async def wait_event(event: "Event") -> None:
     if event.query():
         await trio.lowlevel.cancel_shielded_checkpoint()
         return
-    deadline = time.perf_counter_ns() + _POLL_BUDGET_NS
+    deadline = time.perf_counter_ns() + (_budget_ns if _budget_ns is not None else poll_budget_ns())
     while True:
         await trio.lowlevel.checkpoint()
         if event.query():

@@ -203,6 +203,7 @@ class Backend(abc.ABC):
 
     name: str
     description: str
+    poll_budget_us: float  # default fast-path polling budget of an await (see _notifier)
 
     @abc.abstractmethod
     def device_count(self) -> int: ...

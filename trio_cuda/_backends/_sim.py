@@ -511,6 +511,9 @@ def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int
 
 class SimBackend(Backend):
     name = "sim"
+    # Simulated kernels run on Python threads: a long-polling trio thread would hold the
+    # GIL they need, so awaits park early.
+    poll_budget_us = 100.0
 
     def __init__(self) -> None:
         count = int(os.environ.get("TRIO_CUDA_SIM_DEVICES", "1"))
