@@ -120,10 +120,7 @@ class Lane:
     def fork(self, device: Device | None = None) -> "Lane":
         """A lane on another stream (of ``device``, default this lane's) joined at the end."""
         dev = device or self.device
-        if self.capture is not None:
-            stream = self.capture.fork_stream(dev)
-        else:
-            stream = dev.policy.next_stream() if dev is self.device else dev.policy.next_stream()
+        stream = self.capture.fork_stream(dev) if self.capture is not None else dev.policy.next_stream()
         lane = Lane(stream, self.capture)
         lane.ops = self.ops
         self.forks.append(lane)
