@@ -32,6 +32,8 @@ class _Staging:
 
     def __init__(self, device: Device, nbytes: int, holds: int) -> None:
         size = 1 << max(12, (nbytes - 1).bit_length())
+        if not device._staging_pool:
+            _prefill(device)
         pool = device._staging_pool[size]
         self.device = device
         self.buf = pool.pop() if pool else device._driver.host_alloc(size)
@@ -47,6 +49,20 @@ class _Staging:
                 if self.generation == self.device._generation:
                     self.device._staging_pool[self.size].append(self.buf)
                 self.buf = None  # type: ignore[assignment]
+
+
+# Pinned host allocation (cuMemHostAlloc) waits for the device to be idle: allocated in
+# the middle of a submission it would stall the trio loop behind running kernels (seen on
+# an H200: a 20 ms read-back waited for a 300 ms kernel on another stream). So the first
+# staging request of a device allocates a set of buffers at once (about 9 MiB pinned);
+# only larger or more numerous concurrent copies allocate later.
+_PREFILL = ((1 << 12, 32), (1 << 16, 8), (1 << 20, 4), (1 << 22, 1))
+
+
+def _prefill(device: Device) -> None:
+    pool = device._staging_pool
+    for size, count in _PREFILL:
+        pool[size].extend(device._driver.host_alloc(size) for _ in range(count))
 
 
 class _HostResult(Pending):
