@@ -35,6 +35,12 @@ class _Staging:
         if not device._staging_pool:
             _prefill(device)
         pool = device._staging_pool[size]
+        if not pool:
+            # Staging buffers come back when their stream is seen past the copy; look at
+            # every stream of the device before pinning more memory (which would stall).
+            for s in list(device._streams):
+                if s._keep and s._generation == device._generation:
+                    s.retire()
         self.device = device
         self.buf = pool.pop() if pool else device._driver.host_alloc(size)
         self.size = size
