@@ -93,14 +93,7 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-__all__ = [
-    "FIELDS",
-    "peer_raw_cuda_bindings",
-    "peer_cuda_core",
-    "peer_cupy",
-    "peer_torch",
-    "run_all",
-]
+__all__ = ["FIELDS", "PEERS", "run_all", "run_peer"]
 
 #: The keys of every result dict, in order.
 FIELDS: tuple[str, ...] = (
@@ -1029,7 +1022,16 @@ class _TorchPeer(_Peer):
 # -- public API -------------------------------------------------------------------------
 
 
-def peer_raw_cuda_bindings(
+PEERS: dict[str, type[_Peer]] = {
+    "raw_cuda_bindings": _RawBindingsPeer,  # cuda.bindings.driver, numba PTX, params packed once
+    "cuda_core": _CudaCorePeer,  # cuda.core (or cuda.core.experimental), C++ kernels
+    "cupy": _CupyPeer,  # cupy.RawKernel, streams, events
+    "torch": _TorchPeer,  # PyTorch eager x.add_(1.0); torch.cuda._sleep for the 1 ms kernels
+}
+
+
+def run_peer(
+    name: str,
     n: int = DEFAULT_N,
     reps: int = DEFAULT_REPS,
     *,
@@ -1037,14 +1039,10 @@ def peer_raw_cuda_bindings(
     n_roundtrip: int | None = None,
     device: int = 0,
 ) -> dict[str, Any]:
-    """Measures the figures through the CUDA driver API (``cuda.bindings.driver``).
-
-    Kernels are compiled to PTX by numba-cuda's ``compile_ptx`` for the device's compute
-    capability and loaded with ``cuModuleLoadData`` (linked to a cubin by nvJitLink when
-    the driver's JIT refuses the PTX); launches are ``cuLaunchKernel`` calls whose
-    kernel-parameter array (numba's 7-slot layout of one float32 array) is packed once.
+    """Measures the figures through one peer (a key of :data:`PEERS`).
 
     Args:
+        name: The peer.
         n: Launches in the chain figure.
         reps: Repetitions of the repeated figures.
         n_sync: Launches in the synchronize-after-each figure (default ``min(n, 500)``).
@@ -1055,94 +1053,12 @@ def peer_raw_cuda_bindings(
         The result dict (keys :data:`FIELDS`); ``error`` says what failed, if anything.
 
     Raises:
-        ValueError: If a count is not a positive int.
+        ValueError: If a count is not a positive int or the peer is unknown.
     """
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; one of {', '.join(PEERS)}")
     n, reps, n_sync, n_roundtrip = _resolve_counts(n, reps, n_sync, n_roundtrip)
-    return _run_peer(_RawBindingsPeer(device), n, reps, n_sync, n_roundtrip)
-
-
-def peer_cuda_core(
-    n: int = DEFAULT_N,
-    reps: int = DEFAULT_REPS,
-    *,
-    n_sync: int | None = None,
-    n_roundtrip: int | None = None,
-    device: int = 0,
-) -> dict[str, Any]:
-    """Measures the figures through ``cuda.core`` (or ``cuda.core.experimental``).
-
-    Args:
-        n: Launches in the chain figure.
-        reps: Repetitions of the repeated figures.
-        n_sync: Launches in the synchronize-after-each figure (default ``min(n, 500)``).
-        n_roundtrip: Round trips in the round-trip figure (default ``n``).
-        device: The CUDA device ordinal.
-
-    Returns:
-        The result dict (keys :data:`FIELDS`); ``error`` says what failed, if anything.
-
-    Raises:
-        ValueError: If a count is not a positive int.
-    """
-    n, reps, n_sync, n_roundtrip = _resolve_counts(n, reps, n_sync, n_roundtrip)
-    return _run_peer(_CudaCorePeer(device), n, reps, n_sync, n_roundtrip)
-
-
-def peer_cupy(
-    n: int = DEFAULT_N,
-    reps: int = DEFAULT_REPS,
-    *,
-    n_sync: int | None = None,
-    n_roundtrip: int | None = None,
-    device: int = 0,
-) -> dict[str, Any]:
-    """Measures the figures through CuPy (``cupy.RawKernel``, streams, events).
-
-    Args:
-        n: Launches in the chain figure.
-        reps: Repetitions of the repeated figures.
-        n_sync: Launches in the synchronize-after-each figure (default ``min(n, 500)``).
-        n_roundtrip: Round trips in the round-trip figure (default ``n``).
-        device: The CUDA device ordinal.
-
-    Returns:
-        The result dict (keys :data:`FIELDS`); ``error`` says what failed, if anything.
-
-    Raises:
-        ValueError: If a count is not a positive int.
-    """
-    n, reps, n_sync, n_roundtrip = _resolve_counts(n, reps, n_sync, n_roundtrip)
-    return _run_peer(_CupyPeer(device), n, reps, n_sync, n_roundtrip)
-
-
-def peer_torch(
-    n: int = DEFAULT_N,
-    reps: int = DEFAULT_REPS,
-    *,
-    n_sync: int | None = None,
-    n_roundtrip: int | None = None,
-    device: int = 0,
-) -> dict[str, Any]:
-    """Measures the figures through PyTorch eager mode (``x.add_(1.0)``).
-
-    The independent16 figures use ``torch.cuda._sleep`` calibrated to about 1 ms; where
-    that private function is missing they are ``None`` and ``error`` says so.
-
-    Args:
-        n: Launches in the chain figure.
-        reps: Repetitions of the repeated figures.
-        n_sync: Launches in the synchronize-after-each figure (default ``min(n, 500)``).
-        n_roundtrip: Round trips in the round-trip figure (default ``n``).
-        device: The CUDA device ordinal.
-
-    Returns:
-        The result dict (keys :data:`FIELDS`); ``error`` says what failed, if anything.
-
-    Raises:
-        ValueError: If a count is not a positive int.
-    """
-    n, reps, n_sync, n_roundtrip = _resolve_counts(n, reps, n_sync, n_roundtrip)
-    return _run_peer(_TorchPeer(device), n, reps, n_sync, n_roundtrip)
+    return _run_peer(PEERS[name](device), n, reps, n_sync, n_roundtrip)
 
 
 def run_all(n: int = DEFAULT_N, reps: int = DEFAULT_REPS) -> list[dict[str, Any]]:
@@ -1166,12 +1082,7 @@ def run_all(n: int = DEFAULT_N, reps: int = DEFAULT_REPS) -> list[dict[str, Any]
         ValueError: If ``n`` or ``reps`` is not a positive int.
     """
     _resolve_counts(n, reps, None, None)
-    return [
-        peer_raw_cuda_bindings(n, reps),
-        peer_cuda_core(n, reps),
-        peer_cupy(n, reps),
-        peer_torch(n, reps),
-    ]
+    return [run_peer(name, n, reps) for name in PEERS]
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ FIGURES = [
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    raw = next((r for r in rows if r["name"] == "raw cuda.bindings"), None)
+    raw = next((r for r in rows if r["name"] == "raw_cuda_bindings"), None)
     names = [r["name"] for r in rows]
     out = ["| figure | " + " | ".join(names) + " | target |", "|---" * (len(names) + 2) + "|"]
     for key, label, target in FIGURES:
@@ -169,7 +169,7 @@ def main() -> int:
 
     ours = trio.run(_trio_figures, args.n, args.reps)
     rows = [ours] + _peers.run_all(n=args.n, reps=args.reps)
-    order = ["raw cuda.bindings", "trio-cuda"]
+    order = ["raw_cuda_bindings", "trio-cuda"]
     rows.sort(key=lambda r: (order.index(r["name"]) if r["name"] in order else 2))
     dev = trio_cuda.current_device()
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -124,32 +124,45 @@ def _end(cap: _Capture, ok: bool) -> Any:
     return handle
 
 
+def _open(stream: Stream) -> _Capture:
+    """Begin a capture on ``stream`` (caller holds LOCK)."""
+    device = stream.device
+    if device._capturing:
+        raise GraphCaptureError("a graph capture is open on this device already; finish it first", device=device.ordinal)
+    device._check_usable()
+    if stream._generation != device._generation:
+        stream._attach()
+    device._flush_frees(stream)
+    stream.retire()
+    cap = _Capture(device, stream)
+    cap.begin()
+    return cap
+
+
+def _record(cap: _Capture, op: DeviceOp[T]) -> T:
+    """Walk ``op`` into the open capture (caller holds LOCK); returns its output."""
+    _tls.active = True
+    try:
+        lane = Lane(cap.stream, cap)
+        value = evaluate(op, lane)
+        lane.join()
+    finally:
+        _tls.active = False
+    return value
+
+
 def capture_op(op: DeviceOp[T], stream: Stream) -> "CudaGraph[T]":
     """Capture ``op``'s DAG on ``stream`` into a graph (``op.graph_on(stream)``)."""
     _check_not_nested("capturing a graph")
-    device = stream.device
     with LOCK:
-        if device._capturing:
-            raise GraphCaptureError("a graph capture is open on this device already; finish it first", device=device.ordinal)
-        device._check_usable()
-        if stream._generation != device._generation:
-            stream._attach()
-        device._flush_frees(stream)
-        stream.retire()
-        cap = _Capture(device, stream)
-        cap.begin()
-        _tls.active = True
+        cap = _open(stream)
         try:
-            lane = Lane(stream, cap)
-            value = evaluate(op, lane)
-            lane.join()
+            value = _record(cap, op)
         except BaseException:
-            _tls.active = False
             _end(cap, False)
             raise
-        _tls.active = False
         handle = _end(cap, True)
-    return CudaGraph._new(device, stream, handle, value, cap)
+    return CudaGraph._new(stream.device, stream, handle, value, cap)
 
 
 class CudaGraph(Generic[T]):
@@ -271,16 +284,8 @@ class GraphScope:
 
     def __enter__(self) -> "GraphScope":
         _check_not_nested("capturing a graph")
-        device = self.stream.device
         with LOCK:
-            if device._capturing:
-                raise GraphCaptureError("a graph capture is open on this device already; finish it first", device=device.ordinal)
-            device._check_usable()
-            device._flush_frees(self.stream)
-            self.stream.retire()
-            cap = _Capture(device, self.stream)
-            cap.begin()
-            self._cap = cap
+            self._cap = _open(self.stream)
         return self
 
     def record(self, op: DeviceOp[T]) -> T:
@@ -291,13 +296,7 @@ class GraphScope:
         if threading.get_ident() != self._thread:
             raise GraphCaptureError("record ops from the thread that opened the capture")
         with LOCK:
-            _tls.active = True
-            try:
-                lane = Lane(self.stream, cap)
-                value = evaluate(op, lane)
-                lane.join()
-            finally:
-                _tls.active = False
+            value = _record(cap, op)
         self._outputs.append(value)
         return value
 
