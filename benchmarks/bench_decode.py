@@ -22,16 +22,13 @@ import argparse
 import datetime as dt
 import json
 import pathlib
-import statistics
 import sys
 import time
 from typing import Any
 
-import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import api
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))

@@ -71,7 +71,7 @@ def main():
     t0 = time.perf_counter()
     print("launch bad:", name(launch(bad, streams[3])))
     cu.cuEventRecord(events[3], streams[3])
-    for step in range(12):
+    for _ in range(12):
         t = time.perf_counter() - t0
         row = {
             "sleeps": [name(cu.cuEventQuery(e)[0]) for e in events[:3]],

@@ -115,7 +115,8 @@ async def test_random_dags_match_serial_numpy(dev: trio_cuda.Device) -> None:
     assert reads_checked > 0
     assert cancelled_in_flight > 0, "no await was cancelled after submission: the test lost its point"
 
-    del tensors, t
+    tensors.clear()
+    del t
     gc.collect()
     await trio.to_thread.run_sync(settle)
     assert dev.memory_in_use() == baseline_tracked

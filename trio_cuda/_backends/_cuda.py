@@ -27,7 +27,6 @@ import hashlib
 import os
 import pathlib
 import struct
-import sys
 import threading
 import time
 from typing import Any, Sequence
