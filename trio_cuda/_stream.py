@@ -129,18 +129,6 @@ class Stream:
         self._last_event = ev
         return ev
 
-    def is_done(self, seq: int) -> bool:
-        """True if point ``seq`` is known complete (no driver call unless an event exists)."""
-        if self.done_seq >= seq:
-            return True
-        last = self._last_event
-        if last is not None and last.seq >= seq:
-            try:
-                return last.query()
-            except DeviceFault:
-                return False
-        return False
-
     def wait_for(self, other: "Stream", seq: int) -> bool:
         """Order future work on this stream after point ``seq`` of ``other``.
 

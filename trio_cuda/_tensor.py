@@ -14,7 +14,7 @@ grid from the tile grid and treats a partition argument as written.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -303,13 +303,3 @@ class Partition:
     def __repr__(self) -> str:
         return f"<trio_cuda.Partition shape={self.shape} tile={self.tile_shape} grid={self.grid} dtype={self.dtype}>"
 
-
-def tensors_in(values: Iterable[Any]) -> list[Tensor]:
-    """The tensors (and partitions' tensors) among ``values``."""
-    out = []
-    for v in values:
-        if isinstance(v, Tensor):
-            out.append(v)
-        elif isinstance(v, Partition):
-            out.append(v.tensor)
-    return out
