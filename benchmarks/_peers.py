@@ -274,13 +274,19 @@ class _Peer:
         """``k`` round trips (launch, record event, poll it); each one's nanoseconds."""
         raise NotImplementedError
 
+    _streams: Sequence[Any]  # the 4-stream pool; the first is the main stream
+
+    def _spins(self, streams: Sequence[Any]) -> None:
+        """16 spins round-robin over ``streams``, then synchronize them."""
+        raise NotImplementedError
+
     def spin_pool(self) -> None:
         """16 spins round-robin over the 4-stream pool, then synchronize the pool."""
-        raise NotImplementedError
+        self._spins(self._streams)
 
     def spin_one(self) -> None:
         """16 spins on the main stream, then synchronize it."""
-        raise NotImplementedError
+        self._spins(self._streams[:1])
 
     def read_x(self) -> list[float]:
         """Waits for all work, then reads the array back."""
@@ -641,12 +647,6 @@ class _RawBindingsPeer(_Peer):
         for s in streams:
             self._ck(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
 
-    def spin_pool(self) -> None:
-        self._spins(self._streams)
-
-    def spin_one(self) -> None:
-        self._spins(self._streams[:1])
-
     def read_x(self) -> list[float]:
         cu = self._cu
         self._ck(cu.cuCtxSynchronize(), "cuCtxSynchronize")
@@ -779,12 +779,6 @@ class _CudaCorePeer(_Peer):
         for s in streams:
             s.sync()
 
-    def spin_pool(self) -> None:
-        self._spins(self._streams)
-
-    def spin_one(self) -> None:
-        self._spins(self._streams[:1])
-
     def read_x(self) -> list[float]:
         # cuda.core's own device-to-host copy needs a host Buffer, whose API moved
         # between releases; the driver call (cuda.core depends on cuda.bindings) is
@@ -891,12 +885,6 @@ class _CupyPeer(_Peer):
         for s in streams:
             s.synchronize()
 
-    def spin_pool(self) -> None:
-        self._spins(self._streams)
-
-    def spin_one(self) -> None:
-        self._spins(self._streams[:1])
-
     def read_x(self) -> list[float]:
         self._dev.synchronize()
         return [float(v) for v in self._x.get()]
@@ -1001,12 +989,6 @@ class _TorchPeer(_Peer):
                 sleep(cycles)
         for s in streams:
             s.synchronize()
-
-    def spin_pool(self) -> None:
-        self._spins(self._streams)
-
-    def spin_one(self) -> None:
-        self._spins(self._streams[:1])
 
     def read_x(self) -> list[float]:
         self._torch.cuda.synchronize(self._dev)

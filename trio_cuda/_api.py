@@ -158,10 +158,15 @@ def _fill_pattern(value: Any, dtype: np.dtype) -> bytes | None:
     return None  # e.g. complex128: fill from the host
 
 
+def _explicit_device(device: Device | int | None) -> Device | None:
+    """The device asked for, or None: the op then runs on its submission's device."""
+    return _as_device(device) if device is not None else None
+
+
 def _constructor(shape: Any, dtype: Any, value: Any, device: Device | int | None) -> DeviceOp[Tensor]:
     shp = check_shape(shape)
     dt = check_dtype(dtype)
-    dev = _as_device(device) if device is not None else None
+    dev = _explicit_device(device)
     if value is None:
         return _Alloc(shp, dt, None, None, dev)
     try:
@@ -201,7 +206,7 @@ def arange(start: Any, stop: Any = None, step: Any = 1, dtype: Any = np.float32,
     if step == 0:
         raise ValueError("arange() step must not be zero")
     host = np.arange(start, stop, step, dtype=dt)
-    return _Alloc(host.shape, dt, None, host, _as_device(device) if device is not None else None)
+    return _Alloc(host.shape, dt, None, host, _explicit_device(device))
 
 
 def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
@@ -209,7 +214,7 @@ def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Ten
     if not isinstance(array, np.ndarray):
         raise TypeError(f"from_host() needs a numpy array, got {type(array).__name__}")
     dt = check_dtype(array.dtype)
-    return _Alloc(array.shape, dt, None, array, _as_device(device) if device is not None else None)
+    return _Alloc(array.shape, dt, None, array, _explicit_device(device))
 
 
 class _ToHost(DeviceOp[np.ndarray]):
@@ -368,4 +373,4 @@ def dup(tensor: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     """A copy of ``tensor`` (a tensor, partition or op producing one) on ``device`` (default: its own)."""
     if not isinstance(tensor, (Tensor, Partition, DeviceOp)):
         raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {type(tensor).__name__}")
-    return _Dup(tensor, _as_device(device) if device is not None else None)
+    return _Dup(tensor, _explicit_device(device))
