@@ -13,7 +13,7 @@ import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter, settle
+from .conftest import counter, settle, started
 
 SLOW_NS = 500_000_000
 
@@ -91,8 +91,7 @@ async def test_cancel_a_nursery_of_gpu_waits() -> None:
     start = time.perf_counter()
     async with trio.open_nursery() as n:
         for c in counters:
-            n.start_soon(_await, sleep(c, SLOW_NS))
-        await trio.sleep(0.05)
+            await n.start(started, sleep(c, SLOW_NS))
         n.cancel_scope.cancel()
     assert time.perf_counter() - start < 0.3
     for c in counters:
@@ -110,6 +109,3 @@ async def test_cancelled_during_a_long_dag_keeps_every_intermediate_alive() -> N
     out = await api.dup(x).to_host()
     np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
 
-
-async def _await(op: object) -> None:
-    await op  # type: ignore[misc]

@@ -45,8 +45,10 @@ def test_memory_pool_keeps_memory_and_adds_no_hidden_waits(dev: trio_cuda.Device
 
 def test_staging_memory_is_pinned(dev: trio_cuda.Device) -> None:
     cu = _cu()
+    from trio_cuda._staging import pool_of
+
     api.ones((16,)).to_host().sync()  # makes the device's staging set
-    bufs = [b for pool in dev._staging_pool.values() for b in pool]
+    bufs = [b for pool in pool_of(dev)._free.values() for b in pool]
     assert bufs
     for b in bufs[:4]:
         err, _ = cu.cuMemHostGetFlags(b.ctypes.data)
@@ -55,12 +57,14 @@ def test_staging_memory_is_pinned(dev: trio_cuda.Device) -> None:
 
 def test_events_have_timing_disabled(dev: trio_cuda.Device) -> None:
     cu = _cu()
+    from trio_cuda import lowlevel
+
     s = dev.create_stream()
     api.ones((4,)).sync_on(s)
-    a = s.event_at(s.mark())
+    a = lowlevel.record(s)
     api.ones((4,)).sync_on(s)
-    b = s.event_at(s.mark())
-    b.synchronize()
+    b = lowlevel.record(s)
+    s.synchronize()
     err, _ = cu.cuEventElapsedTime(a.handle, b.handle)
     assert err == cu.CUresult.CUDA_ERROR_INVALID_HANDLE
 

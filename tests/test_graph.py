@@ -10,6 +10,8 @@ import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import add, saxpy
 
+from .conftest import started
+
 N = 8
 
 
@@ -88,8 +90,7 @@ async def test_graph_launch_orders_after_pending_work_on_other_streams(dev: trio
         lambda _: api.memcpy(x, np.full(N, 7.0, np.float32))
     )
     async with trio.open_nursery() as n:
-        n.start_soon(_await, slow_write.schedule(a))
-        await trio.sleep(0.02)
+        await n.start(started, slow_write, a)
         await g.launch().schedule(b)
     np.testing.assert_array_equal(await z.to_host(), np.full(N, 14.0))
 
@@ -123,17 +124,39 @@ async def test_refusals_inside_a_capture(dev: trio_cuda.Device) -> None:
         api.zeros((4,)).graph()
     with pytest.raises(trio_cuda.GraphCaptureError, match="host"):
         x.to_host().graph()
+    with pytest.raises(trio_cuda.GraphCaptureError, match="allocat"):
+        add(api.empty((N,)).partition((4,)), x, x).graph()
+    # The failed captures left nothing behind: no stream is capturing, nothing ran.
+    np.testing.assert_array_equal(await z.to_host(), np.zeros(N))
+    np.testing.assert_array_equal(await api.full((2,), 3.0).to_host(), [3, 3])
+
+
+async def test_capture_is_scoped_to_its_streams_and_buffers(dev: trio_cuda.Device) -> None:
+    x, y, z = await setup()
+    other = await api.arange(N)
     with trio_cuda.capture_graph() as scope:
         scope.record(add(z.partition((4,)), x, x))
-        with pytest.raises(trio_cuda.GraphCaptureError, match="capture is open"):
-            await api.ones((2,))
-        with pytest.raises(trio_cuda.GraphCaptureError, match="open"):
+        # Unrelated work on the device keeps running during the capture.
+        np.testing.assert_array_equal(await api.full((2,), 3.0).to_host(), [3, 3])
+        np.testing.assert_array_equal(await api.dup(other).to_host(), np.arange(N, dtype=np.float32))
+        # Work that touches a buffer the open capture recorded is refused, before it runs.
+        writes_before = dev.statistics().copies
+        with pytest.raises(trio_cuda.GraphCaptureError, match="graph capture that is still open"):
+            await z.to_host()
+        with pytest.raises(trio_cuda.GraphCaptureError, match="graph capture that is still open"):
+            await api.memcpy(x, np.ones(N, np.float32))
+        assert dev.statistics().copies == writes_before
+        # So is work on the capturing stream.
+        with pytest.raises(trio_cuda.GraphCaptureError, match="recording a graph capture"):
+            await api.ones((2,)).schedule(trio_cuda.SingleStream(stream=scope.stream))
+        # And a second capture of the same buffers.
+        with pytest.raises(trio_cuda.GraphCaptureError, match="still open"):
             add(z.partition((4,)), x, x).graph()
-    # The device is usable after failed captures, and no capture is left open.
-    assert not dev._capturing
-    np.testing.assert_array_equal(await api.full((2,), 3.0).to_host(), [3, 3])
-    # Tensors' bookkeeping was restored: x is still readable, z unchanged by the capture.
+    assert scope.graph is not None
+    # After the scope, everything is usable again; nothing of the capture ran.
     np.testing.assert_array_equal(await z.to_host(), np.zeros(N))
+    await scope.graph.launch()
+    np.testing.assert_array_equal(await z.to_host(), 2 * np.arange(N))
 
 
 async def test_executing_inside_a_capture_callback_is_nested(dev: trio_cuda.Device) -> None:
@@ -144,7 +167,10 @@ async def test_executing_inside_a_capture_callback_is_nested(dev: trio_cuda.Devi
 
     with pytest.raises(trio_cuda.NestedExecutionError):
         add(z.partition((4,)), x, x).then(cb).graph()
-    assert not dev._capturing
+    # Nothing is left capturing: the same buffers can be captured and used again.
+    g = add(z.partition((4,)), x, x).graph()
+    await g.launch()
+    np.testing.assert_array_equal(await z.to_host(), 2 * np.arange(N))
 
 
 async def test_graph_keeps_its_buffers_alive() -> None:
@@ -159,6 +185,3 @@ async def test_graph_keeps_its_buffers_alive() -> None:
     await g.launch()
     np.testing.assert_array_equal(await out.to_host(), 2 * np.arange(N))
 
-
-async def _await(op: object) -> None:
-    await op  # type: ignore[misc]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda  # before numba.cuda: it chooses the backend
 from numba import cuda
@@ -164,15 +165,22 @@ async def test_decode_kernels_reject_bad_input() -> None:
         await rms_norm(api.empty((2, 40)).partition((1, 40)), api.zeros((2, 40)), x, 0.0)
 
 
-async def test_prepare_validates_and_compiles_ahead() -> None:
-    x = await api.ones((4,))
-    z = await api.zeros((4,))
+def test_prepare_validates_and_compiles_ahead() -> None:
+    x = api.ones((4,)).sync()
+    z = api.zeros((4,)).sync()
     add.prepare(z.partition((2,)), x, x)
     with pytest.raises(ValueError, match="shape"):
-        add.prepare(z.partition((2,)), x, await api.ones((5,)))
+        add.prepare(z.partition((2,)), x, api.ones((5,)).sync())
     with pytest.raises(TypeError, match="takes 3"):
         add.prepare(z.partition((2,)), x)
     with pytest.raises(ValueError, match="one device"):
         saxpy.prepare(1.0, 2.0, 3.0)
-    out = await add(z.partition((2,)), x, x).first().to_host()
+    out = add(z.partition((2,)), x, x).first().to_host().sync()
     np.testing.assert_array_equal(out, [2, 2, 2, 2])
+
+
+async def test_prepare_blocks_so_it_is_refused_inside_trio() -> None:
+    x = await api.ones((4,))
+    with pytest.raises(RuntimeError, match="would block the trio event loop"):
+        add.prepare(x.partition((2,)), x, x)
+    await trio.to_thread.run_sync(add.prepare, x.partition((2,)), x, x)

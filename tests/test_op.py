@@ -7,9 +7,10 @@ import threading
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add, saxpy
 
 from .conftest import counter
@@ -28,7 +29,7 @@ async def test_constructing_ops_does_nothing(dev: trio_cuda.Device) -> None:
     pipeline = trio_cuda.zip(op.shared(), api.arange(4).to_host()).map(lambda v: v)
     a, b = pipeline.unzip(2)
     _ = (a.first(), b.map(len), api.from_host(np.ones(3)), api.dup(api.ones(2)), api.memcpy(api.ones(2), np.ones(2, np.float32)))
-    await trio.sleep(0.05)
+    await trio.testing.wait_all_tasks_blocked()
     assert snapshot(dev) == before
 
 
@@ -101,7 +102,8 @@ def test_sync_on_uses_the_given_stream(dev: trio_cuda.Device) -> None:
     before = s.seq
     t = api.ones((4,)).sync_on(s)
     assert s.seq > before
-    assert t._buffer.writer[0] is s
+    writer, _ = lowlevel.accesses(t)
+    assert writer is not None and writer[0] is s
     with pytest.raises(TypeError, match="Stream"):
         api.ones((4,)).sync_on("stream")  # type: ignore[arg-type]
 
@@ -114,7 +116,8 @@ async def test_schedule_binds_a_stream_without_submitting(dev: trio_cuda.Device)
     assert scheduled.stream is policy.streams[0]
     assert snapshot(dev) == before
     t = await scheduled
-    assert t._buffer.writer[0] is policy.streams[0]
+    writer, _ = lowlevel.accesses(t)
+    assert writer is not None and writer[0] is policy.streams[0]
     with pytest.raises(TypeError):
         api.ones((1,)).schedule("round robin")  # type: ignore[arg-type]
 
@@ -243,14 +246,14 @@ async def test_shared_executes_once_for_any_number_and_order_of_consumers(dev: t
     before = dev.statistics().allocations
     results = []
 
-    async def consumer(i: int) -> None:
-        await trio.sleep(0.01 * (5 - i))
+    async def consumer(i: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
         t = await base
         results.append(await t.to_host())
 
     async with trio.open_nursery() as n:
         for i in range(5):
-            n.start_soon(consumer, i)
+            await n.start(consumer, i)
     assert dev.statistics().allocations == before + 1
     for r in results:
         np.testing.assert_array_equal(r, np.arange(8, dtype=np.float32))

@@ -1,4 +1,4 @@
-"""Automatic cross-stream ordering through tensors' pending writers and readers."""
+"""Automatic cross-stream ordering through buffers' pending writers and readers."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, lowlevel
 from trio_cuda.kernels import saxpy, sleep
 
-from .conftest import counter
+from .conftest import counter, started
 
 SLOW_NS = 300_000_000
 
@@ -22,8 +22,7 @@ async def test_read_on_another_stream_waits_for_the_writer(dev: trio_cuda.Device
     a, b = two_streams(dev)
     c = await counter().schedule(a)
     async with trio.open_nursery() as n:
-        n.start_soon(_await, sleep(c, SLOW_NS).schedule(a))
-        await trio.sleep(0.02)
+        await n.start(started, sleep(c, SLOW_NS), a)
         # Submitted while the writer runs on stream a; runs on stream b.
         out = await c.to_host().schedule(b)
     np.testing.assert_array_equal(out, [1])
@@ -33,12 +32,11 @@ async def test_write_on_another_stream_waits_for_readers(dev: trio_cuda.Device) 
     a, b = two_streams(dev)
     x = await api.full((4,), 1.0).schedule(a)
     y = await api.zeros((4,)).schedule(a)
-    # Slow reader of x on stream a (the sleep is the ordering source: it runs first,
-    # then the saxpy reads x), then a write to x on stream b.
+    # Slow reader of x on stream a (the sleep runs first, then the saxpy reads x), then a
+    # write to x on stream b.
     reader = sleep(counter(), SLOW_NS).then(lambda _: saxpy(1.0, x, y.partition((4,))))
     async with trio.open_nursery() as n:
-        n.start_soon(_await, reader.schedule(a))
-        await trio.sleep(0.02)
+        await n.start(started, reader, a)
         await api.memcpy(x, np.full(4, 100.0, np.float32)).schedule(b)
     # The read saw the old value of x, not 100.
     np.testing.assert_array_equal(await y.to_host(), np.full(4, 1.0, np.float32))
@@ -56,12 +54,11 @@ async def test_same_stream_chains_add_no_waits(dev: trio_cuda.Device) -> None:
     np.testing.assert_array_equal(await y.to_host().schedule(policy), np.full(8, 10.0, np.float32))
 
 
-async def test_untracked_view_opts_out(dev: trio_cuda.Device) -> None:
+async def test_untracked_view_opts_out_of_ordering(dev: trio_cuda.Device) -> None:
     a, b = two_streams(dev)
     c = await counter().schedule(a)
     async with trio.open_nursery() as n:
-        n.start_soon(_await, sleep(c, SLOW_NS).schedule(a))
-        await trio.sleep(0.02)
+        await n.start(started, sleep(c, SLOW_NS), a)
         waits = dev.statistics().stream_waits
         # The untracked read does not wait for the slow writer: it sees the old value.
         stale = await c.tensor.untracked().to_host().schedule(b)
@@ -71,14 +68,22 @@ async def test_untracked_view_opts_out(dev: trio_cuda.Device) -> None:
     np.testing.assert_array_equal(await c.to_host(), [1])
 
 
+async def test_accesses_show_the_pending_writer_and_readers(dev: trio_cuda.Device) -> None:
+    a, b = two_streams(dev)
+    x = await api.ones((4,)).schedule(a)
+    writer, readers = lowlevel.accesses(x)
+    assert writer is not None and writer[0] is a.streams[0] and readers == {}
+    await x.to_host().schedule(b)
+    writer2, readers2 = lowlevel.accesses(x)
+    assert writer2 == writer and set(readers2) == {b.streams[0]}
+
+
 async def test_zip_branches_join_before_the_consumer(dev: trio_cuda.Device) -> None:
     c1, c2 = await counter(), await counter()
     both = trio_cuda.zip(sleep(c1, SLOW_NS).first(), sleep(c2, SLOW_NS // 3).first())
     a, b = await both
-    # Both branches completed when the zip's await returned.
-    np.testing.assert_array_equal(await a.to_host(), [1])
-    np.testing.assert_array_equal(await b.to_host(), [1])
+    # Both branches completed when the zip's await returned: an untracked read (which
+    # waits for nothing) sees both increments.
+    np.testing.assert_array_equal(await a.tensor.untracked().to_host(), [1])
+    np.testing.assert_array_equal(await b.tensor.untracked().to_host(), [1])
 
-
-async def _await(op: object) -> None:
-    await op  # type: ignore[misc]

@@ -38,8 +38,11 @@ def test_single_stream_pins(dev: trio_cuda.Device) -> None:
 
 
 def test_policy_arguments_are_checked(dev: trio_cuda.Device) -> None:
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="at least 1"):
         trio_cuda.StreamPoolRoundRobin(dev, 0)
+    with pytest.raises(TypeError, match="num_streams"):
+        trio_cuda.StreamPoolRoundRobin(dev, 2.0)  # type: ignore[arg-type]
+    assert len(trio_cuda.StreamPoolRoundRobin(dev, np.int64(2)).streams) == 2
     with pytest.raises(TypeError, match="SchedulingPolicy"):
         dev.policy = "fast"  # type: ignore[assignment]
     with pytest.raises(TypeError, match="Stream"):

@@ -1,9 +1,13 @@
 """trio-cuda: CUDA work as a first-class citizen of trio's structured concurrency.
 
 Describe GPU work as lazy :class:`DeviceOp` objects, compose them with ``then``,
-``map``, :func:`zip`, ``unzip`` and ``shared``, and ``await`` them inside trio
-nurseries. The public API is everything re-exported here, plus ``trio_cuda.api``
-(tensor constructors and copies) and ``trio_cuda.kernels`` (the kernel library).
+``map``, :func:`trio_cuda.zip`, ``unzip`` and ``shared``, and ``await`` them inside
+trio nurseries. The public API is everything re-exported here, plus
+``trio_cuda.api`` (tensor constructors and copies), ``trio_cuda.lowlevel`` (streams
+and events) and ``trio_cuda.kernels`` (the kernel library).
+
+``trio_cuda.zip`` is not in ``__all__``: ``from trio_cuda import *`` must not shadow
+the builtin ``zip``.
 
 The backend (CUDA or the simulated device) is chosen when this package is imported;
 import it before ``numba.cuda``.
@@ -13,21 +17,14 @@ from ._backends import select as _select
 
 _select()
 
-from . import api  # noqa: E402
+from . import api, lowlevel  # noqa: E402
 from ._backends import backend_name  # noqa: E402
-from ._device import (  # noqa: E402
-    Device,
-    DeviceStatistics,
-    current_device,
-    device,
-    device_count,
-    devices,
-    use_device,
-)
+from ._device import Device, DeviceStatistics  # noqa: E402
 from ._errors import (  # noqa: E402
     DeviceError,
     DeviceFault,
     DeviceOutOfMemory,
+    DeviceReset,
     DeviceUnavailable,
     GraphCaptureError,
     LaunchError,
@@ -37,24 +34,25 @@ from ._errors import (  # noqa: E402
 from ._graph import CudaGraph, GraphScope, capture_graph  # noqa: E402
 from ._kernel import Kernel, kernel  # noqa: E402
 from ._op import DeviceOp, ScheduledOp, SharedOp, value, zip  # noqa: E402
+from ._registry import current_device, device, device_count, devices, use_device  # noqa: E402
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin  # noqa: E402
 from ._stream import Stream  # noqa: E402
 from ._tensor import Partition, Tensor  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CudaGraph",
-    "GraphScope",
-    "capture_graph",
     "Device",
     "DeviceError",
     "DeviceFault",
     "DeviceOp",
     "DeviceOutOfMemory",
+    "DeviceReset",
     "DeviceStatistics",
     "DeviceUnavailable",
     "GraphCaptureError",
+    "GraphScope",
     "Kernel",
     "LaunchError",
     "NestedExecutionError",
@@ -69,12 +67,13 @@ __all__ = [
     "Tensor",
     "api",
     "backend_name",
+    "capture_graph",
     "current_device",
     "device",
     "device_count",
     "devices",
     "kernel",
+    "lowlevel",
     "use_device",
     "value",
-    "zip",
 ]

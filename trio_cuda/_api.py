@@ -1,186 +1,150 @@
 """Tensor constructors and copies, as DeviceOps (re-exported as ``trio_cuda.api``).
 
-Every function here validates its arguments at once (bad input never reaches the
-device) and returns a lazy op. Constructors default to ``float32``, the GPU's
-natural type, and to the current device of the submission.
+Every function here validates what it can at once (bad input never reaches the
+device) and returns a lazy op; what depends on other ops' outputs is validated when
+the submission is planned, before anything of it is enqueued. Constructors default to
+``float32``, the GPU's natural type, and to the current device of the submission.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import numpy as np
 
-from ._device import Device, _as_device
-from ._errors import GraphCaptureError
-from ._execution import LOCK, Lane, Pending
+from ._checks import check_dtype, check_shape, is_scalar, nbytes_of
+from ._device import Device
+from ._memory import Buffer
 from ._op import DeviceOp, _tensor_of
-from ._tensor import Buffer, Partition, Tensor, check_dtype, check_shape
+from ._registry import as_device
+from ._submit import Lane, Plan, _StagingSlot
+from ._tensor import Partition, Tensor, plan_read_to_host
 
 __all__ = ["arange", "dup", "empty", "from_host", "full", "memcpy", "ones", "zeros"]
 
 
-class _Staging:
-    """Host staging memory for one copy, returned to the device's pool after its last holder.
-
-    A host-to-device copy has one holder (the stream, until the copy completes); a
-    device-to-host copy has two (the stream, and the pending host value that copies
-    the data out), so the buffer is recycled only when both are done with it.
-    """
-
-    __slots__ = ("device", "buf", "size", "holds", "generation")
-
-    def __init__(self, device: Device, nbytes: int, holds: int) -> None:
-        size = 1 << max(12, (nbytes - 1).bit_length())
-        if not device._staging_pool:
-            _prefill(device)
-        pool = device._staging_pool[size]
-        if not pool:
-            # Staging buffers come back when their stream is seen past the copy; look at
-            # every stream of the device before pinning more memory (which would stall).
-            for s in list(device._streams):
-                if s._keep and s._generation == device._generation:
-                    s.retire()
-        self.device = device
-        self.buf = pool.pop() if pool else device._driver.host_alloc(size)
-        self.size = size
-        self.holds = holds
-        self.generation = device._generation
-
-    def release(self) -> None:
-        with LOCK:
-            self.holds -= 1
-            if self.holds == 0 and self.buf is not None:
-                # Host memory pinned before a device reset went away with the context.
-                if self.generation == self.device._generation:
-                    self.device._staging_pool[self.size].append(self.buf)
-                self.buf = None  # type: ignore[assignment]
+# -- steps (enqueue time) ---------------------------------------------------------------------
+def _fill_step(lane: Lane, arg: tuple[Buffer, bytes]) -> None:
+    buf, pattern = arg
+    assert buf.ptr is not None
+    lane.write(buf)
+    lane.device._driver.fill(buf.ptr, buf.nbytes, pattern, lane.stream.handle)
+    lane.wrote(buf, lane.end())
+    lane.device._stats.copies += 1
 
 
-# Pinned host allocation (cuMemHostAlloc) waits for the device to be idle: allocated in
-# the middle of a submission it would stall the trio loop behind running kernels (seen on
-# an H200: a 20 ms read-back waited for a 300 ms kernel on another stream). So the first
-# staging request of a device allocates a set of buffers at once (about 9 MiB pinned);
-# only larger or more numerous concurrent copies allocate later.
-_PREFILL = ((1 << 12, 32), (1 << 16, 8), (1 << 20, 4), (1 << 22, 1))
+def _h2d_step(lane: Lane, arg: tuple[Tensor, Any, _StagingSlot]) -> None:
+    """Copy host data (snapshotted now, at submission) into ``t`` through staging memory."""
+    t, host, slot = arg
+    st = slot.staging
+    assert st is not None
+    data = host() if callable(host) else host
+    nbytes = slot.nbytes
+    st.buf[:nbytes] = np.ascontiguousarray(data, dtype=t.dtype).reshape(-1).view(np.uint8)
+    buf = t._buffer
+    tracked = t._tracked
+    lane.write(buf, tracked)
+    lane.device._driver.copy_h2d(t.ptr, st.buf[:nbytes], lane.stream.handle)
+    lane.keep(st)
+    lane.wrote(buf, lane.end(), tracked)
+    lane.device._stats.copies += 1
 
 
-def _prefill(device: Device) -> None:
-    pool = device._staging_pool
-    for size, count in _PREFILL:
-        pool[size].extend(device._driver.host_alloc(size) for _ in range(count))
+def _plan_h2d(plan: Plan, lane: Lane, t: Tensor, host: Any) -> None:
+    if t.nbytes:
+        slot = plan.need_staging(lane, t.nbytes, False)
+        plan.step(lane, _h2d_step, (t, host, slot))
 
 
-class _HostResult(Pending):
-    """The pending numpy array of a device-to-host copy."""
-
-    __slots__ = ("_staging",)
-
-    def __init__(self, staging: _Staging, out: np.ndarray, nbytes: int) -> None:
-        def copy_out() -> np.ndarray:
-            out.reshape(-1).view(np.uint8)[:] = staging.buf[:nbytes]
-            staging.release()
-            self._staging = None
-            return out
-
-        super().__init__(copy_out)
-        self._staging: _Staging | None = staging
-
-    def __del__(self) -> None:
-        st = self._staging
-        if st is not None:  # never resolved (cancelled): give up the host hold
-            st.release()
-
-
-def _no_capture(lane: Lane, what: str) -> None:
-    if lane.capture is not None:
-        raise GraphCaptureError(
-            f"{what} inside a graph capture: allocate tensors before capturing and capture "
-            "only kernel launches and copies into them",
-            device=lane.device.ordinal,
-        )
-
-
-def _new_tensor(lane: Lane, shape: tuple[int, ...], dtype: np.dtype, device: Device | None) -> tuple[Lane, Tensor]:
-    dev = device or lane.device
-    ln = lane.on(dev)
-    _no_capture(ln, "allocating a tensor")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    ptr = dev._alloc(nbytes, ln.stream, f"allocating a {dtype} tensor of shape {shape}") if nbytes else 0
-    return ln, Tensor._new(Buffer(dev, ptr, nbytes), shape, dtype)
-
-
-def _h2d(ln: Lane, dst_ptr: int, data: np.ndarray) -> None:
-    """Copy host ``data`` (snapshotted now) to ``dst_ptr`` through staging memory."""
-    dev = ln.device
-    nbytes = data.nbytes
-    if not nbytes:
-        return
-    st = _Staging(dev, nbytes, 1)
-    st.buf[:nbytes] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    dev._driver.copy_h2d(dst_ptr, st.buf[:nbytes], ln.stream.handle)
-    ln.keep(st)
-    dev._stats.copies += 1
-
-
+# -- constructors ----------------------------------------------------------------------------------
 class _Alloc(DeviceOp[Tensor]):
-    __slots__ = ("_shape", "_dtype", "_pattern", "_host", "_device")
+    __slots__ = ("_shape", "_dtype", "_nbytes", "_pattern", "_host", "_device")
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype, pattern: bytes | None, host: np.ndarray | None, device: Device | None) -> None:
+    def __init__(
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], pattern: bytes | None, host: Any, device: Device | None
+    ) -> None:
         super().__init__()
         self._shape = shape
         self._dtype = dtype
+        self._nbytes = nbytes_of(shape, dtype)
         self._pattern = pattern
         self._host = host
         self._device = device
 
-    def _run(self, lane: Lane, args: Any) -> Tensor:
-        ln, t = _new_tensor(lane, self._shape, self._dtype, self._device)
-        buf = t._buffer
-        s = ln.stream
-        if buf.nbytes:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Tensor:
+        ln = lane.on(self._device) if self._device is not None else lane
+        buf = plan.new_buffer(ln, self._nbytes, f"allocating a {self._dtype} tensor of shape {self._shape}")
+        t = Tensor._new(buf, self._shape, self._dtype)
+        if self._nbytes:
             if self._pattern is not None:
-                ln.device._driver.fill(buf.ptr, buf.nbytes, self._pattern, s.handle)
-                ln.device._stats.copies += 1
+                plan.step(ln, _fill_step, (buf, self._pattern))
             elif self._host is not None:
-                _h2d(ln, buf.ptr, self._host)
-        # Even an uninitialized tensor is "written" by its stream-ordered allocation.
-        ln.wrote(buf, ln.end())
+                _plan_h2d(plan, ln, t, self._host)
         return t
 
 
-def _fill_pattern(value: Any, dtype: np.dtype) -> bytes | None:
-    raw = np.array(value, dtype=dtype).tobytes()
+def _fill_pattern(value: np.ndarray) -> bytes | None:
+    """The repeating byte pattern of a 0-d array, if a device fill can write it."""
+    raw = value.tobytes()
     if raw == raw[:1] * len(raw):
         return raw[:1]
     if len(raw) in (2, 4, 8):
         return raw
-    return None  # e.g. complex128: fill from the host
+    return None  # e.g. complex128: filled from the host
+
+
+def _fill_value(fill: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """``fill`` as an array of ``dtype`` that broadcasts to ``shape`` (numpy's rules), or raise."""
+    if fill is None:
+        raise TypeError("full() needs a fill value, not None")
+    if isinstance(fill, (Tensor, Partition, DeviceOp)):
+        raise TypeError("full() takes a host scalar or array as fill value; copy device data with api.memcpy()")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", np.exceptions.ComplexWarning)
+            warnings.simplefilter("error", RuntimeWarning)
+            arr = np.asarray(fill)
+            if arr.dtype == object:
+                raise TypeError(f"not a number: {fill!r}")
+            cast = arr.astype(dtype, casting="unsafe")
+    except (TypeError, ValueError, OverflowError, np.exceptions.ComplexWarning, RuntimeWarning) as err:
+        raise ValueError(f"cannot fill a {dtype} tensor with {fill!r}: {err}") from None
+    if dtype.kind in "iub" and arr.dtype.kind in "iu" and arr.size and not np.array_equal(cast.astype(arr.dtype), arr):
+        raise ValueError(f"cannot fill a {dtype} tensor with {fill!r}: out of range of {dtype}")
+    try:
+        np.broadcast_shapes(cast.shape, shape)
+    except ValueError:
+        raise ValueError(f"fill value of shape {cast.shape} does not broadcast to the tensor shape {shape}") from None
+    if np.broadcast_shapes(cast.shape, shape) != shape:
+        raise ValueError(f"fill value of shape {cast.shape} does not broadcast to the tensor shape {shape}")
+    return cast
 
 
 def _explicit_device(device: Device | int | None) -> Device | None:
     """The device asked for, or None: the op then runs on its submission's device."""
-    return _as_device(device) if device is not None else None
+    return as_device(device) if device is not None else None
 
 
-def _constructor(shape: Any, dtype: Any, value: Any, device: Device | int | None) -> DeviceOp[Tensor]:
+def _constructor(shape: Any, dtype: Any, fill: Any, device: Device | int | None) -> DeviceOp[Tensor]:
     shp = check_shape(shape)
     dt = check_dtype(dtype)
+    nbytes_of(shp, dt)
     dev = _explicit_device(device)
-    if value is None:
-        return _Alloc(shp, dt, None, None, dev)
-    try:
-        pattern = _fill_pattern(value, dt)
-    except (TypeError, ValueError, OverflowError) as err:
-        raise ValueError(f"cannot fill a {dt} tensor with {value!r}") from err
-    if pattern is None:
-        return _Alloc(shp, dt, None, np.full(shp, value, dtype=dt), dev)
-    return _Alloc(shp, dt, pattern, None, dev)
+    value = _fill_value(fill, shp, dt)
+    if value.ndim == 0:
+        pattern = _fill_pattern(value)
+        if pattern is not None:
+            return _Alloc(shp, dt, pattern, None, dev)
+    return _Alloc(shp, dt, None, lambda: np.broadcast_to(value, shp), dev)
 
 
 def empty(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     """A new uninitialized tensor."""
-    return _constructor(shape, dtype, None, device)
+    shp = check_shape(shape)
+    dt = check_dtype(dtype)
+    return _Alloc(shp, dt, None, None, _explicit_device(device))
 
 
 def zeros(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
@@ -194,64 +158,44 @@ def ones(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = N
 
 
 def full(shape: Any, fill_value: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
-    """A new tensor filled with ``fill_value``."""
+    """A new tensor filled with ``fill_value``: a scalar, or an array that broadcasts to
+    ``shape`` (numpy's rules, as ``numpy.full``); None is refused."""
     return _constructor(shape, dtype, fill_value, device)
 
 
-def arange(start: Any, stop: Any = None, step: Any = 1, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def arange(
+    start: Any, stop: Any = None, step: Any = 1, dtype: Any = np.float32, *, device: Device | int | None = None
+) -> DeviceOp[Tensor]:
     """A new 1-D tensor of evenly spaced values, as ``numpy.arange`` (default dtype float32)."""
     dt = check_dtype(dtype)
     if stop is None:
         start, stop = 0, start
+    for name, v in (("start", start), ("stop", stop), ("step", step)):
+        if not is_scalar(v) or isinstance(v, (complex, np.complexfloating)):
+            raise TypeError(f"arange() {name} must be a real number, not {v!r}")
     if step == 0:
         raise ValueError("arange() step must not be zero")
-    host = np.arange(start, stop, step, dtype=dt)
+    if not all(math.isfinite(float(v)) for v in (start, stop, step)):
+        raise ValueError(f"arange() needs finite start, stop and step, got {start!r}, {stop!r}, {step!r}")
+    n = max(0, math.ceil((float(stop) - float(start)) / float(step)))
+    nbytes_of((n,), dt)
+    try:
+        host = np.arange(start, stop, step, dtype=dt)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"arange() cannot make {dt} values: {err}") from None
     return _Alloc(host.shape, dt, None, host, _explicit_device(device))
 
 
 def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
-    """A new tensor holding a copy of a numpy array (taken when the op is submitted)."""
+    """A new tensor holding a copy of a numpy array (read when the op is submitted)."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"from_host() needs a numpy array, got {type(array).__name__}")
     dt = check_dtype(array.dtype)
     return _Alloc(array.shape, dt, None, array, _explicit_device(device))
 
 
-class _ToHost(DeviceOp[np.ndarray]):
-    __slots__ = ()
-
-    def __init__(self, src: DeviceOp[Any]) -> None:
-        super().__init__((src,))
-
-    def _run(self, lane: Lane, args: Any) -> Pending:
-        t = _tensor_of(args[0], "to_host()")
-        return _d2h(lane, t, np.empty(t.shape, dtype=t.dtype))
-
-
-def _d2h(lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
-    t._check_live()
-    ln = lane.on(t.device)
-    _no_capture(ln, "copying to host memory")
-    nbytes = t.nbytes
-    lane.pending += 1
-    if not nbytes:
-        return Pending(lambda: out)
-    buf = t._buffer
-    if t._tracked:
-        ln.read(buf)
-    dev = ln.device
-    st = _Staging(dev, nbytes, 2)
-    s = ln.stream
-    dev._driver.copy_d2h(st.buf[:nbytes], t.ptr, s.handle)
-    ln.keep(st)
-    seq = ln.end()
-    if t._tracked:
-        ln.was_read(buf, seq)
-    dev._stats.copies += 1
-    return _HostResult(st, out, nbytes)
-
-
-def _check_same(dst_shape: tuple[int, ...], dst_dtype: np.dtype, src_shape: tuple[int, ...], src_dtype: np.dtype) -> None:
+# -- copies -------------------------------------------------------------------------------------------
+def _check_same(dst_shape: tuple[int, ...], dst_dtype: np.dtype[Any], src_shape: tuple[int, ...], src_dtype: np.dtype[Any]) -> None:
     if dst_dtype != src_dtype:
         raise TypeError(f"memcpy() dtype mismatch: destination {dst_dtype}, source {src_dtype}")
     if dst_shape != src_shape:
@@ -269,6 +213,50 @@ def _as_copy_end(x: Any, what: str) -> Any:
     raise TypeError(f"memcpy() {what} must be a Tensor, a numpy array or a DeviceOp, got {type(x).__name__}")
 
 
+def _check_host_dst(dst: np.ndarray) -> None:
+    if not (dst.flags.c_contiguous and dst.flags.writeable):
+        raise ValueError("memcpy() into a host array needs a writable C-contiguous array")
+
+
+def _d2d_step(lane: Lane, arg: tuple[Tensor, Tensor]) -> None:
+    dst, src = arg
+    dbuf, sbuf = dst._buffer, src._buffer
+    lane.read(sbuf, src._tracked)
+    lane.write(dbuf, dst._tracked)
+    if dst.nbytes:
+        drv = lane.device._driver
+        if src.device is dst.device:
+            drv.copy_d2d(dst.ptr, src.ptr, dst.nbytes, lane.stream.handle)
+        else:
+            drv.copy_peer(dst.ptr, src.device._driver, src.ptr, dst.nbytes, lane.stream.handle)
+        lane.device._stats.copies += 1
+    seq = lane.end()
+    lane.wrote(dbuf, seq, dst._tracked)
+    lane.was_read(sbuf, seq, src._tracked)
+
+
+def _plan_copy(plan: Plan, lane: Lane, dst: Any, src: Any) -> Any:
+    """Plan ``dst <- src`` (tensors or host arrays, shapes and dtypes checked)."""
+    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
+        raise TypeError("memcpy() between two host arrays: use numpy")
+    _check_same(dst.shape, dst.dtype, src.shape, src.dtype)
+    if isinstance(dst, np.ndarray):
+        _check_host_dst(dst)
+        return plan_read_to_host(plan, lane, src, dst)
+    plan.use(dst._buffer, repr(dst))
+    if not dst.is_contiguous:
+        raise ValueError(f"memcpy() into a non-contiguous view of shape {dst.shape}")
+    ln = lane.on(dst.device)
+    if isinstance(src, np.ndarray):
+        _plan_h2d(plan, ln, dst, src)
+    else:
+        plan.use(src._buffer, repr(src))
+        if not src.is_contiguous:
+            raise ValueError(f"memcpy() from a non-contiguous view of shape {src.shape}")
+        plan.step(ln, _d2d_step, (dst, src))
+    return dst
+
+
 class _Memcpy(DeviceOp[Any]):
     __slots__ = ("_dst", "_src")
 
@@ -278,47 +266,11 @@ class _Memcpy(DeviceOp[Any]):
         self._dst = dst
         self._src = src
 
-    def _run(self, lane: Lane, args: Any) -> Any:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         it = iter(args)
         dst = next(it) if isinstance(self._dst, DeviceOp) else self._dst
         src = next(it) if isinstance(self._src, DeviceOp) else self._src
-        dst = _as_copy_end(dst, "destination")
-        src = _as_copy_end(src, "source")
-        if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-            raise TypeError("memcpy() between two host arrays: use numpy")
-        _check_same(dst.shape, dst.dtype, src.shape, src.dtype)
-        if isinstance(dst, np.ndarray):
-            if not (dst.flags.c_contiguous and dst.flags.writeable):
-                raise ValueError("memcpy() into a host array needs a writable C-contiguous array")
-            return _d2h(lane, src, dst)
-        dst._check_live()
-        ln = lane.on(dst.device)
-        s = ln.stream
-        dbuf = dst._buffer
-        if isinstance(src, np.ndarray):
-            if dst._tracked:
-                ln.write(dbuf)
-            _h2d(ln, dst.ptr, src)
-        else:
-            src._check_live()
-            sbuf = src._buffer
-            if src._tracked:
-                ln.read(sbuf)
-            if dst._tracked:
-                ln.write(dbuf)
-            if dst.nbytes:
-                drv = ln.device._driver
-                if src.device is dst.device:
-                    drv.copy_d2d(dst.ptr, src.ptr, dst.nbytes, s.handle)
-                else:
-                    drv.copy_peer(dst.ptr, src.device._driver, src.ptr, dst.nbytes, s.handle)
-                ln.device._stats.copies += 1
-        seq = ln.end()
-        if dst._tracked:
-            ln.wrote(dbuf, seq)
-        if not isinstance(src, np.ndarray) and src._tracked:
-            ln.was_read(src._buffer, seq)
-        return dst
+        return _plan_copy(plan, lane, _as_copy_end(dst, "destination"), _as_copy_end(src, "source"))
 
 
 def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
@@ -334,8 +286,8 @@ def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
         if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
             raise TypeError("memcpy() between two host arrays: use numpy")
         _check_same(dst.shape, dst.dtype, src.shape, src.dtype)
-        if isinstance(dst, np.ndarray) and not (dst.flags.c_contiguous and dst.flags.writeable):
-            raise ValueError("memcpy() into a host array needs a writable C-contiguous array")
+        if isinstance(dst, np.ndarray):
+            _check_host_dst(dst)
     return _Memcpy(dst, src)
 
 
@@ -347,25 +299,15 @@ class _Dup(DeviceOp[Tensor]):
         self._src = src
         self._device = device
 
-    def _run(self, lane: Lane, args: Any) -> Tensor:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Tensor:
         src = _tensor_of(args[0] if args else self._src, "dup()")
-        src._check_live()
+        plan.use(src._buffer, repr(src))
+        if not src.is_contiguous:
+            raise ValueError(f"dup() of a non-contiguous view of shape {src.shape}")
         target = self._device or src.device
-        ln, t = _new_tensor(lane, src.shape, src.dtype, target)
-        s = ln.stream
-        if src._tracked:
-            ln.read(src._buffer)
-        if t.nbytes:
-            drv = target._driver
-            if src.device is target:
-                drv.copy_d2d(t.ptr, src.ptr, t.nbytes, s.handle)
-            else:
-                drv.copy_peer(t.ptr, src.device._driver, src.ptr, t.nbytes, s.handle)
-            target._stats.copies += 1
-        seq = ln.end()
-        ln.wrote(t._buffer, seq)
-        if src._tracked:
-            ln.was_read(src._buffer, seq)
+        ln = lane.on(target)
+        t = Tensor._new(plan.new_buffer(ln, src.nbytes, f"copying a {src.dtype} tensor of shape {src.shape}"), src.shape, src.dtype)
+        plan.step(ln, _d2d_step, (t, src))
         return t
 
 
@@ -374,3 +316,4 @@ def dup(tensor: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     if not isinstance(tensor, (Tensor, Partition, DeviceOp)):
         raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {type(tensor).__name__}")
     return _Dup(tensor, _explicit_device(device))
+

@@ -1,39 +1,43 @@
-"""Devices: the current device, per-device policies, memory, reset.
+"""Devices: streams, memory, events, faults and reset of one GPU (or simulated GPU).
 
-``Device`` objects are per-process singletons obtained from :func:`devices`,
-:func:`device` or :func:`current_device`; the current device is a context
-variable, so it is per trio task (inherited by children) and per thread.
+``Device`` objects are per-process singletons obtained from :func:`trio_cuda.devices`,
+:func:`trio_cuda.device` or :func:`trio_cuda.current_device`.
+
+Ownership. A device owns its driver, its generation (bumped by :meth:`Device.reset`),
+its streams' driver handles, its pooled events, its memory accounting and deferred
+frees. All of it changes only under the runtime lock (:data:`trio_cuda._guard.LOCK`).
+Finalizers (of buffers, streams, events) never lock: they append to lock-free queues
+that the device drains under the lock at its next operation.
+
+Reset contract. :meth:`Device.reset` first bumps the generation (under the lock), so
+every event, buffer, graph and waiter of the old generation knows it is stale; wakes
+every waiter (blocking and trio) so each raises :class:`DeviceReset`; waits for host
+reads of pinned memory in progress; and only then resets the driver (under the
+device's slow lock, not the runtime lock: other devices keep working meanwhile).
+Submissions to a device being reset are refused at once with DeviceUnavailable.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import threading
+import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
-from ._backends import backend
-from ._backends._boundary import DeviceDriver
-from ._errors import DeviceFault, DeviceOutOfMemory
-from ._stream import Stream
+from ._backends._boundary import DeviceDriver, Waker
+from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable
+from ._guard import LOCK, check_blocking_allowed
+from ._stream import Event, Stream
 
 if TYPE_CHECKING:
     from ._scheduling import SchedulingPolicy
 
-__all__ = [
-    "Device",
-    "DeviceStatistics",
-    "current_device",
-    "device",
-    "device_count",
-    "devices",
-    "use_device",
-]
+__all__ = ["Device", "DeviceStatistics", "set_default_policy_factory"]
+
+_SPIN_NS = 100_000  # a blocking wait spins this long before sleeping on a waker
+_REPOLL_S = 0.02  # a sleeping wait re-polls this often (a faulted device posts nothing)
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class DeviceStatistics:
     Attributes:
         ordinal: The device ordinal.
         backend: ``"cuda"`` or ``"sim"``.
+        generation: How many times the device was reset.
         submissions: DAG submissions so far.
         launches: Kernel launches enqueued.
         graph_launches: CUDA graph replays enqueued.
@@ -51,12 +56,17 @@ class DeviceStatistics:
         copies: Copies and fills enqueued.
         stream_waits: Cross-stream waits enqueued by dependency tracking and joins.
         bytes_in_use: Bytes of live device buffers plus frees not yet enqueued.
-        streams: Streams created on the device.
+        streams: Live streams of the device.
+        streams_destroyed: Streams destroyed because nothing referenced them any more.
+        staging_bytes: Pinned host staging memory held for this device (idle or lent).
+        staging_pins: Pinned buffers allocated for it so far.
+        staging_unpins: Pinned buffers released (idle beyond the cap).
         faulted: Whether the device is faulted (and refuses work until reset).
     """
 
     ordinal: int
     backend: str
+    generation: int
     submissions: int
     launches: int
     graph_launches: int
@@ -66,39 +76,81 @@ class DeviceStatistics:
     stream_waits: int
     bytes_in_use: int
     streams: int
+    streams_destroyed: int
+    staging_bytes: int
+    staging_pins: int
+    staging_unpins: int
     faulted: bool
 
 
 class _Counters:
-    __slots__ = ("submissions", "launches", "graph_launches", "allocations", "frees", "copies", "stream_waits")
+    __slots__ = (
+        "submissions",
+        "launches",
+        "graph_launches",
+        "allocations",
+        "frees",
+        "copies",
+        "stream_waits",
+        "streams_destroyed",
+        "staging_bytes",
+        "staging_pins",
+        "staging_unpins",
+    )
 
     def __init__(self) -> None:
         self.submissions = self.launches = self.graph_launches = self.allocations = 0
-        self.frees = self.copies = self.stream_waits = 0
+        self.frees = self.copies = self.stream_waits = self.streams_destroyed = 0
+        self.staging_bytes = self.staging_pins = self.staging_unpins = 0
+
+
+_default_policy_factory: "Callable[[Device], SchedulingPolicy] | None" = None
+
+
+def set_default_policy_factory(factory: "Callable[[Device], SchedulingPolicy]") -> None:
+    """Set how a device makes its default policy (the scheduling layer registers
+    StreamPoolRoundRobin here: devices do not know the policies)."""
+    global _default_policy_factory
+    _default_policy_factory = factory
 
 
 class Device:
-    """One GPU (or simulated GPU). Get devices from :func:`devices` / :func:`device`."""
+    """One GPU (or simulated GPU). Get devices from :func:`trio_cuda.devices` / :func:`trio_cuda.device`.
+
+    Attributes:
+        ordinal: The device ordinal.
+        generation: Bumped by each :meth:`reset`; objects of an older generation are stale.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Device cannot be constructed directly; use trio_cuda.device(i) or trio_cuda.devices()")
 
     @classmethod
-    def _new(cls, ordinal: int, driver: DeviceDriver, backend_name: str) -> "Device":
+    def _new(cls, ordinal: int, driver: DeviceDriver, backend_name: str, new_waker: Callable[[], Waker]) -> "Device":
         self = object.__new__(cls)
         self.ordinal = ordinal
         self._driver = driver
         self._backend_name = backend_name
-        self._generation = 0
-        self._lock = threading.RLock()
-        self._event_pool: list[Any] = []
+        self._new_waker = new_waker
+        self.generation = 0
+        self._resetting = False
+        self._slow_lock = threading.Lock()
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self._utility: Stream | None = None
         self._policy: SchedulingPolicy | None = None
-        self._pending_frees: collections.deque[tuple[int, int, Any]] = collections.deque()
-        self._staging_pool: collections.defaultdict[int, list[np.ndarray]] = collections.defaultdict(list)
+        # Lock-free queues, filled by finalizers and drained under LOCK.
+        self._dead_streams: collections.deque[tuple[int, Any, collections.deque[tuple[int, Any]]]] = collections.deque()
+        self._lingering: list[tuple[Any, collections.deque[tuple[int, Any]]]] = []
+        self._event_pool: collections.deque[tuple[int, Any]] = collections.deque()
+        self._dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]]]] = collections.deque()
+        self._dead_graphs: collections.deque[tuple[int, Any]] = collections.deque()
         self._bytes_in_use = 0
         self._stats = _Counters()
-        self._capturing = 0
+        self._reset_callbacks: list[Callable[[Device], None]] = []
+        self._blocking: set[Waker] = set()
+        self._idle_wakers: list[Waker] = []
+        self._host_cond = threading.Condition(threading.Lock())
+        self._host_readers = 0
         return self
 
     # -- identity ---------------------------------------------------------------
@@ -117,50 +169,135 @@ class Device:
         """Total device memory in bytes."""
         return self._driver.total_memory
 
+    @property
+    def backend(self) -> str:
+        """``"cuda"`` or ``"sim"``."""
+        return self._backend_name
+
     def __repr__(self) -> str:
         return f"<trio_cuda.Device {self.ordinal}: {self.name}>"
 
-    # -- streams and policy -----------------------------------------------------
+    # -- streams ------------------------------------------------------------------
     def create_stream(self) -> Stream:
-        """A new stream on this device."""
-        with self._lock:
-            self._check_usable()
-            s = Stream._new(self)
+        """A new stream on this device, destroyed when nothing references it any more."""
+        with LOCK:
+            self.check_usable()
+            self._housekeeping()
+            s = Stream._new(self, self._driver.create_stream())
             self._streams.add(s)
             return s
 
+    def _current_stream(self, s: Stream) -> None:
+        """Give ``s`` a driver stream of the current generation (after a reset). Under LOCK."""
+        if s.generation != self.generation:
+            s._bind(self._driver.create_stream())
+
+    def _utility_stream(self) -> Stream:
+        """An internal stream no policy or capture uses (deferred frees). Under LOCK."""
+        u = self._utility
+        if u is None:
+            u = self._utility = Stream._new(self, self._driver.create_stream())
+            self._streams.add(u)
+        else:
+            self._current_stream(u)
+        return u
+
+    def _recycle_stream(self, generation: int, handle: Any, keep: "collections.deque[tuple[int, Any]]") -> None:
+        # Called from Stream.__del__ in any thread: no lock, just queue it.
+        self._dead_streams.append((generation, handle, keep))
+
+    def _recycle_event(self, generation: int, handle: Any) -> None:
+        # Called from Event.__del__ in any thread: no lock, just queue it.
+        self._event_pool.append((generation, handle))
+
+    def _event_handle(self) -> Any:
+        """A pooled event handle of the current generation (under LOCK)."""
+        pool = self._event_pool
+        gen = self.generation
+        while pool:
+            g, h = pool.pop()
+            if g == gen:
+                return h
+        return self._driver.create_event()
+
+    def _recycle_graph(self, generation: int, handle: Any) -> None:
+        # Called from CudaGraph.__del__ in any thread: no lock, just queue it.
+        self._dead_graphs.append((generation, handle))
+
+    def _housekeeping(self) -> None:
+        """Destroy streams and graphs nothing references any more (under LOCK)."""
+        gen = self.generation
+        if self._resetting:
+            return
+        dead = self._dead_streams
+        while dead:
+            g, handle, keep = dead.popleft()
+            if g == gen:
+                if keep:
+                    # Its last work may still run: hold what it uses until an event says done.
+                    ev = self._event_handle()
+                    self._driver.record(ev, handle)
+                    self._lingering.append((ev, keep))
+                self._driver.destroy_stream(handle)
+                self._stats.streams_destroyed += 1
+        if self._lingering:
+            still = []
+            for ev, keep in self._lingering:
+                try:
+                    done = self._driver.query(ev)
+                except DeviceError:
+                    done = False  # a fault: kept until the reset drops everything
+                if done:
+                    self._event_pool.append((gen, ev))
+                    for _, obj in keep:
+                        release = getattr(obj, "stream_done", None)
+                        if release is not None:
+                            release()
+                else:
+                    still.append((ev, keep))
+            self._lingering = still
+        graphs = self._dead_graphs
+        while graphs:
+            g, handle = graphs.popleft()
+            if g == gen:
+                self._driver.graph_destroy(handle)  # replays in flight finish first
+
+    # -- policy -------------------------------------------------------------------
     @property
     def policy(self) -> "SchedulingPolicy":
         """The scheduling policy ``await op`` and ``op.sync()`` use on this device.
 
-        Defaults to :class:`StreamPoolRoundRobin` over 4 streams. Assign another
-        policy (for this device) to change it.
+        Defaults to :class:`~trio_cuda.StreamPoolRoundRobin` over 4 streams. Assign
+        another policy (for this device) to change it.
         """
-        if self._policy is None:
-            from ._scheduling import StreamPoolRoundRobin
-
-            with self._lock:
-                if self._policy is None:
-                    self._policy = StreamPoolRoundRobin(self)
-        return self._policy
+        p = self._policy
+        if p is None:
+            with LOCK:
+                p = self._policy
+                if p is None:
+                    assert _default_policy_factory is not None, "trio_cuda._scheduling is not imported"
+                    p = self._policy = _default_policy_factory(self)
+        return p
 
     @policy.setter
     def policy(self, policy: "SchedulingPolicy") -> None:
-        from ._scheduling import SchedulingPolicy
-
-        if not isinstance(policy, SchedulingPolicy):
+        device = getattr(policy, "device", None)
+        if not callable(getattr(policy, "next_stream", None)) or device is None:
             raise TypeError(f"expected a SchedulingPolicy, got {policy!r}")
-        if policy.device is not self:
-            raise ValueError(f"the policy schedules on device {policy.device.ordinal}, not device {self.ordinal}")
+        if device is not self:
+            raise ValueError(f"the policy schedules on device {device.ordinal}, not device {self.ordinal}")
         self._policy = policy
 
-    # -- faults -----------------------------------------------------------------
+    # -- faults and reset -----------------------------------------------------------
     @property
     def is_faulted(self) -> bool:
-        """True after an asynchronous fault, until :meth:`reset`."""
+        """True after an asynchronous fault, until a successful :meth:`reset`."""
         return self._driver.fault() is not None
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise if the device cannot take work now (faulted, or being reset)."""
+        if self._resetting:
+            raise DeviceUnavailable("the device is being reset; submit again once reset() returns", device=self.ordinal)
         fault = self._driver.fault()
         if fault is not None:
             raise DeviceFault(
@@ -170,68 +307,115 @@ class Device:
                 op=getattr(fault, "op", None),
             ) from fault
 
+    def on_reset(self, callback: Callable[["Device"], None]) -> None:
+        """Call ``callback(device)`` right after each reset bumps the generation (any thread;
+        it must not block). Used by the notifier and the staging pools."""
+        with LOCK:
+            self._reset_callbacks.append(callback)
+
     def reset(self) -> None:
-        """Discard the device's state and clear a fault.
+        """Discard the device's state and clear a fault (plain code only; blocks).
 
-        All memory of the device is released: tensors allocated before the reset can
-        no longer be used. Streams (and policies) keep working with fresh driver streams.
-        Tasks still waiting on work of this device get :class:`DeviceFault`.
+        All memory of the device is released: tensors, graphs and events made before
+        the reset refuse use. Streams (and policies) keep working with fresh driver
+        streams. Every task or thread still waiting for work of this device gets
+        :class:`DeviceReset`. Other devices keep working during the reset.
+
+        Raises:
+            DeviceFault: The driver cannot bring the device back in this process (on CUDA,
+                after an illegal address: the process must be restarted).
+            DeviceUnavailable: Another reset of this device is in progress.
         """
-        with self._lock:
-            self._driver.reset()
-            self._generation += 1
+        check_blocking_allowed("Device.reset()")
+        with LOCK:
+            if self._resetting:
+                raise DeviceUnavailable("a reset of this device is already in progress", device=self.ordinal)
+            self._resetting = True
+            self.generation += 1
             self._event_pool.clear()
-            self._pending_frees.clear()
-            self._staging_pool.clear()
+            self._dead_streams.clear()
+            self._dead_graphs.clear()
+            self._lingering = []
             self._bytes_in_use = 0
-            self._capturing = 0
-            for s in list(self._streams):
-                s._attach()
-        from ._notifier import notifier
+            wakers = list(self._blocking)
+            callbacks = list(self._reset_callbacks)
+        try:
+            for w in wakers:
+                w.post()
+            for cb in callbacks:
+                cb(self)
+            with self._host_cond:  # host reads of the old generation's pinned memory
+                while self._host_readers:
+                    self._host_cond.wait()
+            with self._slow_lock:
+                self._driver.reset()
+        finally:
+            with LOCK:
+                self._resetting = False
 
-        notifier().device_reset(self)
+    def begin_host_read(self, generation: int) -> bool:
+        """Start reading pinned host memory of ``generation``; False if it is gone (reset)."""
+        with self._host_cond:
+            if generation != self.generation:
+                return False
+            self._host_readers += 1
+            return True
 
-    # -- memory -----------------------------------------------------------------
-    def _alloc(self, nbytes: int, stream: Stream, what: str = "allocation") -> int:
-        """Stream-ordered allocation; on exhaustion, flush frees, synchronize and retry once."""
-        self._flush_frees(stream)
+    def end_host_read(self) -> None:
+        with self._host_cond:
+            self._host_readers -= 1
+            if not self._host_readers:
+                self._host_cond.notify_all()
+
+    # -- memory -----------------------------------------------------------------------
+    def _alloc(self, nbytes: int, stream: Stream, what: str) -> int:
+        """Stream-ordered allocation (under LOCK). Raises DeviceOutOfMemory."""
         try:
             ptr = self._driver.alloc(nbytes, stream.handle)
-        except DeviceOutOfMemory:
-            self._synchronize_locked()
-            try:
-                ptr = self._driver.alloc(nbytes, stream.handle)
-            except DeviceOutOfMemory as err:
-                raise DeviceOutOfMemory(err.message, device=self.ordinal, op=what) from None
+        except DeviceOutOfMemory as err:
+            raise DeviceOutOfMemory(err.message, device=self.ordinal, op=what) from None
         self._bytes_in_use += nbytes
         self._stats.allocations += 1
         return ptr
 
-    def _defer_free(self, ptr: int, nbytes: int, generation: int, accesses: Any) -> None:
-        # Called from Buffer.__del__, possibly in any thread and in the middle of a
-        # submission: only record the free; it is enqueued at the next safe point.
-        self._pending_frees.append((ptr, nbytes, (generation, accesses)))
+    def _free_now(self, ptr: int, nbytes: int, stream: Stream) -> None:
+        """Free an allocation no work has used yet (under LOCK)."""
+        self._driver.free(ptr, stream.handle)
+        self._bytes_in_use -= nbytes
+        self._stats.frees += 1
 
-    def _flush_frees(self, stream: Stream | None = None) -> None:
-        """Enqueue deferred frees, each after every pending access to its memory."""
-        pending = self._pending_frees
-        if not pending or self._capturing:
+    def _defer_free(self, generation: int, ptr: int, nbytes: int, accesses: list[tuple[Stream, int]]) -> None:
+        # Called from Buffer.__del__ in any thread: no lock, just queue it.
+        self._dead_buffers.append((generation, ptr, nbytes, accesses))
+
+    def flush_frees(self) -> None:
+        """Enqueue deferred frees, each after every pending access to its memory (under LOCK)."""
+        pending = self._dead_buffers
+        if not pending or self._resetting:
             return
+        gen = self.generation
         while pending:
-            ptr, nbytes, (generation, accesses) = pending.popleft()
-            if generation != self._generation:
+            g, ptr, nbytes, accesses = pending.popleft()
+            if g != gen:
                 continue  # memory of a reset device is gone already
             self._bytes_in_use -= nbytes
-            # Free on the stream of the last writer (or of the caller), after every reader.
+            # Free on the stream of the last writer if it is usable, else on the utility
+            # stream; after every pending access (of any stream, any device).
             target = None
             for s, _ in accesses:
-                if s.device is self and s._generation == self._generation:
+                if s.device is self and s.generation == gen and s.capture is None:
                     target = s
                     break
             if target is None:
-                target = stream if stream is not None else self.policy.next_stream()
+                target = self._utility_stream()
             for s, seq in accesses:
-                target.wait_for(s, seq)
+                other = s.device
+                if s.generation != other.generation or other._resetting:
+                    continue
+                try:
+                    target.wait_for(s, seq)
+                except DeviceError:
+                    pass  # the other device faulted: its work will never touch this memory
             self._driver.free(ptr, target.handle)
             target.mark()
             self._stats.frees += 1
@@ -242,26 +426,93 @@ class Device:
 
     def mem_info(self) -> tuple[int, int]:
         """(free, total) device memory in bytes, as the driver reports it."""
-        return self._driver.mem_info()
+        with LOCK:
+            self.check_usable()
+            return self._driver.mem_info()
 
-    # -- whole-device operations ------------------------------------------------
-    def _synchronize_locked(self) -> None:
-        for s in list(self._streams):
-            if s._generation == self._generation and s.seq > s.done_seq:
-                s.event_at(s.mark()).synchronize()
-                s.retire()
+    # -- completion ---------------------------------------------------------------------
+    def poll(self, ev: Event) -> bool:
+        """True if ``ev`` has completed (non-blocking; any thread).
+
+        Raises:
+            DeviceReset: The device was reset after the event was recorded.
+            DeviceFault: The work before the event failed, or the device faulted.
+        """
+        if ev.done:
+            return True
+        with LOCK:
+            if ev.generation != self.generation:
+                raise DeviceReset(
+                    "the device was reset while this work was pending; its results are gone",
+                    device=self.ordinal,
+                )
+            if self._driver.query(ev.handle):
+                ev.done = True
+                ev.stream.observe(ev.seq)
+                return True
+        return False
+
+    def arm(self, ev: Event, waker: Waker) -> bool:
+        """Have ``waker`` posted when ``ev`` completes; False if it already has (or is stale)."""
+        with LOCK:
+            if ev.done or ev.generation != self.generation:
+                return False
+            self._driver.arm(ev.handle, ev.stream.handle, waker)
+            return True
+
+    def wait_blocking(self, ev: Event) -> None:
+        """Block the calling (non-trio) thread until ``ev`` completes.
+
+        Spins briefly, then sleeps on a waker the event posts (re-polling every 20 ms,
+        because a faulted device posts nothing). A reset posts it too.
+
+        Raises:
+            DeviceReset, DeviceFault: as :meth:`poll`.
+        """
+        deadline = time.perf_counter_ns() + _SPIN_NS
+        while not self.poll(ev):
+            if time.perf_counter_ns() > deadline:
+                break
+        else:
+            return
+        with LOCK:
+            waker = self._idle_wakers.pop() if self._idle_wakers else self._new_waker()
+            self._blocking.add(waker)
+        try:
+            self.arm(ev, waker)
+            while not self.poll(ev):
+                waker.wait(_REPOLL_S)
+        finally:
+            with LOCK:
+                self._blocking.discard(waker)
+                # A post may still arrive later; the next user re-polls after every wake.
+                self._idle_wakers.append(waker)
 
     def synchronize(self) -> None:
         """Block until all work enqueued on the device's streams has completed (plain code only).
 
         Also enqueues deferred frees first, so memory of dropped tensors returns to the pool.
-        """
-        from ._execution import check_blocking_allowed
 
+        Raises:
+            DeviceFault: Work of the device failed.
+            DeviceReset: The device was reset meanwhile.
+        """
         check_blocking_allowed("Device.synchronize()")
-        with self._lock:
-            self._flush_frees()
-            self._synchronize_locked()
+        with LOCK:
+            self.check_usable()
+            self.flush_frees()
+            self._housekeeping()
+            events = self.pending_events()
+        for ev in events:
+            self.wait_blocking(ev)
+        with LOCK:
+            for s in list(self._streams):
+                if s.generation == self.generation:
+                    s.retire()
+
+    def pending_events(self) -> list[Event]:
+        """An event at the current point of each stream with unfinished work (under LOCK)."""
+        return [s.event_at(s.seq) for s in list(self._streams) if s.generation == self.generation and s.seq > s.done_seq and s.capture is None]
 
     def statistics(self) -> DeviceStatistics:
         """A frozen snapshot of this device's counters."""
@@ -269,6 +520,7 @@ class Device:
         return DeviceStatistics(
             ordinal=self.ordinal,
             backend=self._backend_name,
+            generation=self.generation,
             submissions=c.submissions,
             launches=c.launches,
             graph_launches=c.graph_launches,
@@ -276,75 +528,11 @@ class Device:
             frees=c.frees,
             copies=c.copies,
             stream_waits=c.stream_waits,
-            bytes_in_use=self._bytes_in_use,
+            bytes_in_use=self.memory_in_use(),
             streams=len(self._streams),
+            streams_destroyed=c.streams_destroyed,
+            staging_bytes=c.staging_bytes,
+            staging_pins=c.staging_pins,
+            staging_unpins=c.staging_unpins,
             faulted=self.is_faulted,
         )
-
-
-_devices: list[Device] | None = None
-_devices_lock = threading.Lock()
-_current: contextvars.ContextVar[Device | None] = contextvars.ContextVar("trio_cuda_current_device", default=None)
-
-
-def devices() -> list[Device]:
-    """All devices of the selected backend (the first call opens the backend)."""
-    global _devices
-    if _devices is None:
-        with _devices_lock:
-            if _devices is None:
-                b = backend()
-                _devices = [Device._new(i, b.driver(i), b.name) for i in range(b.device_count())]
-    return list(_devices)
-
-
-def device_count() -> int:
-    """The number of devices."""
-    return len(devices())
-
-
-def device(ordinal: int) -> Device:
-    """The device with the given ordinal.
-
-    Raises:
-        ValueError: No such device.
-    """
-    all_ = devices()
-    if not isinstance(ordinal, int) or isinstance(ordinal, bool):
-        raise TypeError(f"device ordinal must be an int, not {type(ordinal).__name__}")
-    if not 0 <= ordinal < len(all_):
-        raise ValueError(f"no device {ordinal}: there are {len(all_)} device(s)")
-    return all_[ordinal]
-
-
-def current_device() -> Device:
-    """The device that ``await op`` uses in this task or thread (device 0 unless changed)."""
-    d = _current.get()
-    if d is not None:
-        return d
-    return _devices[0] if _devices is not None else device(0)
-
-
-def _as_device(d: "Device | int | None") -> Device:
-    if d is None:
-        return current_device()
-    if isinstance(d, Device):
-        return d
-    return device(d)
-
-
-@contextlib.contextmanager
-def use_device(d: "Device | int") -> Iterator[Device]:
-    """Make ``d`` the current device for the block (in this task/thread and the tasks it starts).
-
-    Example::
-
-        with trio_cuda.use_device(1):
-            t = await api.zeros((4, 4))   # on device 1
-    """
-    dev = _as_device(d)
-    token = _current.set(dev)
-    try:
-        yield dev
-    finally:
-        _current.reset(token)

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 __all__ = [
     "DeviceError",
-    "LaunchError",
-    "DeviceOutOfMemory",
     "DeviceFault",
+    "DeviceOutOfMemory",
+    "DeviceReset",
     "DeviceUnavailable",
     "GraphCaptureError",
+    "LaunchError",
     "NestedExecutionError",
     "OpAlreadyExecuted",
 ]
@@ -29,7 +30,7 @@ class DeviceError(Exception):
         op: A short description of the operation (usually a kernel name), or ``None``.
     """
 
-    def __init__(self, message: str, *, device: int | None = None, op: str | None = None):
+    def __init__(self, message: str, *, device: int | None = None, op: str | None = None) -> None:
         self.message = message
         self.device = device
         self.op = op
@@ -55,16 +56,26 @@ class DeviceFault(DeviceError):
     """An asynchronous fault on the device (for example an illegal address).
 
     After a fault the device refuses new work until :meth:`Device.reset` is called.
-    Every task waiting on the device sees this error.
+    Every task waiting on the device sees this error. An op that waited for work of
+    another device which faulted fails with this error too (naming that device),
+    without faulting its own device.
+    """
+
+
+class DeviceReset(DeviceError):
+    """The device was reset while this work was pending, or the object predates a reset.
+
+    Every task or thread waiting for work of the old generation gets this error; no
+    data of the old generation is returned.
     """
 
 
 class DeviceUnavailable(DeviceError):
-    """The device cannot take work: it is faulted and not yet reset, or it is gone."""
+    """The device cannot take work: it is gone, or is being reset right now."""
 
 
 class GraphCaptureError(DeviceError):
-    """An operation cannot be captured into a CUDA graph, or ran while a capture was open."""
+    """An operation cannot be captured into a CUDA graph, or touched a capture in progress."""
 
 
 class NestedExecutionError(RuntimeError):

@@ -1,12 +1,12 @@
 """CUDA graphs: capture a DAG once, replay it with one driver call.
 
-``op.graph_on(stream)`` (or ``op.graph()``) walks the op's DAG exactly like a
-submission, but with the stream in capture mode: kernel launches and copies become
-graph nodes instead of running. The result is a :class:`CudaGraph`:
+``op.graph_on(stream)`` (or ``op.graph()``) plans the op's DAG exactly like a
+submission and enqueues it with the stream in capture mode: kernel launches and
+copies become graph nodes instead of running. The result is a :class:`CudaGraph`:
 
 * ``graph.take_output()`` returns the captured output (the tensors the graph writes)
   once;
-* ``graph.update(op)`` runs ``op`` (typically ``api.memcpy(input_buffer, new_data)``)
+* ``graph.update(op)`` submits ``op`` (typically ``api.memcpy(input_buffer, new_data)``)
   on the graph's stream, ordered before later launches: the captured buffers get new
   contents, the graph is not re-instantiated;
 * ``graph.launch()`` is a DeviceOp that replays the whole graph with one driver call
@@ -15,12 +15,13 @@ graph nodes instead of running. The result is a :class:`CudaGraph`:
 ``trio_cuda.capture_graph(stream)`` is the scope form: ops are recorded imperatively
 with ``scope.record(op)`` and the graph is ``scope.graph`` after the block.
 
-Only graph-safe ops may be captured (kernel launches and copies between existing
-tensors, or from host data, which the graph keeps); allocating, reading back to the
-host, or executing another op on the device while the capture is open raises
-:class:`GraphCaptureError`. Before capturing, the capture stream waits for all pending
-work of the device, so the graph is ordered after everything submitted earlier; each
-launch is ordered, like any op, after the pending accesses of the buffers it uses.
+Captures are scoped (see :mod:`trio_cuda._capture`): a capture takes only the streams it
+records on, by default a private stream, so other tasks keep working on the device;
+work that touches a capturing stream or a buffer the open capture recorded is refused
+with :class:`GraphCaptureError`. Only graph-safe ops may be captured (kernel launches
+and copies between existing tensors, or from host data, which the graph keeps);
+allocating or reading back to the host inside a capture raises GraphCaptureError,
+before anything is recorded.
 """
 
 from __future__ import annotations
@@ -28,141 +29,40 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from ._capture import Capture
 from ._errors import GraphCaptureError
-from ._execution import LOCK, Lane, _check_not_nested, _tls, evaluate, submit
-from ._op import DeviceOp
+from ._guard import LOCK, check_not_nested
+from ._op import DeviceOp, extensions
+from ._registry import current_device
 from ._stream import Stream
+from ._submit import Lane, Plan, submit_blocking
 
 if TYPE_CHECKING:
     from ._device import Device
-    from ._tensor import Buffer
+    from ._memory import Buffer
 
-__all__ = ["CudaGraph", "GraphScope", "capture_graph", "capture_op"]
+__all__ = ["CudaGraph", "GraphScope", "capture_graph"]
 
 T = TypeVar("T")
 
 
-class _Capture:
-    """The bookkeeping of one open capture (lanes of the capturing walk point at it)."""
-
-    def __init__(self, device: "Device", stream: Stream) -> None:
-        self.device = device
-        self.stream = stream
-        self.start: dict[Stream, int] = {}  # joined streams -> their seq when they joined
-        self.saved_streams: dict[Stream, tuple[Any, dict[Stream, int]]] = {}
-        self.saved_buffers: dict[Buffer, tuple[Any, dict[Stream, int]]] = {}
-        self.accesses: dict[Buffer, bool] = {}  # buffer -> written by the graph
-        self.keep: list[Any] = []
-
-    # -- used by lanes ------------------------------------------------------------------
-    def inside(self, stream: Stream, seq: int) -> bool:
-        """True if point ``seq`` of ``stream`` was made inside this capture."""
-        start = self.start.get(stream)
-        return start is not None and seq > start
-
-    def touch(self, buf: "Buffer", write: bool) -> None:
-        if buf.device is not self.device:
-            raise GraphCaptureError("a graph captures the work of one device; this op touches another", device=self.device.ordinal)
-        if buf not in self.saved_buffers:
-            self.saved_buffers[buf] = (buf.writer, dict(buf.readers))
-        self.accesses[buf] = self.accesses.get(buf, False) or write
-
-    def fork_stream(self, device: "Device") -> Stream:
-        if device is not self.device:
-            raise GraphCaptureError("a graph captures the work of one device; a branch runs on another", device=self.device.ordinal)
-        s = device.policy.next_stream()
-        if s not in self.start:
-            self.join(s)
-        return s
-
-    def join(self, s: Stream) -> None:
-        """Bring stream ``s`` into the capture, ordered after the capture stream's current point."""
-        self.saved_streams[s] = (s._last_event, dict(s._waited))
-        if s is not self.stream:
-            origin = self.stream
-            ev = origin.event_at(origin.mark())  # recorded inside the capture: a fork point
-            self.device._driver.wait_event(s.handle, ev.handle)
-            s._waited[origin] = ev.seq
-        self.start[s] = s.mark()
-
-    # -- begin / end ------------------------------------------------------------------------
-    def begin(self) -> None:
-        dev, cs = self.device, self.stream
-        # Order the capture after all pending work of the device (real waits, before the
-        # capture starts): inside, earlier work counts as done.
-        for s in list(dev._streams):
-            if s is not cs and s._generation == dev._generation and s.seq > s.done_seq:
-                cs.wait_for(s, s.seq)
-        dev._driver.begin_capture(cs.handle)
-        dev._capturing += 1
-        self.join(cs)
-
-    def restore(self) -> None:
-        """Undo the bookkeeping the walk did: nothing ran, the graph will."""
-        for s, (last, waited) in self.saved_streams.items():
-            s._last_event = last
-            s._waited = waited
-        for buf, (writer, readers) in self.saved_buffers.items():
-            buf.writer = writer
-            buf.readers = readers
-        self.device._capturing -= 1
+def _private_stream(device: "Device") -> Stream:
+    return device.create_stream()
 
 
-def _end(cap: _Capture, ok: bool) -> Any:
-    drv = cap.device._driver
-    try:
-        handle = drv.end_capture(cap.stream.handle)
-    except Exception:
-        if ok:
-            raise
-        return None
-    finally:
-        cap.restore()
-    if not ok:
-        drv.graph_destroy(handle)
-        return None
-    return handle
-
-
-def _open(stream: Stream) -> _Capture:
-    """Begin a capture on ``stream`` (caller holds LOCK)."""
+def capture_op(op: DeviceOp[T], stream: Stream | None) -> "CudaGraph[T]":
+    """Capture ``op``'s DAG on ``stream`` (None: a private stream) into a graph."""
+    check_not_nested("capturing a graph")
+    if stream is None:
+        stream = _private_stream(current_device())
     device = stream.device
-    if device._capturing:
-        raise GraphCaptureError("a graph capture is open on this device already; finish it first", device=device.ordinal)
-    device._check_usable()
-    if stream._generation != device._generation:
-        stream._attach()
-    device._flush_frees(stream)
-    stream.retire()
-    cap = _Capture(device, stream)
-    cap.begin()
-    return cap
+    cap = Capture(device, stream)
+    cap.auto_end = True
+    _, value = submit_blocking(op, stream, cap)
+    return CudaGraph._new(device, stream, cap.graph, value, cap)
 
 
-def _record(cap: _Capture, op: DeviceOp[T]) -> T:
-    """Walk ``op`` into the open capture (caller holds LOCK); returns its output."""
-    _tls.active = True
-    try:
-        lane = Lane(cap.stream, cap)
-        value = evaluate(op, lane)
-        lane.join()
-    finally:
-        _tls.active = False
-    return value
-
-
-def capture_op(op: DeviceOp[T], stream: Stream) -> "CudaGraph[T]":
-    """Capture ``op``'s DAG on ``stream`` into a graph (``op.graph_on(stream)``)."""
-    _check_not_nested("capturing a graph")
-    with LOCK:
-        cap = _open(stream)
-        try:
-            value = _record(cap, op)
-        except BaseException:
-            _end(cap, False)
-            raise
-        handle = _end(cap, True)
-    return CudaGraph._new(stream.device, stream, handle, value, cap)
+extensions["capture"] = capture_op
 
 
 class CudaGraph(Generic[T]):
@@ -178,16 +78,16 @@ class CudaGraph(Generic[T]):
         raise TypeError("CudaGraph cannot be constructed directly; use op.graph_on(stream) or trio_cuda.capture_graph()")
 
     @classmethod
-    def _new(cls, device: "Device", stream: Stream, handle: Any, output: Any, cap: _Capture) -> "CudaGraph[T]":
+    def _new(cls, device: "Device", stream: Stream, handle: Any, output: Any, cap: Capture) -> "CudaGraph[T]":
         self = object.__new__(cls)
         self.device = device
         self.stream = stream
         self._handle = handle
         self._output = output
         self._taken = False
-        self._accesses = tuple(cap.accesses.items())  # keeps the buffers (and their memory) alive
+        self._accesses: tuple[tuple[Buffer, bool], ...] = tuple(cap.accesses.items())  # keeps the buffers alive
         self._keep = cap.keep  # host data copied by the graph
-        self._generation = device._generation
+        self._generation = device.generation
         self.nodes = device._driver.graph_nodes(handle)
         return self
 
@@ -199,19 +99,22 @@ class CudaGraph(Generic[T]):
         if self._taken:
             raise RuntimeError("the graph's output was taken already (take_output() hands it out once)")
         self._taken = True
-        return self._output
+        return self._output  # type: ignore[no-any-return]
 
     def update(self, op: DeviceOp[Any]) -> Any:
-        """Run ``op`` (e.g. ``api.memcpy(input_buffer, new_data)``) on the graph's stream now.
+        """Submit ``op`` (e.g. ``api.memcpy(input_buffer, new_data)``) on the graph's stream now.
 
         The op is submitted, not awaited: later launches of the graph (and any other
         op touching the same tensors) are ordered after it. Host data is read at once.
-        Returns the op's output.
+        Returns the op's output. (It blocks only if host staging memory must be pinned
+        first, which happens for the first copies of a device. In trio,
+        ``await api.memcpy(buf, data).then(lambda _: graph.launch())`` does both in
+        one await.)
         """
         if not isinstance(op, DeviceOp):
             raise TypeError(f"update() needs a DeviceOp, got {op!r}")
         self._check_live()
-        value, _, _ = submit(op, self.stream)
+        _, value = submit_blocking(op, self.stream)
         return value
 
     def launch(self) -> DeviceOp[T]:
@@ -220,16 +123,34 @@ class CudaGraph(Generic[T]):
         return _GraphLaunch(self)
 
     def _check_live(self) -> None:
-        if self._generation != self.device._generation:
+        if self._generation != self.device.generation:
             raise ValueError(f"{self!r} was captured before device {self.device.ordinal} was reset")
 
     def __del__(self) -> None:
         handle = getattr(self, "_handle", None)
-        if handle is not None and self._generation == self.device._generation:
+        if handle is not None:
             try:
-                self.device._driver.graph_destroy(handle)  # in-flight replays finish first
-            except Exception:
+                self.device._recycle_graph(self._generation, handle)
+            except Exception:  # interpreter shutdown
                 pass
+
+
+def _graph_step(lane: Lane, g: "CudaGraph[Any]") -> None:
+    for buf, written in g._accesses:
+        if written:
+            lane.write(buf)
+        else:
+            lane.read(buf)
+    g.device._driver.graph_launch(g._handle, lane.stream.handle)
+    if g._keep:
+        lane.keep(g._keep)  # the graph's host data stays until this replay is done
+    seq = lane.end()
+    for buf, written in g._accesses:
+        if written:
+            lane.wrote(buf, seq)
+        else:
+            lane.was_read(buf, seq)
+    g.device._stats.graph_launches += 1
 
 
 class _GraphLaunch(DeviceOp[T]):
@@ -239,29 +160,18 @@ class _GraphLaunch(DeviceOp[T]):
         super().__init__()
         self._graph = graph
 
-    def _run(self, lane: Lane, args: Any) -> T:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> T:
         g = self._graph
         if lane.device is not g.device:
             raise ValueError(f"{g!r} runs on device {g.device.ordinal}, not on device {lane.device.ordinal}")
-        if lane.capture is not None:
+        if plan.capture is not None:
             raise GraphCaptureError("launching a graph inside another capture is not supported", device=g.device.ordinal)
         g._check_live()
-        s = lane.stream
-        for buf, written in g._accesses:
-            if written:
-                lane.write(buf)
-            else:
-                lane.read(buf)
-        g.device._driver.graph_launch(g._handle, s.handle)
-        seq = lane.end()
-        for buf, written in g._accesses:
-            if written:
-                lane.wrote(buf, seq)
-            else:
-                lane.was_read(buf, seq)
-        lane.ops.append(f"graph of {g.nodes} nodes")
-        g.device._stats.graph_launches += 1
-        return g._output
+        for buf, _ in g._accesses:
+            plan.use(buf, "a buffer of the graph")
+        plan.step(lane, _graph_step, g)
+        plan.ops.append(f"graph of {g.nodes} nodes")
+        return g._output  # type: ignore[no-any-return]
 
 
 class GraphScope:
@@ -273,19 +183,27 @@ class GraphScope:
             scope.record(rms_norm(h_n.partition(...), h, w))
             scope.record(matvec(q.partition(...), wq, h_n))
         graph = scope.graph
+
+    While the scope is open, only its stream and the buffers it recorded are off
+    limits to other work.
     """
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
         self.graph: CudaGraph[list[Any]] | None = None
-        self._cap: _Capture | None = None
+        self._cap: Capture | None = None
         self._outputs: list[Any] = []
         self._thread = threading.get_ident()
 
     def __enter__(self) -> "GraphScope":
-        _check_not_nested("capturing a graph")
+        check_not_nested("capturing a graph")
+        dev = self.stream.device
+        cap = Capture(dev, self.stream)
         with LOCK:
-            self._cap = _open(self.stream)
+            dev.check_usable()
+            dev._current_stream(self.stream)
+            cap.begin()
+        self._cap = cap
         return self
 
     def record(self, op: DeviceOp[T]) -> T:
@@ -295,28 +213,31 @@ class GraphScope:
             raise GraphCaptureError("the capture scope is not open")
         if threading.get_ident() != self._thread:
             raise GraphCaptureError("record ops from the thread that opened the capture")
-        with LOCK:
-            value = _record(cap, op)
+        _, value = submit_blocking(op, cap.stream, cap)
         self._outputs.append(value)
-        return value
+        return value  # type: ignore[no-any-return]
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         cap = self._cap
         self._cap = None
         if cap is None:
             return
+        keep = exc_type is None and not cap.broken
         with LOCK:
-            handle = _end(cap, exc_type is None)
-        if exc_type is None:
+            handle = cap.end(keep)
+        if keep:
             self.graph = CudaGraph._new(cap.device, self.stream, handle, list(self._outputs), cap)
+        elif exc_type is None:
+            raise GraphCaptureError(
+                "a record failed half-way while the capture was open; the scope made no graph",
+                device=cap.device.ordinal,
+            )
 
 
 def capture_graph(stream: Stream | None = None) -> GraphScope:
-    """Open a capture scope on ``stream`` (default: a stream of the current device's policy)."""
-    from ._device import current_device
-
+    """Open a capture scope on ``stream`` (default: a private stream of the current device)."""
     if stream is None:
-        stream = current_device().policy.next_stream()
+        stream = _private_stream(current_device())
     elif not isinstance(stream, Stream):
         raise TypeError(f"capture_graph() needs a Stream, got {stream!r}")
     return GraphScope(stream)

@@ -17,35 +17,47 @@ one block per tile, and the block shape is the tile shape unless the kernel fixe
 one (``@kernel(block=...)``). Tensor arguments are read-only inputs. Dimension ``i``
 of the tile grid maps to CUDA dimension ``x, y, z`` in order, so ``cuda.grid(2)``
 gives ``(i, j)`` for element ``[i, j]``.
+
+Kernels are identified by content (see :mod:`trio_cuda._fingerprint`): two kernels
+with the same code, constants, closure values and globals share their compiled code,
+and a kernel made at run time never runs another kernel's code. The first launch of a
+kernel for a new argument signature compiles and loads it; under ``await`` that
+happens in a worker thread, with the runtime lock released.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ._backends._boundary import KernelSource
-from ._execution import Lane
+from ._backends._boundary import signature_of
+from ._checks import as_int, is_scalar
+from ._fingerprint import fingerprint
+from ._guard import LOCK, check_blocking_allowed
 from ._op import DeviceOp
+from ._submit import Lane, Plan, _KernelNeed, _load_kernels
 from ._tensor import Partition, Tensor
+
+if TYPE_CHECKING:
+    from ._device import Device
 
 __all__ = ["Kernel", "kernel"]
 
-_SCALARS = (int, float, bool, complex, np.number, np.bool_)
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def _check_dims(dims: Any, what: str) -> tuple[int, ...]:
-    if isinstance(dims, int):
+    if isinstance(dims, (int, np.integer)):
         dims = (dims,)
     dims = tuple(dims)
-    if not 1 <= len(dims) <= 3 or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in dims):
+    if not 1 <= len(dims) <= 3:
         raise ValueError(f"{what} must be 1 to 3 positive ints, got {dims!r}")
-    return dims
+    return tuple(as_int(d, what, minimum=1) for d in dims)
 
 
-class Kernel(KernelSource):
+class Kernel:
     """A launcher made by :func:`kernel`. Calling it returns a launch DeviceOp.
 
     Attributes:
@@ -63,8 +75,8 @@ class Kernel(KernelSource):
         validate: Callable[..., None] | None = None,
         name: str | None = None,
     ) -> None:
-        if not callable(fn):
-            raise TypeError(f"kernel() needs a function, got {fn!r}")
+        if not callable(fn) or not hasattr(fn, "__code__"):
+            raise TypeError(f"kernel() needs a Python function, got {fn!r}")
         params = inspect.signature(fn).parameters.values()
         if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty for p in params):
             raise TypeError(f"kernel {fn.__name__}: parameters must be plain positional (no defaults, *args or keywords)")
@@ -74,9 +86,25 @@ class Kernel(KernelSource):
         self.block = _check_dims(block, "block") if block is not None else None
         self.host_impl = sim
         self._validate = validate
-        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._configs: dict[tuple[Any, ...], _Config] = {}
+        self._fp: Any = None
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
+
+    # -- KernelSource (what the backends build from) ---------------------------------
+    @property
+    def key(self) -> str:
+        """The content key: equal keys compile to the same code."""
+        fp = self._fp
+        if fp is None:
+            fp = self._fp = fingerprint(self.py_func)  # keeps the objects it depends on alive
+        return str(fp.digest)
+
+    @property
+    def cacheable(self) -> bool:
+        """True if the content key depends on content only (the disk cache may hold it)."""
+        self.key  # noqa: B018 - computes the fingerprint
+        return bool(self._fp.stable)
 
     def __repr__(self) -> str:
         return f"<trio_cuda.Kernel {self.name}>"
@@ -85,24 +113,28 @@ class Kernel(KernelSource):
         """Compile and load the kernel for these arguments now, and validate them.
 
         The first launch of a kernel for a new argument signature compiles it (numba,
-        cached on disk) and loads it into the device, synchronously, which can stall the
-        trio loop and, on CUDA, wait for work already running on the device. Call this
-        at start-up with example tensors to pay that cost up front. ``args`` are what the
-        launch will get: tensors, partitions and scalars (not ops); the device is theirs.
+        cached on disk) and loads it into the device. Under ``await`` that happens in a
+        worker thread; call this at start-up (plain code, it blocks) with example tensors
+        to pay the cost up front. ``args`` are what the launch will get: tensors,
+        partitions and scalars (not ops); the device is theirs.
         """
+        check_blocking_allowed("Kernel.prepare()")
         if len(args) != self.nparams:
             raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
-        from ._execution import LOCK
-
         devices = {a.device for a in args if isinstance(a, (Tensor, Partition))}
         if len(devices) != 1:
             raise ValueError(f"kernel {self.name}: prepare() needs tensor arguments on one device")
         (device,) = devices
         with LOCK:
-            plan = _Launch._plan(self, tuple(args), device)
-            self._plans[_plan_key(tuple(args))] = plan
+            cfg = _config(self, tuple(args), device)
+            need = None if cfg.loaded is not None else _KernelNeed(self, device, cfg.signature, cfg.proto)
+        if need is not None:
+            _load_kernels([need])
+            with LOCK:
+                if cfg.loaded is None:
+                    cfg.loaded = need.loaded
 
-    def __call__(self, *args: Any) -> DeviceOp[tuple]:
+    def __call__(self, *args: Any) -> DeviceOp[tuple[Any, ...]]:
         """A DeviceOp that launches this kernel on ``args``; its output is the tuple of args."""
         if len(args) != self.nparams:
             raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
@@ -113,7 +145,7 @@ class Kernel(KernelSource):
                 continue
             if isinstance(a, DeviceOp):
                 ops.append(a)
-            elif not isinstance(a, (Tensor, Partition) + _SCALARS):
+            elif not (isinstance(a, (Tensor, Partition)) or is_scalar(a)):
                 raise TypeError(
                     f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, "
                     f"got {type(a).__name__}"
@@ -148,38 +180,200 @@ def kernel(
     return wrap(fn) if fn is not None else wrap
 
 
-class _Plan:
-    """A validated launch of one kernel on one set of arguments, ready to enqueue."""
+class _Config:
+    """A validated launch of one kernel on one argument geometry and device."""
 
-    __slots__ = ("device", "generation", "prepared", "writes", "reads")
+    __slots__ = ("device", "generation", "grid", "block", "writes", "reads", "signature", "proto", "loaded", "prepared")
 
-    def __init__(self, device: Any, prepared: Any, writes: tuple[int, ...], reads: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        device: "Device",
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        writes: tuple[int, ...],
+        reads: tuple[int, ...],
+        proto: list[Any],
+    ) -> None:
         self.device = device
-        self.generation = device._generation
-        self.prepared = prepared
-        self.writes = writes
-        self.reads = reads
+        self.generation = device.generation
+        self.grid = grid
+        self.block = block
+        self.writes = writes  # positions of partitions (written)
+        self.reads = reads  # positions of tensors (read)
+        self.proto = proto  # layout-only arguments, for compiling
+        self.signature = signature_of(proto)
+        self.loaded: Any = None
+        self.prepared: dict[tuple[Any, ...], Any] = {}
 
 
-_PLAN_CACHE_SIZE = 512
+_CACHE_SIZE = 512
 
 
-def _plan_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    # Tensors contribute their cached ArrayArg objects (a new tensor, even at a recycled
-    # address, has new ones), so the key holds no device memory alive.
-    key = []
+def _geometry(args: Sequence[Any]) -> tuple[Any, ...]:
+    """What a launch's validity depends on: each argument's layout, device, and value (scalars)."""
+    key: list[Any] = []
     for a in args:
         t = type(a)
         if t is Partition:
-            key.append(a._key())
+            x = a.tensor
+            key.append(("P", x.shape, x._strides, x.dtype.str, x._tracked, x._buffer.device.ordinal, a.tile_shape))
         elif t is Tensor:
-            key.append(a._arg(False))
+            key.append(("T", a.shape, a._strides, a.dtype.str, a._tracked, a._buffer.device.ordinal))
         else:
             key.append((t, a))
     return tuple(key)
 
 
-class _Launch(DeviceOp[tuple]):
+def _config(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
+    """The validated launch config for ``args`` on ``device`` (cached by geometry)."""
+    try:
+        key = (device.ordinal, device.generation, _geometry(args))
+        cfg = k._configs.get(key)
+    except TypeError:  # an unhashable scalar-like value: validated (and refused) below
+        key, cfg = None, None
+    if cfg is None:
+        cfg = _validate(k, args, device)
+        if key is not None:
+            if len(k._configs) >= _CACHE_SIZE:
+                k._configs.clear()
+            k._configs[key] = cfg
+    if cfg.loaded is None:
+        cfg.loaded = device._driver.loaded_kernel(k, cfg.signature)
+    return cfg
+
+
+def _validate(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
+    """Check the arguments against the device and build the launch config (no GPU work)."""
+    name = k.name
+    grid: tuple[int, ...] | None = None
+    tile: tuple[int, ...] | None = None
+    proto: list[Any] = []
+    writes: list[int] = []
+    reads: list[int] = []
+    complex_arrays = False
+    scalars: list[tuple[int, Any]] = []
+    for i, a in enumerate(args):
+        if isinstance(a, Partition):
+            t = a.tensor
+            if grid is None:
+                grid, tile = a.grid, a.tile_shape
+            elif a.grid != grid:
+                raise ValueError(f"kernel {name}: partition arguments disagree on the tile grid: {grid} and {a.grid}")
+            writes.append(i)
+            proto.append(t._proto_arg(True))
+        elif isinstance(a, Tensor):
+            t = a
+            reads.append(i)
+            proto.append(t._proto_arg(False))
+        elif is_scalar(a):
+            scalars.append((i, a))
+            proto.append(a)
+            continue
+        else:
+            raise TypeError(f"kernel {name} argument {i}: an op produced {type(a).__name__}, not a Tensor, Partition or scalar")
+        complex_arrays = complex_arrays or t.dtype.kind == "c"
+        if t.device is not device:
+            raise ValueError(
+                f"kernel {name} argument {i} is on device {t.device.ordinal} but the launch runs on "
+                f"device {device.ordinal}; copy it with api.dup(t, device=...) or use_device()"
+            )
+    for i, a in scalars:
+        if isinstance(a, (complex, np.complexfloating)) and not complex_arrays:
+            raise TypeError(
+                f"kernel {name} argument {i}: a complex scalar ({a!r}) for a kernel whose arrays are all real; "
+                "its imaginary part would be lost"
+            )
+        if isinstance(a, int) and not isinstance(a, bool) and not _INT64[0] <= a <= _INT64[1]:
+            raise OverflowError(f"kernel {name} argument {i}: {a} does not fit a 64-bit integer")
+    if grid is None:
+        raise ValueError(f"kernel {name}: no Partition argument to take the launch grid from")
+    if len(grid) > 3:
+        raise ValueError(f"kernel {name}: a {len(grid)}-D tile grid cannot be launched (CUDA grids have at most 3 dims)")
+    block = k.block or tile
+    assert block is not None
+    if len(block) > 3:
+        raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
+    if k._validate is not None:
+        k._validate(*args)
+    grid3 = (tuple(grid) + (1, 1, 1))[:3]
+    block3 = (tuple(block) + (1, 1, 1))[:3]
+    return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
+
+
+def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _KernelNeed | None]) -> None:
+    k, cfg, args, need = arg
+    if cfg.loaded is None:
+        assert need is not None and need.loaded is not None
+        cfg.loaded = need.loaded
+    device = lane.device
+    # The prepared launch (packed parameters) of these exact buffers, cached.
+    kargs: list[Any] = []
+    pkey: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is Partition:
+            x = a.tensor._arg(True)
+            kargs.append(x)
+            pkey.append(x)
+        elif t is Tensor:
+            x = a._arg(False)
+            kargs.append(x)
+            pkey.append(x)
+        else:
+            kargs.append(a)
+            pkey.append((t, a))
+    key = tuple(pkey)
+    prepared = cfg.prepared.get(key)
+    if prepared is None:
+        prepared = device._driver.prepare_launch(cfg.loaded, cfg.grid, cfg.block, kargs)
+        if len(cfg.prepared) >= _CACHE_SIZE:
+            cfg.prepared.clear()
+        cfg.prepared[key] = prepared
+    s = lane.stream
+    writes = [args[i].tensor for i in cfg.writes]
+    reads = [args[i] for i in cfg.reads]
+    if lane.plan.capture is None:
+        # Inline of Lane.write / Lane.read (the hot path of every launch).
+        for t in writes:
+            if t._tracked:
+                b = t._buffer
+                w = b.writer
+                if w is not None and w[0] is not s:
+                    s.wait_for(w[0], w[1])
+                for r, rseq in b.readers.items():
+                    if r is not s:
+                        s.wait_for(r, rseq)
+        for t in reads:
+            if t._tracked:
+                w = t._buffer.writer
+                if w is not None and w[0] is not s:
+                    s.wait_for(w[0], w[1])
+    else:
+        for t in writes:
+            lane.write(t._buffer, t._tracked)
+        for t in reads:
+            lane.read(t._buffer, t._tracked)
+    device._driver.launch(prepared, s.handle)
+    s.seq += 1
+    seq = s.seq
+    for t in writes:
+        b = t._buffer
+        if t._tracked:
+            b.writer = (s, seq)
+            if b.readers:
+                b.readers.clear()
+        else:
+            b.lifetime[s] = seq
+    for t in reads:
+        if t._tracked:
+            t._buffer.readers[s] = seq
+        else:
+            t._buffer.lifetime[s] = seq
+    if lane.plan.capture is None:
+        device._stats.launches += 1
+
+
+class _Launch(DeviceOp[tuple[Any, ...]]):
     __slots__ = ("_kernel", "_args", "_inputs_at")
 
     def __init__(self, k: Kernel, args: tuple[Any, ...], ops: tuple[DeviceOp[Any], ...]) -> None:
@@ -190,7 +384,7 @@ class _Launch(DeviceOp[tuple]):
         self._args = args
         self._inputs_at = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp)) if ops else ()
 
-    def _run(self, lane: Lane, values: Sequence[Any]) -> tuple:
+    def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
         k = self._kernel
         args = self._args
         if values:
@@ -204,98 +398,17 @@ class _Launch(DeviceOp[tuple]):
                     merged[i] = v
                 args = tuple(merged)
         device = lane.device
-        try:
-            key = _plan_key(args)
-            plan = k._plans.get(key)
-        except TypeError:  # an unhashable scalar-like value: validated (and refused) below
-            key, plan = None, None
-        if plan is None or plan.device is not device or plan.generation != device._generation:
-            plan = self._plan(k, args, device)
-            if key is not None:
-                if len(k._plans) >= _PLAN_CACHE_SIZE:
-                    k._plans.clear()
-                k._plans[key] = plan
-        s = lane.stream
-        writes = [args[i].tensor._buffer for i in plan.writes]
-        reads = [args[i]._buffer for i in plan.reads]
-        if lane.capture is None:
-            # Inline of Lane.write / Lane.read (the hot path of every launch).
-            for b in writes:
-                w = b.writer
-                if w is not None and w[0] is not s:
-                    s.wait_for(w[0], w[1])
-                for r, rseq in b.readers.items():
-                    if r is not s:
-                        s.wait_for(r, rseq)
-            for b in reads:
-                w = b.writer
-                if w is not None and w[0] is not s:
-                    s.wait_for(w[0], w[1])
-        else:
-            for b in writes:
-                lane.write(b)
-            for b in reads:
-                lane.read(b)
-        device._driver.launch(plan.prepared, s.handle)
-        s.seq += 1
-        seq = s.seq
-        for b in writes:
-            b.writer = (s, seq)
-            if b.readers:
-                b.readers.clear()
-        for b in reads:
-            b.readers[s] = seq
-        lane.ops.append(k.name)
-        if lane.capture is None:
-            device._stats.launches += 1
+        cfg = _config(k, args, device)
+        for i in cfg.writes:
+            t = args[i].tensor
+            plan.use(t._buffer, repr(t))
+        for i in cfg.reads:
+            t = args[i]
+            plan.use(t._buffer, repr(t))
+        need = None
+        if cfg.loaded is None:
+            need = plan.need_kernel(k, device, cfg.signature, cfg.proto)
+        plan.step(lane, _launch_step, (k, cfg, args, need))
+        plan.ops.append(k.name)
         return args
 
-    @staticmethod
-    def _plan(k: Kernel, args: tuple[Any, ...], device: Any) -> _Plan:
-        """Validate the arguments against the device and build the launch (no GPU work)."""
-        name = k.name
-        grid: tuple[int, ...] | None = None
-        tile: tuple[int, ...] | None = None
-        kargs: list[Any] = []
-        writes: list[int] = []
-        reads: list[int] = []
-        for i, a in enumerate(args):
-            if isinstance(a, Partition):
-                t = a.tensor
-                if grid is None:
-                    grid, tile = a.grid, a.tile_shape
-                elif a.grid != grid:
-                    raise ValueError(f"kernel {name}: partition arguments disagree on the tile grid: {grid} and {a.grid}")
-                if t._tracked:
-                    writes.append(i)
-                kargs.append(t._arg(True))
-            elif isinstance(a, Tensor):
-                t = a
-                if t._tracked:
-                    reads.append(i)
-                kargs.append(t._arg(False))
-            elif isinstance(a, _SCALARS):
-                kargs.append(a)
-                continue
-            else:
-                raise TypeError(f"kernel {name} argument {i}: an op produced {type(a).__name__}, not a Tensor, Partition or scalar")
-            if t.device is not device:
-                raise ValueError(
-                    f"kernel {name} argument {i} is on device {t.device.ordinal} but the launch runs on "
-                    f"device {device.ordinal}; copy it with api.dup(t, device=...) or use_device()"
-                )
-            t._check_live()
-        if grid is None:
-            raise ValueError(f"kernel {name}: no Partition argument to take the launch grid from")
-        if len(grid) > 3:
-            raise ValueError(f"kernel {name}: a {len(grid)}-D tile grid cannot be launched (CUDA grids have at most 3 dims)")
-        block = k.block or tile
-        assert block is not None
-        if len(block) > 3:
-            raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
-        if k._validate is not None:
-            k._validate(*args)
-        grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        block3 = tuple(block) + (1,) * (3 - len(block))
-        prepared = device._driver.prepare_launch(k, grid3, block3, kargs)
-        return _Plan(device, prepared, tuple(writes), tuple(reads))

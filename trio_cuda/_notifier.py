@@ -6,59 +6,79 @@ Two paths, chosen by measurements on an H200 (see docs/notifier.md):
   checkpoints for a budget (``TRIO_CUDA_POLL_BUDGET_US``; by default 5000 us on CUDA
   and 100 us on the simulated device, whose "GPU" threads need the GIL that polling
   would hold). The loop stays hot, other tasks keep running, completion is seen within
-  one scheduler pass. The CUDA budget covers a decode step's graph replay (0.7 ms on
-  an H200) and a few 1 ms kernels queued on one stream; a wait that outlasts it costs
-  at most that much CPU, then parks.
+  one scheduler pass.
 * **Slow path** (:class:`Notifier`): past the budget the task parks, and one helper
-  thread per process watches all parked waits. The backend *arms* each event so
-  that its completion posts a waker the helper blocks on without the GIL (on CUDA a
-  host function posting a semaphore, queued on a side stream so the work stream is
-  never stalled). The helper then queries every parked event and wakes finished
-  tasks in one ``run_sync_soon`` batch per trio run. With nothing parked it blocks
-  indefinitely: no CPU use while idle. While waits are parked it also re-polls every
-  20 ms, which catches device faults (a faulted context runs no host functions).
+  thread per process watches all parked waits. The device *arms* each event so that
+  its completion posts a waker the helper blocks on without the GIL (on CUDA a host
+  function that is ``sem_post`` itself, queued on a side stream so the work stream is
+  never stalled). The helper then polls every parked event and wakes finished tasks in
+  one ``run_sync_soon`` batch per trio run. With nothing parked it blocks indefinitely:
+  no CPU use while idle. While waits are parked it also re-polls every 20 ms, which
+  catches device faults (a faulted context runs no host functions). A device reset
+  posts the waker, so waiters of the old generation are woken with DeviceReset.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import outcome
 import trio
 
 from ._backends import backend
-from ._errors import DeviceFault
+from ._config import env_float
+from ._errors import DeviceError
 
 if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Event
 
-__all__ = ["Notifier", "notifier", "wait_event"]
+__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "wait_event"]
 
+_FAULT_POLL_S = 0.02
 _budget_ns: int | None = None
+# [waits completed on the fast path, waits that parked]; updated from trio threads only
+# (a lost increment under a race between two trio runs would only skew a statistic).
+_paths = [0, 0]
+
+
+@dataclass(frozen=True)
+class NotifierStatistics:
+    """How awaits of device work completed (see :func:`trio_cuda.lowlevel.notifier_statistics`).
+
+    Attributes:
+        fast_path: Waits that completed while polling between checkpoints.
+        slow_path: Waits that parked on the helper thread.
+        parked: Waits parked right now.
+        wakeups: Times the helper thread woke up.
+        batches: ``run_sync_soon`` batches that woke tasks.
+    """
+
+    fast_path: int
+    slow_path: int
+    parked: int
+    wakeups: int
+    batches: int
 
 
 def poll_budget_ns() -> int:
     """How long an awaiting task polls before parking (nanoseconds)."""
     global _budget_ns
     if _budget_ns is None:
-        env = os.environ.get("TRIO_CUDA_POLL_BUDGET_US")
-        us = float(env) if env else backend().poll_budget_us
+        us = env_float("TRIO_CUDA_POLL_BUDGET_US", backend().poll_budget_us, minimum=0.0)
         _budget_ns = int(us * 1000)
     return _budget_ns
-_FAULT_POLL_S = 0.02
 
 
 class _Waiter:
-    __slots__ = ("event", "device", "generation", "token", "task", "active")
+    __slots__ = ("event", "device", "token", "task", "active")
 
     def __init__(self, event: "Event", token: trio.lowlevel.TrioToken, task: trio.lowlevel.Task) -> None:
         self.event = event
         self.device = event.stream.device
-        self.generation = self.device._generation
         self.token = token
         self.task = task
         self.active = True
@@ -77,9 +97,10 @@ class Notifier:
 
     def __init__(self) -> None:
         self._waker = backend().new_waker()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # a leaf lock: guards _waiters, _thread, _subscribed
         self._waiters: list[_Waiter] = []
         self._thread: threading.Thread | None = None
+        self._subscribed: set[int] = set()
         self.wakeups = 0  # helper-thread wake-ups, for tests and docs
         self.batches = 0  # run_sync_soon calls that woke tasks
 
@@ -87,17 +108,26 @@ class Notifier:
         """How many waits are parked on the helper thread now."""
         return len(self._waiters)
 
+    def statistics(self) -> NotifierStatistics:
+        """A frozen snapshot of the wake-up counters."""
+        return NotifierStatistics(_paths[0], _paths[1], len(self._waiters), self.wakeups, self.batches)
+
     async def wait(self, event: "Event") -> None:
-        """Park the current task until ``event`` completes (or its device faults)."""
+        """Park the current task until ``event`` completes (or fails, or its device resets)."""
         w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
         dev = w.device
-        dev._driver.arm(event.handle, event.stream.handle, self._waker)
+        with self._lock:
+            subscribe = dev.ordinal not in self._subscribed
+            self._subscribed.add(dev.ordinal)
+        if subscribe:
+            dev.on_reset(self._on_reset)
+        dev.arm(event, self._waker)  # a completed or stale event is caught by the first poll
         with self._lock:
             self._waiters.append(w)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="trio-cuda-notifier", daemon=True)
                 self._thread.start()
-        self._waker.post()  # let the helper see the new waiter (and start polling for faults)
+        self._waker.post()  # let the helper see the new waiter (and start re-polling)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             w.active = False
@@ -105,8 +135,7 @@ class Notifier:
 
         await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def device_reset(self, device: "Device") -> None:
-        """Fail the parked waits of a device that was just reset."""
+    def _on_reset(self, device: "Device") -> None:
         self._waker.post()
 
     def _run(self) -> None:
@@ -126,13 +155,11 @@ class Notifier:
                     continue
                 exc: BaseException | None = None
                 try:
-                    if w.generation != w.device._generation:
-                        exc = DeviceFault("the device was reset while this task waited for its work", device=w.device.ordinal)
-                    elif not w.event.query():
+                    if not w.device.poll(w.event):
                         keep.append(w)
                         continue
-                except DeviceFault as fault:
-                    exc = fault
+                except DeviceError as err:  # a fault, a failed op, or a reset
+                    exc = err
                 batches.setdefault(w.token, []).append((w, exc))
             if keep:
                 with self._lock:
@@ -163,17 +190,23 @@ async def wait_event(event: "Event") -> None:
     """Wait in trio for ``event``: a checkpoint even if it has completed already.
 
     Raises:
-        DeviceFault: The event's device faulted.
+        DeviceFault: The event's work failed or its device faulted.
+        DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
-    if event.query():
+    dev = event.stream.device
+    if dev.poll(event):
+        _paths[0] += 1
         await trio.lowlevel.cancel_shielded_checkpoint()
         return
-    deadline = time.perf_counter_ns() + (_budget_ns if _budget_ns is not None else poll_budget_ns())
+    budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
+    deadline = time.perf_counter_ns() + budget
     while True:
         await trio.lowlevel.checkpoint()
-        if event.query():
+        if dev.poll(event):
+            _paths[0] += 1
             return
         if time.perf_counter_ns() > deadline:
             break
+    _paths[1] += 1
     await notifier().wait(event)

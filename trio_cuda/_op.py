@@ -7,6 +7,16 @@ allocated or submitted. Work starts at an execution entry point: ``await op``,
 Ops are single-use, like the work they describe: executing one twice raises
 :class:`~trio_cuda.OpAlreadyExecuted`. ``op.shared()`` makes an op that executes once
 and hands the same output to every consumer, in any number of submissions.
+
+The op protocol (for op families above this module): an op has ``_inputs`` (the ops
+whose outputs it consumes) and implements ``_plan(plan, lane, input_values)``, which
+validates, appends the steps it will enqueue to the plan, and returns its output
+(or ``Continue(op)`` to continue with another op on the same lane). Tensor-flavoured
+methods (``to_host``, ``partition``, ...) work on any output that provides the
+tensor protocol (``_as_tensor()``), so this module does not depend on the tensor
+types. Methods implemented by higher layers (graph capture, arithmetic operators)
+are looked up in :data:`extensions`, which those layers fill when they are imported
+(as numpy's ndarray operators dispatch to the ufuncs).
 """
 
 from __future__ import annotations
@@ -14,16 +24,14 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar, overload
 
-from ._execution import Continue, Lane, Pending, contains_pending, run_async, run_sync
+from ._checks import check_shape
+from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, contains_pending, resolve, run_async, run_sync
 from ._stream import Stream
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from ._scheduling import SchedulingPolicy
-    from ._tensor import Partition, Tensor
-
-__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "value", "zip"]
+__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "extensions", "value", "zip"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -32,14 +40,19 @@ B = TypeVar("B")
 C = TypeVar("C")
 D = TypeVar("D")
 
+# Filled by higher layers: "capture" (op, stream) -> CudaGraph; the math ops later.
+extensions: dict[str, Callable[..., Any]] = {}
+
+
+def _ext(name: str) -> Callable[..., Any]:
+    try:
+        return extensions[name]
+    except KeyError:
+        raise RuntimeError(f"trio_cuda is not fully imported ({name} is missing); import trio_cuda") from None
+
 
 class DeviceOp(Generic[T]):
-    """A lazy description of device work with an output value of type ``T``.
-
-    Subclasses set ``_inputs`` (the ops whose outputs they consume) and implement
-    ``_run(lane, input_values)``, which enqueues their work on ``lane`` and returns
-    the output (or ``Continue(op)`` to continue with another op on the same lane).
-    """
+    """A lazy description of device work with an output value of type ``T``."""
 
     __slots__ = ("_inputs", "_state", "_arity")
     _forks = False  # True if _lanes() may put inputs on other lanes
@@ -49,26 +62,30 @@ class DeviceOp(Generic[T]):
         self._state: Any = None
         self._arity = arity
 
-    # -- execution protocol (internal) --------------------------------------------
-    def _lanes(self, lane: Lane, n: int) -> list[Lane] | None:
-        return None
+    # -- the op protocol (internal) -------------------------------------------------
+    def _lanes(self, lane: Lane, n: int) -> list[Lane]:
+        return [lane] * n
 
-    def _run(self, lane: Lane, args: Any) -> Any:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         raise NotImplementedError
 
-    def _reuse(self, lane: Lane) -> Any:
+    def _reuse(self, plan: Plan, lane: Lane) -> Any:
         raise AssertionError("only shared ops are reused")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__.lstrip('_')} op at {id(self):#x}>"
 
     # -- combinators ----------------------------------------------------------------
-    def then(self, fn: "Callable[[T], DeviceOp[U] | U]") -> "DeviceOp[U]":
+    @overload
+    def then(self, fn: "Callable[[T], DeviceOp[U]]") -> "DeviceOp[U]": ...
+    @overload
+    def then(self, fn: "Callable[[T], U]") -> "DeviceOp[U]": ...
+    def then(self, fn: "Callable[[T], Any]") -> "DeviceOp[Any]":
         """Serial dependency: ``fn(output)`` returns the next op (or a plain value).
 
         The next op runs on the same stream, strictly after this one. ``fn`` runs on
-        the host during submission, before the device work is done: it sees device
-        handles (tensors), not data, and must not execute ops itself.
+        the host when the DAG is planned, before any of its device work is enqueued:
+        it sees device handles (tensors), not data, and must not execute ops itself.
         """
         if not callable(fn):
             raise TypeError(f"then() needs a callable, got {fn!r}")
@@ -117,25 +134,21 @@ class DeviceOp(Generic[T]):
         return SharedOp(self)
 
     # tensor conveniences: the whole pipeline reads as one chain
-    def partition(self, tile_shape: Any) -> "DeviceOp[Partition]":
+    def partition(self, tile_shape: Any) -> "DeviceOp[Any]":
         """Partition the output tensor (see :meth:`Tensor.partition`)."""
-        from ._tensor import check_shape
-
         tile = check_shape(tile_shape, "tile_shape")
         return _Map(self, lambda v: _tensor_of(v, "partition()").partition(tile))
 
-    def unpartition(self) -> "DeviceOp[Tensor]":
+    def unpartition(self) -> "DeviceOp[Any]":
         """The tensor of the output partition."""
-        return _Map(self, _unpartition)
+        return _Map(self, lambda v: _tensor_of(v, "unpartition()"))
 
-    def reshape(self, *shape: Any) -> "DeviceOp[Tensor]":
+    def reshape(self, *shape: Any) -> "DeviceOp[Any]":
         """Reshape the output tensor (a view; see :meth:`Tensor.reshape`)."""
         return _Map(self, lambda v: _tensor_of(v, "reshape()").reshape(*shape))
 
     def to_host(self) -> "DeviceOp[np.ndarray]":
         """Copy the output tensor (or partition) into a new numpy array."""
-        from ._api import _ToHost
-
         return _ToHost(self)
 
     # -- entry points -----------------------------------------------------------------
@@ -148,38 +161,34 @@ class DeviceOp(Generic[T]):
         Raises:
             RuntimeError: Called inside a running trio task (it would block the loop).
         """
-        return run_sync(self)
+        return run_sync(self)  # type: ignore[no-any-return]
 
     def sync_on(self, stream: Stream) -> T:
         """Like :meth:`sync`, on the given stream."""
         if not isinstance(stream, Stream):
             raise TypeError(f"sync_on() needs a Stream, got {stream!r}")
-        return run_sync(self, stream)
+        return run_sync(self, stream)  # type: ignore[no-any-return]
 
-    def schedule(self, policy: "SchedulingPolicy | None" = None) -> "ScheduledOp[T]":
-        """Bind this op to a stream chosen by ``policy`` now; submit when awaited (or synced)."""
-        from ._device import current_device
-        from ._scheduling import SchedulingPolicy
+    def schedule(self, policy: Any = None) -> "ScheduledOp[T]":
+        """Bind this op to a stream chosen by ``policy`` (a SchedulingPolicy; default: the
+        current device's) now; submit when awaited (or synced)."""
+        from ._registry import current_device
 
         if policy is None:
             policy = current_device().policy
-        elif not isinstance(policy, SchedulingPolicy):
+        elif not callable(getattr(policy, "next_stream", None)):
             raise TypeError(f"schedule() needs a SchedulingPolicy, got {policy!r}")
         return ScheduledOp(self, policy.next_stream())
 
-    def graph_on(self, stream: Stream) -> "Any":
+    def graph_on(self, stream: Stream) -> Any:
         """Capture this op's DAG on ``stream`` into a :class:`CudaGraph` (nothing runs yet)."""
-        from ._graph import capture_op
-
         if not isinstance(stream, Stream):
             raise TypeError(f"graph_on() needs a Stream, got {stream!r}")
-        return capture_op(self, stream)
+        return _ext("capture")(self, stream)
 
-    def graph(self) -> "Any":
-        """Capture this op's DAG on a stream of the current device's policy."""
-        from ._device import current_device
-
-        return self.graph_on(current_device().policy.next_stream())
+    def graph(self) -> Any:
+        """Capture this op's DAG on a private stream of the current device."""
+        return _ext("capture")(self, None)
 
 
 class ScheduledOp(Generic[T]):
@@ -200,7 +209,7 @@ class ScheduledOp(Generic[T]):
 
     def sync(self) -> T:
         """Submit on the bound stream and block until done (plain code only)."""
-        return run_sync(self.op, self.stream)
+        return run_sync(self.op, self.stream)  # type: ignore[no-any-return]
 
 
 # -- combinator ops -------------------------------------------------------------------
@@ -211,7 +220,7 @@ class _Value(DeviceOp[T]):
         super().__init__((), len(x) if isinstance(x, tuple) else None)
         self._value = x
 
-    def _run(self, lane: Lane, args: Any) -> T:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> T:
         return self._value
 
 
@@ -222,9 +231,9 @@ class _Then(DeviceOp[U]):
         super().__init__((src,))
         self._fn = fn
 
-    def _run(self, lane: Lane, args: Any) -> Any:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         (v,) = args
-        if lane.pending and contains_pending(v):
+        if plan.pending and contains_pending(v):
             raise TypeError(
                 "then() over a host value from to_host(): the data exists only once the work "
                 "completes; await the op first, or use map() to transform it"
@@ -247,12 +256,10 @@ class _Map(DeviceOp[U]):
         super().__init__((src,))
         self._fn = fn
 
-    def _run(self, lane: Lane, args: Any) -> Any:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         (v,) = args
         fn = self._fn
-        if lane.pending and contains_pending(v):
-            from ._execution import resolve
-
+        if plan.pending and contains_pending(v):
             return Pending(lambda: fn(resolve(v)))
         r = fn(v)
         if isinstance(r, DeviceOp):
@@ -278,7 +285,7 @@ class _Select(DeviceOp[Any]):
         self._index = index
         self._expect = expect
 
-    def _run(self, lane: Lane, args: Any) -> Any:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         v = args[0]
         if type(v) is tuple and self._expect is None and v:
             return v[self._index]
@@ -288,37 +295,45 @@ class _Select(DeviceOp[Any]):
         return _pick(v, self._index, self._expect)
 
 
-class _Zip(DeviceOp[tuple]):
-    __slots__ = ()
+def _join(lane: Lane, forks: list[Lane]) -> None:
+    lane.join(forks)
+
+
+class _Zip(DeviceOp[tuple[Any, ...]]):
+    __slots__ = ("_branches",)
     _forks = True
 
     def __init__(self, ops: tuple[DeviceOp[Any], ...]) -> None:
         super().__init__(ops, len(ops))
+        self._branches: list[Lane] = []
 
     def _lanes(self, lane: Lane, n: int) -> list[Lane]:
-        # Independent branches may run on other streams of the policy; joined in _run.
-        return [lane] + [lane.fork() for _ in range(n - 1)]
+        # Independent branches may run on other streams of the policy; joined in _plan.
+        forks = [lane.fork(join_at_end=False) for _ in range(n - 1)]
+        self._branches = forks
+        return [lane, *forks]
 
-    def _run(self, lane: Lane, args: Any) -> tuple:
-        lane.join()
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> tuple[Any, ...]:
+        if self._branches:
+            plan.step(lane, _join, self._branches)
         return tuple(args)
 
 
-class _Failed:
-    __slots__ = ("exc",)
+def _mark_done(lane: Lane, op: "SharedOp[Any]") -> None:
+    st = op._state
+    s = lane.stream
+    op._state = Done(st.value, s, max(s.seq, lane.need), st.pending)
 
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
 
-
-class _Done:
-    __slots__ = ("value", "stream", "seq", "pending")
-
-    def __init__(self, value: Any, stream: Stream, seq: int, pending: bool) -> None:
-        self.value = value
-        self.stream = stream
-        self.seq = seq
-        self.pending = pending
+def _depend_shared(lane: Lane, op: "SharedOp[Any]") -> None:
+    st = op._state
+    if st.__class__ is Done:
+        if st.seq:
+            lane.depend(st.stream, st.seq)
+    elif st.__class__ is Failed:
+        raise st.exc
+    else:  # cannot happen: the producing steps come first in every plan
+        raise AssertionError(f"shared op in state {st!r} at enqueue")
 
 
 class SharedOp(DeviceOp[T]):
@@ -333,29 +348,42 @@ class SharedOp(DeviceOp[T]):
     def __init__(self, src: DeviceOp[T]) -> None:
         super().__init__((src,), src._arity)
 
-    def _run(self, lane: Lane, args: Any) -> T:
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> T:
         (v,) = args
-        s = lane.stream
-        self._state = _Done(v, s, max(s.seq, lane.need), contains_pending(v))
-        return v
+        self._state = Claimed(plan, v, contains_pending(v))
+        plan.shared.append(self)
+        plan.step(lane, _mark_done, self)
+        return v  # type: ignore[no-any-return]
 
-    def _reuse(self, lane: Lane) -> T:
+    def _reuse(self, plan: Plan, lane: Lane) -> T:
         st = self._state
-        if type(st) is _Failed:
+        cls = st.__class__
+        if cls is Failed:
             raise st.exc
-        lane.depend(st.stream, st.seq)
+        if cls is Claimed:
+            if st.plan is not plan:
+                plan.wait_for_plan(st.plan)
+            plan.step(lane, _depend_shared, self)
+        elif st.seq:
+            plan.step(lane, _depend_shared, self)
         if st.pending:
-            lane.pending += 1
-        return st.value
-
-    def _fail(self, exc: BaseException) -> None:
-        if self._state is True:
-            self._state = _Failed(exc)
+            plan.pending += 1
+        return st.value  # type: ignore[no-any-return]
 
     @property
     def is_executed(self) -> bool:
-        """True once the upstream has been submitted."""
+        """True once the upstream has been submitted (or is being submitted)."""
         return self._state is not None
+
+
+class _ToHost(DeviceOp["np.ndarray"]):
+    __slots__ = ()
+
+    def __init__(self, src: DeviceOp[Any]) -> None:
+        super().__init__((src,))
+
+    def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
+        return _tensor_of(args[0], "to_host()")._plan_to_host(plan, lane)
 
 
 def value(x: T) -> DeviceOp[T]:
@@ -372,7 +400,7 @@ def zip(a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], /) -> DeviceOp[tuple[A, 
 @overload
 def zip(a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], /) -> DeviceOp[tuple[A, B, C, D]]: ...
 @overload
-def zip(*ops: DeviceOp[Any]) -> DeviceOp[tuple[Any, ...]]: ...
+def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]: ...
 def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]:
     """Fan-in: one op whose output is the tuple of the ops' outputs.
 
@@ -384,21 +412,8 @@ def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]:
     return _Zip(tuple(o if isinstance(o, DeviceOp) else _Value(o) for o in ops))
 
 
-def _tensor_of(v: Any, what: str) -> "Tensor":
-    from ._tensor import Partition, Tensor
-
-    if isinstance(v, Tensor):
-        return v
-    if isinstance(v, Partition):
-        return v.tensor
-    raise TypeError(f"{what} needs an op whose output is a tensor or partition, got {type(v).__name__}")
-
-
-def _unpartition(v: Any) -> "Tensor":
-    from ._tensor import Partition, Tensor
-
-    if isinstance(v, Partition):
-        return v.tensor
-    if isinstance(v, Tensor):
-        return v
-    raise TypeError(f"unpartition() needs an op whose output is a partition, got {type(v).__name__}")
+def _tensor_of(v: Any, what: str) -> Any:
+    as_tensor = getattr(v, "_as_tensor", None)
+    if as_tensor is None:
+        raise TypeError(f"{what} needs an op whose output is a tensor or partition, got {type(v).__name__}")
+    return as_tensor()

@@ -1,7 +1,9 @@
 """Scheduling policies: which stream an op runs on. Nothing else.
 
-Dependencies between streams are tracked elsewhere (per tensor), so a policy is free
-to spread work: any stream choice is correct, the choice only affects overlap.
+Dependencies between streams are tracked elsewhere (per buffer), so a policy is free
+to spread work: any stream choice is correct, the choice only affects overlap. A
+policy owns its streams; a dropped policy's streams are destroyed once their work is
+done (see :class:`~trio_cuda.Stream`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import abc
 import itertools
 
-from ._device import Device, _as_device
+from ._checks import as_int
+from ._device import Device, set_default_policy_factory
+from ._registry import as_device
 from ._stream import Stream
 
 __all__ = ["SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin"]
@@ -26,7 +30,7 @@ class SchedulingPolicy(abc.ABC):
 
     @abc.abstractmethod
     def next_stream(self) -> Stream:
-        """The stream for the next submission or independent branch."""
+        """The stream for the next submission or independent branch (any thread)."""
 
     @property
     @abc.abstractmethod
@@ -43,10 +47,9 @@ class StreamPoolRoundRobin(SchedulingPolicy):
     """
 
     def __init__(self, device: Device | int | None = None, num_streams: int = 4) -> None:
-        if not isinstance(num_streams, int) or isinstance(num_streams, bool) or num_streams < 1:
-            raise ValueError(f"num_streams must be a positive int, not {num_streams!r}")
-        self.device = _as_device(device)
-        self._streams = tuple(self.device.create_stream() for _ in range(num_streams))
+        n = as_int(num_streams, "num_streams", minimum=1)
+        self.device = as_device(device)
+        self._streams = tuple(self.device.create_stream() for _ in range(n))
         # itertools.cycle's __next__ is one C call: atomic under the GIL, no lock needed.
         self._next = itertools.cycle(self._streams).__next__
 
@@ -73,12 +76,12 @@ class SingleStream(SchedulingPolicy):
         if stream is not None:
             if not isinstance(stream, Stream):
                 raise TypeError(f"expected a Stream, got {stream!r}")
-            if device is not None and _as_device(device) is not stream.device:
+            if device is not None and as_device(device) is not stream.device:
                 raise ValueError("the stream belongs to another device")
             self.device = stream.device
             self._stream = stream
         else:
-            self.device = _as_device(device)
+            self.device = as_device(device)
             self._stream = self.device.create_stream()
 
     def next_stream(self) -> Stream:
@@ -90,3 +93,6 @@ class SingleStream(SchedulingPolicy):
 
     def __repr__(self) -> str:
         return f"SingleStream(device={self.device.ordinal})"
+
+
+set_default_policy_factory(StreamPoolRoundRobin)

@@ -3,9 +3,14 @@
 A :class:`Stream` counts the work enqueued on it (``seq``) and remembers how far it
 is known to have completed (``done_seq``). A point in a stream is a *marker*, the
 pair ``(stream, seq)``. Markers are free: no driver call is made until another
-stream actually has to wait for one, and then a single pooled event, recorded once,
-serves every waiter of that point and every earlier one. This is what makes
+stream (or a waiter) actually needs one, and then a single pooled event, recorded
+once, serves every waiter of that point and every earlier one. This is what makes
 same-stream chains cost nothing extra while cross-stream dependencies stay exact.
+
+Owner: every field of a stream is changed only under the runtime lock
+(:data:`trio_cuda._guard.LOCK`), through the methods here, by the device that made
+it and the submission machinery. A stream that nothing references any more is
+destroyed (after its pending work) by its device; the finalizer only queues that.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import collections
 from typing import TYPE_CHECKING, Any
 
-from ._errors import DeviceFault
+from ._guard import LOCK, check_blocking_allowed
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -24,63 +29,64 @@ __all__ = ["Event", "Stream"]
 class Event:
     """A completion point in a stream: done when everything enqueued before it is.
 
-    Events come from a per-device pool and go back to it when no longer referenced.
+    Attributes:
+        stream: The stream it was recorded on.
+        seq: The point of the stream it marks.
+        generation: The device generation it belongs to (a reset ends it).
     """
 
-    __slots__ = ("stream", "seq", "handle", "done", "generation")
+    __slots__ = ("stream", "seq", "handle", "done", "generation", "__weakref__")
 
     def __init__(self, stream: "Stream", seq: int, handle: Any) -> None:
         self.stream = stream
         self.seq = seq
         self.handle = handle
         self.done = False
-        self.generation = stream._generation
+        self.generation = stream.generation
+
+    @property
+    def device(self) -> "Device":
+        return self.stream.device
 
     def query(self) -> bool:
-        """True once the work before this event has completed.
+        """True once the work before this event has completed (non-blocking).
 
         Raises:
-            DeviceFault: The device faulted.
+            DeviceFault: The work failed or the device faulted.
+            DeviceReset: The device was reset since the event was recorded.
         """
-        if self.done:
-            return True
-        stream = self.stream
-        if stream.device._driver.query(self.handle):
-            self.done = True
-            if stream.done_seq < self.seq:
-                stream.done_seq = self.seq
-            return True
-        return False
+        return self.stream.device.poll(self)
 
-    def synchronize(self) -> None:
-        """Block the calling thread until the event completes (spins briefly, then sleeps)."""
-        if self.done:
-            return
-        stream = self.stream
-        stream.device._driver.synchronize(self.handle)
-        self.query()
+    def __repr__(self) -> str:
+        return f"<trio_cuda.Event at point {self.seq} of {self.stream!r}>"
 
     def __del__(self) -> None:
+        # Lock-free: the device takes the handle back (if its generation is current).
         try:
-            device = self.stream.device
-            if self.generation == device._generation:  # events die with a device reset
-                device._event_pool.append(self.handle)
+            self.stream.device._recycle_event(self.generation, self.handle)
         except Exception:  # interpreter shutdown
             pass
 
 
 class Stream:
-    """An ordered queue of device work. Create streams with :meth:`Device.create_stream`."""
+    """An ordered queue of device work. Create streams with :meth:`Device.create_stream`.
+
+    Attributes:
+        device: The device the stream belongs to.
+        seq: Points of work enqueued so far (see the module docstring).
+        done_seq: The last point known to have completed.
+    """
 
     __slots__ = (
         "device",
         "handle",
         "seq",
         "done_seq",
+        "generation",
+        "capture",
         "_last_event",
         "_waited",
         "_keep",
-        "_generation",
         "__weakref__",
     )
 
@@ -88,27 +94,36 @@ class Stream:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
 
     @classmethod
-    def _new(cls, device: "Device") -> "Stream":
+    def _new(cls, device: "Device", handle: Any) -> "Stream":
+        """A stream of ``device`` around a driver handle (called under the runtime lock)."""
         self = object.__new__(cls)
         self.device = device
-        self._attach()
+        self.capture: Any = None  # the graph capture recording this stream, if any
+        self._bind(handle)
         return self
 
-    def _attach(self) -> None:
-        """(Re)create the driver stream, e.g. after the device was reset."""
-        device = self.device
-        self.handle = device._driver.create_stream()
-        self._generation = device._generation
+    def _bind(self, handle: Any) -> None:
+        self.handle = handle
+        self.generation = self.device.generation
         self.seq = 0
         self.done_seq = 0
         self._last_event: Event | None = None
         self._waited: dict[Stream, int] = {}
         self._keep: collections.deque[tuple[int, Any]] = collections.deque()
+        self.capture = None
 
     def __repr__(self) -> str:
         return f"<trio_cuda.Stream of device {self.device.ordinal} at {id(self):#x}>"
 
-    # -- markers --------------------------------------------------------------
+    def __del__(self) -> None:
+        # Work may still be queued (a cancelled await, a dropped policy): the device keeps
+        # what that work uses (staging memory) until it completes, then destroys the stream.
+        try:
+            self.device._recycle_stream(self.generation, self.handle, self._keep)
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- markers (under the runtime lock) --------------------------------------------
     def mark(self) -> int:
         """Close the current point: returns the seq that covers all work enqueued so far."""
         self.seq += 1
@@ -119,13 +134,10 @@ class Stream:
         last = self._last_event
         if last is not None and last.seq >= seq:
             return last
-        device = self.device
-        pool = device._event_pool
-        handle = pool.pop() if pool else device._driver.create_event()
         if self.seq < seq:
             self.seq = seq
-        device._driver.record(handle, self.handle)
-        ev = Event(self, self.seq, handle)
+        ev = Event(self, self.seq, self.device._event_handle())
+        self.device._driver.record(ev.handle, self.handle)
         self._last_event = ev
         return ev
 
@@ -142,36 +154,48 @@ class Stream:
         self.device._stats.stream_waits += 1
         return True
 
-    # -- keep-alive -----------------------------------------------------------
+    def observe(self, seq: int) -> None:
+        """Note that point ``seq`` has completed (done_seq only grows)."""
+        if self.done_seq < seq:
+            self.done_seq = seq
+
+    # -- keep-alive ---------------------------------------------------------------
     def keep(self, obj: Any) -> None:
-        """Keep ``obj`` (host memory a pending copy uses) alive until the current point completes."""
+        """Keep ``obj`` alive until the point being built completes; then call its
+        ``stream_done()`` if it has one (staging memory goes back to its pool)."""
         self._keep.append((self.seq + 1, obj))
 
     def retire(self) -> None:
-        """Drop keep-alive references whose point is known complete."""
+        """Drop keep-alive references whose point is known complete (under the lock)."""
         keep = self._keep
         if not keep:
             return
         if keep[0][0] > self.done_seq and self._last_event is not None:
             try:
                 self._last_event.query()
-            except DeviceFault:
+            except Exception:  # a fault or a reset: the keeps stay until the reset clears them
                 return
         done = self.done_seq
         while keep and keep[0][0] <= done:
             _, obj = keep.popleft()
-            release = getattr(obj, "release", None)
+            release = getattr(obj, "stream_done", None)
             if release is not None:
                 release()
 
-    # -- blocking -------------------------------------------------------------
+    # -- blocking -------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Block until all work enqueued so far has completed (plain code only)."""
-        from ._execution import check_blocking_allowed
+        """Block until all work enqueued so far has completed (plain code only).
 
+        Raises:
+            DeviceFault: The work failed.
+            DeviceReset: The device was reset meanwhile.
+        """
         check_blocking_allowed("Stream.synchronize()")
-        with self.device._lock:
-            ev = self.event_at(self.mark())
-        ev.synchronize()
-        with self.device._lock:
+        device = self.device
+        with LOCK:
+            if self.generation != device.generation or self.seq <= self.done_seq:
+                return
+            ev = self.event_at(self.seq)
+        device.wait_blocking(ev)
+        with LOCK:
             self.retire()

@@ -1,14 +1,11 @@
-"""Tensors, partitions, and the pending accesses of their memory.
+"""Tensors and partitions: typed views of device buffers.
 
-A :class:`Tensor` is a C-contiguous view (shape, dtype, offset) of a device
-:class:`Buffer`. The buffer remembers its last writer and its readers since, as
-markers ``(stream, seq)``; an op on another stream waits for them before touching
-the memory (automatic cross-stream ordering), and the buffer's memory is freed,
-when the last view is dropped, only after all of them (stream-ordered free). So
-nothing is freed under the GPU, cancelled or not.
+A :class:`Tensor` is a view (shape, dtype, byte offset, byte strides) of a device
+:class:`~trio_cuda._memory.Buffer`. Dependency tracking and lifetime belong to the
+buffer, so every view of it orders and keeps alive the same memory.
 
-A :class:`Partition` is a tensor cut into equal tiles; a kernel launch takes its
-grid from the tile grid and treats a partition argument as written.
+A :class:`Partition` is a tensor cut into tiles; a kernel launch takes its grid
+from the tile grid and treats a partition argument as written.
 """
 
 from __future__ import annotations
@@ -19,63 +16,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._backends._boundary import ArrayArg
+from ._checks import check_shape, is_int
+from ._errors import DeviceReset, GraphCaptureError
+from ._memory import Buffer
+from ._op import DeviceOp, value
+from ._submit import Lane, Pending, Plan
 
 if TYPE_CHECKING:
     from ._device import Device
-    from ._op import DeviceOp
-    from ._stream import Stream
+    from ._staging import Staging
+    from ._submit import _StagingSlot
 
-__all__ = ["Buffer", "Partition", "Tensor", "SUPPORTED_DTYPES", "check_dtype", "check_shape"]
-
-SUPPORTED_DTYPES = tuple(
-    np.dtype(t)
-    for t in (
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-)
+__all__ = ["Partition", "Tensor", "plan_read_to_host"]
 
 
-def check_dtype(dtype: Any) -> np.dtype:
-    """Normalize ``dtype`` to a supported numpy dtype, or raise TypeError."""
-    try:
-        dt = np.dtype(dtype)
-    except TypeError as err:
-        raise TypeError(f"not a dtype: {dtype!r}") from err
-    if dt not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {dt}; supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    return dt.newbyteorder("=") if dt.byteorder not in ("=", "|") else dt
-
-
-def check_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
-    """Normalize ``shape`` (an int or a sequence of ints >= 0), or raise."""
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError as err:
-        raise TypeError(f"{what} must be an int or a sequence of ints, not {shape!r}") from err
-    for d in dims:
-        if not isinstance(d, (int, np.integer)) or isinstance(d, bool):
-            raise TypeError(f"{what} must contain ints, got {shape!r}")
-        if d < 0:
-            raise ValueError(f"{what} must not be negative: {shape!r}")
-    return tuple(int(d) for d in dims)
-
-
-def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """Byte strides of a C-contiguous array."""
     strides = []
     acc = itemsize
     for d in reversed(shape):
@@ -84,38 +40,8 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Buffer:
-    """One device allocation and its pending accesses. Internal."""
-
-    __slots__ = ("device", "ptr", "nbytes", "generation", "writer", "readers", "args", "__weakref__")
-
-    def __init__(self, device: "Device", ptr: int, nbytes: int) -> None:
-        self.device = device
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.generation = device._generation
-        self.writer: tuple[Stream, int] | None = None
-        self.readers: dict[Stream, int] = {}
-        # Kernel argument descriptors of the views of this buffer, by geometry: views
-        # made anew (reshape, partition) share them, so launch plans stay cached.
-        self.args: dict[tuple[Any, ...], ArrayArg] = {}
-
-    def accesses(self) -> list[tuple["Stream", int]]:
-        acc = list(self.readers.items())
-        if self.writer is not None:
-            acc.insert(0, self.writer)
-        return acc
-
-    def __del__(self) -> None:
-        if self.ptr:
-            try:
-                self.device._defer_free(self.ptr, self.nbytes, self.generation, self.accesses())
-            except Exception:  # interpreter shutdown
-                pass
-
-
 class Tensor:
-    """A device array: shape, numpy dtype, C-contiguous, on one device.
+    """A device array: shape, numpy dtype, strides, on one device.
 
     Tensors come from ops (``await api.zeros(...)``, kernel outputs, ...), never from
     the constructor.
@@ -125,18 +51,27 @@ class Tensor:
         dtype: The numpy dtype.
     """
 
-    __slots__ = ("_buffer", "shape", "dtype", "_offset", "_tracked", "_args")
+    __slots__ = ("_buffer", "shape", "dtype", "_offset", "_strides", "_tracked", "_args")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Tensor cannot be constructed directly; use trio_cuda.api (zeros, from_host, ...)")
 
     @classmethod
-    def _new(cls, buffer: Buffer, shape: tuple[int, ...], dtype: np.dtype, offset: int = 0, tracked: bool = True) -> "Tensor":
+    def _new(
+        cls,
+        buffer: Buffer,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        offset: int = 0,
+        strides: tuple[int, ...] | None = None,
+        tracked: bool = True,
+    ) -> "Tensor":
         self = object.__new__(cls)
         self._buffer = buffer
         self.shape = shape
         self.dtype = dtype
         self._offset = offset
+        self._strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
         self._tracked = tracked
         self._args: tuple[ArrayArg, ArrayArg] | None = None
         return self
@@ -162,13 +97,26 @@ class Tensor:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        """Strides in bytes (C order)."""
-        return _c_strides(self.shape, self.dtype.itemsize)
+        """Strides in bytes."""
+        return self._strides
+
+    @property
+    def is_contiguous(self) -> bool:
+        """True for a C-contiguous view."""
+        return self._strides == c_strides(self.shape, self.dtype.itemsize) or self.size <= 1
 
     @property
     def ptr(self) -> int:
-        """The device address of the first element (for interop; the memory is owned by the tensor)."""
-        return self._buffer.ptr + self._offset
+        """The device address of the first element (for interop; the memory is owned by the tensor).
+
+        Raises:
+            RuntimeError: The memory is not allocated yet (inside a then() callback of the
+                submission that allocates it), or never will be.
+        """
+        p = self._buffer.ptr
+        if p is None:
+            raise RuntimeError(f"{self!r} has no memory yet: it is allocated when its submission enqueues")
+        return p + self._offset
 
     @property
     def is_tracked(self) -> bool:
@@ -176,46 +124,69 @@ class Tensor:
         return self._tracked
 
     def __repr__(self) -> str:
-        return f"<trio_cuda.Tensor shape={self.shape} dtype={self.dtype} device={self.device.ordinal}>"
+        extra = "" if self._tracked else " untracked"
+        return f"<trio_cuda.Tensor shape={self.shape} dtype={self.dtype} device={self.device.ordinal}{extra}>"
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError(
+            "a trio_cuda.Tensor lives in device memory; copy it to the host with "
+            "'await tensor.to_host()' (or tensor.to_host().sync() outside trio)"
+        )
+
+    def __bool__(self) -> bool:
+        raise TypeError("the truth value of a device tensor is unknown on the host; read it back with to_host()")
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # -- the tensor protocol of DeviceOp ------------------------------------------
+    def _as_tensor(self) -> "Tensor":
+        return self
 
     def _arg(self, writable: bool) -> ArrayArg:
+        """The kernel argument descriptor of this view (needs the memory allocated)."""
         args = self._args
         if args is None:
             cache = self._buffer.args
-            key = (self._offset, self.shape, self.dtype.str)
+            key = (self._offset, self.shape, self._strides, self.dtype.str)
             args = cache.get(key)
             if args is None:
                 ptr = self.ptr
-                strides = self.strides
                 args = cache[key] = (
-                    ArrayArg(ptr, self.shape, strides, self.dtype, False),
-                    ArrayArg(ptr, self.shape, strides, self.dtype, True),
+                    ArrayArg(ptr, self.shape, self._strides, self.dtype, False),
+                    ArrayArg(ptr, self.shape, self._strides, self.dtype, True),
                 )
             self._args = args
         return args[writable]
 
-    def _check_live(self) -> None:
-        buf = self._buffer
-        if buf.generation != buf.device._generation:
-            raise ValueError(f"{self!r} was allocated before device {buf.device.ordinal} was reset; its memory is gone")
+    def _proto_arg(self, writable: bool) -> ArrayArg:
+        """A descriptor with this view's layout but no address (for compile signatures)."""
+        return ArrayArg(0, self.shape, self._strides, self.dtype, writable)
+
+    def _plan_to_host(self, plan: Plan, lane: Lane) -> Pending:
+        return plan_read_to_host(plan, lane, self, np.empty(self.shape, dtype=self.dtype))
 
     # -- views --------------------------------------------------------------------
     def reshape(self, *shape: Any) -> "Tensor":
         """A view with another shape and the same number of elements (one dim may be -1)."""
-        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+        if len(shape) == 1 and not is_int(shape[0]):
             shape = tuple(shape[0])
         dims = list(shape)
-        if dims.count(-1) > 1:
+        if sum(1 for d in dims if is_int(d) and d == -1) > 1:
             raise ValueError(f"can only infer one dimension: {tuple(shape)}")
-        if -1 in dims:
-            known = math.prod(d for d in dims if d != -1)
+        if any(is_int(d) and d == -1 for d in dims):
+            known = math.prod(d for d in dims if not (is_int(d) and d == -1))
             if known == 0 or self.size % known:
                 raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
-            dims[dims.index(-1)] = self.size // known
+            dims[[i for i, d in enumerate(dims) if is_int(d) and d == -1][0]] = self.size // known
         new = check_shape(dims)
         if math.prod(new) != self.size:
             raise ValueError(f"cannot reshape {self.shape} ({self.size} elements) into {new}")
-        return Tensor._new(self._buffer, new, self.dtype, self._offset, self._tracked)
+        if not self.is_contiguous:
+            raise ValueError(f"reshape() of a non-contiguous view of shape {self.shape}; copy it first")
+        return Tensor._new(self._buffer, new, self.dtype, self._offset, None, self._tracked)
 
     def partition(self, tile_shape: Any) -> "Partition":
         """Cut the tensor into tiles of ``tile_shape``, which must divide its shape."""
@@ -225,22 +196,20 @@ class Tensor:
         """A view that opts out of automatic cross-stream ordering (experts only).
 
         Ops through this view neither wait for other streams' pending accesses nor
-        register their own: ordering is then the caller's job. The memory stays
-        owned by the original buffer.
+        order later ops after themselves: ordering is then the caller's job. The
+        memory is still kept alive for them: it is freed only after every access,
+        tracked or not, has completed.
         """
-        return Tensor._new(self._buffer, self.shape, self.dtype, self._offset, False)
+        return Tensor._new(self._buffer, self.shape, self.dtype, self._offset, self._strides, False)
 
     # -- ops ----------------------------------------------------------------------
     def to_host(self) -> "DeviceOp[np.ndarray]":
         """An op that copies the data into a new numpy array."""
-        from ._api import _ToHost
-        from ._op import value
-
-        return _ToHost(value(self))
+        return value(self).to_host()
 
 
 class Partition:
-    """A tensor seen as a grid of equal tiles; the output of a kernel launch.
+    """A tensor seen as a grid of tiles; the output of a kernel launch.
 
     Attributes:
         tensor: The partitioned tensor.
@@ -248,16 +217,10 @@ class Partition:
         grid: Tiles along each dimension (``shape[i] // tile_shape[i]``).
     """
 
-    __slots__ = ("tensor", "tile_shape", "grid", "_k")
+    __slots__ = ("tensor", "tile_shape", "grid")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Partition cannot be constructed directly; use tensor.partition(tile_shape)")
-
-    def _key(self) -> tuple[Any, ...]:
-        k = self._k
-        if k is None:
-            k = self._k = (self.tensor._arg(True), self.tile_shape)
-        return k
 
     @classmethod
     def _new(cls, tensor: Tensor, tile_shape: Any) -> "Partition":
@@ -273,7 +236,6 @@ class Partition:
         self.tensor = tensor
         self.tile_shape = tile
         self.grid = tuple(n // t for n, t in zip(tensor.shape, tile))
-        self._k: tuple[Any, ...] | None = None
         return self
 
     @property
@@ -285,12 +247,15 @@ class Partition:
         return self.tensor.shape
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         return self.tensor.dtype
 
     @property
     def ndim(self) -> int:
         return self.tensor.ndim
+
+    def _as_tensor(self) -> Tensor:
+        return self.tensor
 
     def unpartition(self) -> Tensor:
         """The whole tensor again."""
@@ -303,3 +268,81 @@ class Partition:
     def __repr__(self) -> str:
         return f"<trio_cuda.Partition shape={self.shape} tile={self.tile_shape} grid={self.grid} dtype={self.dtype}>"
 
+
+# -- reading back to the host ---------------------------------------------------------------
+class _HostResult(Pending):
+    """The pending numpy array of a device-to-host copy (no reference cycle: a
+    finalizer must run as soon as an abandoned result is dropped)."""
+
+    __slots__ = ("_slot", "_out", "_nbytes")
+
+    def __init__(self, slot: "_StagingSlot", out: np.ndarray, nbytes: int) -> None:
+        super().__init__(_no_fn)
+        self._slot: _StagingSlot | None = slot
+        self._out = out
+        self._nbytes = nbytes
+
+    def resolve(self) -> Any:
+        slot = self._slot
+        if slot is not None:
+            self._slot = None
+            st = slot.staging
+            assert st is not None
+            try:
+                _copy_out(st, self._out, self._nbytes)
+            finally:
+                st.host_done()
+        return self._out
+
+    def __del__(self) -> None:
+        slot = self._slot
+        if slot is not None and slot.staging is not None:  # never resolved (cancelled)
+            slot.staging.host_done()
+
+
+def _no_fn() -> Any:
+    raise AssertionError("resolved through _HostResult.resolve")
+
+
+def _copy_out(st: "Staging", out: np.ndarray, nbytes: int) -> None:
+    dev = st.pool.device
+    if not dev.begin_host_read(st.generation):
+        raise DeviceReset("the device was reset before this read-back was copied out; its data is gone", device=dev.ordinal)
+    try:
+        out.reshape(-1).view(np.uint8)[:] = st.buf[:nbytes]
+    finally:
+        dev.end_host_read()
+
+
+def _d2h_step(lane: Lane, arg: tuple[Tensor, "_StagingSlot"]) -> None:
+    t, slot = arg
+    st = slot.staging
+    assert st is not None
+    buf = t._buffer
+    tracked = t._tracked
+    lane.read(buf, tracked)
+    dev = lane.device
+    dev._driver.copy_d2h(st.buf[: slot.nbytes], t.ptr, lane.stream.handle)
+    lane.keep(st)
+    lane.was_read(buf, lane.end(), tracked)
+    dev._stats.copies += 1
+
+
+def plan_read_to_host(plan: Plan, lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
+    """Plan a copy of ``t`` into the host array ``out`` (a pending value: ``out`` once done)."""
+    plan.use(t._buffer, repr(t))
+    if not t.is_contiguous:
+        raise ValueError(f"reading back a non-contiguous view of shape {t.shape}: copy it to a contiguous tensor first")
+    ln = lane.on(t.device)
+    if plan.capture is not None:
+        raise GraphCaptureError(
+            "copying to host memory inside a graph capture: read results back after launching the graph",
+            device=ln.device.ordinal,
+        )
+    plan.pending += 1
+    nbytes = t.nbytes
+    if not nbytes:
+        return Pending(lambda: out)
+    slot = plan.need_staging(ln, nbytes, True)
+    plan.step(ln, _d2h_step, (t, slot))
+    return _HostResult(slot, out, nbytes)

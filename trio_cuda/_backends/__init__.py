@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 
+from .._config import env_choice, env_flag
 from .._errors import DeviceUnavailable
 from ._boundary import Backend
 
@@ -47,10 +48,8 @@ def select() -> tuple[str, str]:
     global _choice
     if _choice is not None:
         return _choice
-    forced = os.environ.get("TRIO_CUDA_BACKEND", "").strip().lower()
+    forced = env_choice("TRIO_CUDA_BACKEND", ("sim", "cuda"), "")
     numba_sim = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
-    if forced not in ("", "sim", "cuda"):
-        raise ValueError(f"TRIO_CUDA_BACKEND must be 'sim' or 'cuda', not {forced!r}")
     if forced == "sim":
         choice = ("sim", "TRIO_CUDA_BACKEND=sim")
     elif forced == "cuda":
@@ -112,7 +111,7 @@ def backend() -> Backend:
                 from ._sim import SimBackend
 
                 b = SimBackend()
-            if os.environ.get("TRIO_CUDA_QUIET", "") in ("", "0"):
+            if not env_flag("TRIO_CUDA_QUIET"):
                 print(f"trio-cuda: {b.description} [{reason}]", file=sys.stderr)
             _backend = b
     return _backend

@@ -9,37 +9,46 @@ The interface is deliberately small and driver-shaped: opaque stream and event
 handles, integer device pointers, numpy arrays for host memory. Handles are
 whatever the backend likes; the runtime never looks inside them.
 
+Threading contract: the runtime makes *fast* calls (everything but those named slow)
+under its lock, never concurrently with :meth:`DeviceDriver.reset`; *slow* calls
+(``load_kernel``, ``host_alloc``, ``host_free``, ``reset``) are made under the
+device's slow lock, without the runtime lock. No call blocks waiting for the device
+except the slow ones; waiting is done through :meth:`DeviceDriver.arm` and a
+:class:`Waker`.
+
 Errors: a backend raises :class:`~trio_cuda.LaunchError` when it refuses to enqueue
 work, :class:`~trio_cuda.DeviceOutOfMemory` when an allocation fails and
-:class:`~trio_cuda.DeviceFault` from ``query``/``synchronize`` (and every later call)
-once the device has faulted asynchronously.
+:class:`~trio_cuda.DeviceFault` from ``query`` (and every later call) once the device
+has faulted asynchronously, or from ``query`` of an event whose preceding work failed
+(the simulated device's failed cross-device wait).
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-__all__ = ["ArrayArg", "Backend", "DeviceDriver", "KernelSource", "Waker"]
+__all__ = ["ArrayArg", "Backend", "DeviceDriver", "KernelSource", "Waker", "signature_of"]
 
 
 class ArrayArg:
     """A device array passed to a kernel: where it lives and how it is laid out.
 
     Strides are in bytes, as numpy and numba count them. Tensors cache their
-    ArrayArgs, so per-argument work done here is done once per tensor.
+    ArrayArgs, so per-argument work done here is done once per tensor view.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "writable", "_params")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "writable", "contiguous", "_params")
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype, writable: bool) -> None:
+    def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any], writable: bool) -> None:
         self.ptr = ptr
         self.shape = shape
         self.strides = strides
         self.dtype = dtype
         self.writable = writable
+        self.contiguous = _is_c_contiguous(shape, strides, dtype.itemsize)
         self._params: tuple[int, ...] | None = None
 
     def numba_params(self) -> tuple[int, ...]:
@@ -57,19 +66,71 @@ class ArrayArg:
         return p
 
     def __repr__(self) -> str:
-        return f"ArrayArg(ptr={self.ptr:#x}, shape={self.shape}, dtype={self.dtype}, writable={self.writable})"
+        return f"ArrayArg(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype}, writable={self.writable})"
 
 
-class KernelSource(abc.ABC):
-    """What a backend needs to build a kernel: the Python function and launch hints."""
+def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    expect = itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def signature_of(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The compile signature of kernel arguments: what numba specializes on.
+
+    Arrays contribute (dtype, ndim, layout, writable); scalars their numpy dtype.
+    """
+    key: list[Any] = []
+    for a in args:
+        if type(a) is ArrayArg:
+            key.append((a.dtype.str, len(a.shape), "C" if a.contiguous else "A", a.writable))
+        else:
+            key.append(scalar_dtype(a).str)
+    return tuple(key)
+
+
+def scalar_dtype(v: Any) -> np.dtype[Any]:
+    """The numpy dtype a kernel scalar is passed as."""
+    if isinstance(v, np.generic):
+        return v.dtype
+    if isinstance(v, bool):
+        return np.dtype(np.bool_)
+    if isinstance(v, int):
+        return np.dtype(np.int64)
+    if isinstance(v, float):
+        return np.dtype(np.float64)
+    if isinstance(v, complex):
+        return np.dtype(np.complex128)
+    raise TypeError(f"unsupported kernel scalar {v!r}")
+
+
+class KernelSource(Protocol):
+    """What a backend needs to build a kernel.
+
+    Attributes:
+        name: For errors and traces.
+        py_func: The numba-cuda Python function.
+        host_impl: On the simulated device, run this instead of simulating the kernel.
+        key: The content key (a hex digest): equal keys compile to the same code.
+        cacheable: True if ``key`` depends on content only (safe to cache on disk).
+    """
 
     name: str
     py_func: Callable[..., Any]
-    host_impl: Callable[..., Any] | None  # simulated device: run this instead of the simulator
+    host_impl: Callable[..., Any] | None
+    key: str
+    cacheable: bool
 
 
 class Waker(abc.ABC):
-    """A counting wake-up that a helper thread blocks on without holding the GIL."""
+    """A counting wake-up that a helper thread blocks on without holding the GIL.
+
+    Wakers live for the whole process: a pending device-side post must never write
+    into freed memory.
+    """
 
     @abc.abstractmethod
     def wait(self, timeout: float | None) -> bool:
@@ -81,7 +142,7 @@ class Waker(abc.ABC):
 
 
 class DeviceDriver(abc.ABC):
-    """One device as the driver sees it. All methods may be called from any thread."""
+    """One device as the driver sees it (see the module docstring for threading)."""
 
     ordinal: int
     name: str
@@ -91,6 +152,10 @@ class DeviceDriver(abc.ABC):
     # -- streams and events -------------------------------------------------
     @abc.abstractmethod
     def create_stream(self) -> Any: ...
+
+    @abc.abstractmethod
+    def destroy_stream(self, stream: Any) -> None:
+        """Release a stream; work already enqueued on it still completes."""
 
     @abc.abstractmethod
     def create_event(self) -> Any: ...
@@ -105,15 +170,12 @@ class DeviceDriver(abc.ABC):
 
     @abc.abstractmethod
     def query(self, event: Any) -> bool:
-        """True when ``event`` has completed. Raises DeviceFault if the device faulted."""
-
-    @abc.abstractmethod
-    def synchronize(self, event: Any) -> None:
-        """Block the calling thread (without the GIL) until ``event`` completes."""
+        """True when ``event`` has completed. Raises DeviceFault if its work failed."""
 
     @abc.abstractmethod
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
-        """Post ``waker`` once ``event`` (last recorded on ``stream``) completes."""
+        """Post ``waker`` once ``event`` (last recorded on ``stream``) completes, or at once
+        if it has; a faulted device may never post (callers re-poll)."""
 
     # -- memory ---------------------------------------------------------------
     @abc.abstractmethod
@@ -126,10 +188,11 @@ class DeviceDriver(abc.ABC):
 
     @abc.abstractmethod
     def host_alloc(self, nbytes: int) -> np.ndarray:
-        """Host memory that copies can use asynchronously (pinned on CUDA); a uint8 array."""
+        """(Slow.) Host memory that copies can use asynchronously (pinned on CUDA); uint8."""
 
     @abc.abstractmethod
-    def host_free(self, buf: np.ndarray) -> None: ...
+    def host_free(self, buf: np.ndarray) -> None:
+        """(Slow.) Release memory from :meth:`host_alloc` (no copy may still use it)."""
 
     @abc.abstractmethod
     def fill(self, ptr: int, nbytes: int, pattern: bytes, stream: Any) -> None:
@@ -156,12 +219,22 @@ class DeviceDriver(abc.ABC):
 
     # -- kernels --------------------------------------------------------------
     @abc.abstractmethod
+    def loaded_kernel(self, source: KernelSource, signature: tuple[Any, ...]) -> Any:
+        """The kernel loaded for ``signature`` if it is loaded already, else None (fast)."""
+
+    @abc.abstractmethod
+    def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> Any:
+        """(Slow.) Compile (cached by content on disk where possible) and load the kernel
+        for ``signature`` (made from ``args``); returns what :meth:`prepare_launch` takes.
+        Thread-safe and idempotent. Raises LaunchError if the kernel cannot be built."""
+
+    @abc.abstractmethod
     def prepare_launch(
         self,
-        source: KernelSource,
+        loaded: Any,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: Sequence[ArrayArg | int | float | bool | np.generic],
+        args: Sequence[ArrayArg | int | float | bool | complex | np.generic],
     ) -> Any:
         """Everything a launch needs but the stream: the loaded kernel and its packed
         parameters. The runtime caches the result per (kernel, arguments), so a hot
@@ -180,6 +253,10 @@ class DeviceDriver(abc.ABC):
         """End the capture and return an instantiated, launchable graph."""
 
     @abc.abstractmethod
+    def abort_capture(self, stream: Any) -> None:
+        """End a capture whose graph is not wanted (releases what it recorded)."""
+
+    @abc.abstractmethod
     def graph_launch(self, graph: Any, stream: Any) -> None: ...
 
     @abc.abstractmethod
@@ -195,7 +272,7 @@ class DeviceDriver(abc.ABC):
 
     @abc.abstractmethod
     def reset(self) -> None:
-        """Discard all state of the device (memory, streams, events, fault)."""
+        """(Slow.) Discard all state of the device (memory, streams, events, fault)."""
 
 
 class Backend(abc.ABC):
@@ -212,4 +289,5 @@ class Backend(abc.ABC):
     def driver(self, ordinal: int) -> DeviceDriver: ...
 
     @abc.abstractmethod
-    def new_waker(self) -> Waker: ...
+    def new_waker(self) -> Waker:
+        """A waker that lives for the rest of the process."""

@@ -7,11 +7,14 @@
   the device's default pool, whose release threshold is raised so that steady-state
   allocation never returns memory to the OS. Host copies go through pinned memory
   (``cuMemHostAlloc``), which the runtime pools.
-* **Kernels** are numba-cuda Python functions compiled once per (signature, compute
-  capability) to PTX by numba's compiler, linked to a cubin by the driver, cached in
-  memory and on disk (``TRIO_CUDA_CACHE_DIR``, default ``~/.cache/trio-cuda``), loaded
-  with ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` from pre-packed
-  parameters in numba's argument layout. numba's dispatcher is never on the launch path.
+* **Kernels** are numba-cuda Python functions compiled once per (content key,
+  signature, compute capability) to PTX by numba's compiler, linked to a cubin by the
+  driver, cached in memory and on disk (``TRIO_CUDA_CACHE_DIR``, default
+  ``~/.cache/trio-cuda``; only kernels whose content key is stable), loaded with
+  ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` from pre-packed parameters
+  in numba's argument layout. Tensor (input) arguments are compiled as read-only
+  arrays, so a kernel that writes one is refused when it is built, before any launch.
+  numba's dispatcher is never on the launch path.
 * **Completion**: ``arm`` queues, on a side stream per work stream, a wait for the event
   and a host function that is libc's ``sem_post`` itself (no Python callback, no GIL),
   posting the semaphore the notifier's helper thread sleeps on.
@@ -35,7 +38,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError
-from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker
+from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker, scalar_dtype
 
 __all__ = ["CudaBackend", "check"]
 
@@ -117,6 +120,9 @@ _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
 _SEM_POST_ADDR = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
 
 
+_wakers: list["_SemWaker"] = []  # never freed: a pending host function may still post one
+
+
 class _SemWaker(Waker):
     """A POSIX semaphore: posted by CUDA host functions (libc's sem_post), waited without the GIL."""
 
@@ -151,30 +157,17 @@ _SCALAR_FORMATS = {
 }
 
 
-def _scalar_dtype(v: Any) -> np.dtype:
-    if isinstance(v, np.generic):
-        return v.dtype
-    if isinstance(v, bool):
-        return np.dtype(np.bool_)
-    if isinstance(v, int):
-        return np.dtype(np.int64)
-    if isinstance(v, float):
-        return np.dtype(np.float64)
-    if isinstance(v, complex):
-        return np.dtype(np.complex128)
-    raise TypeError(f"unsupported kernel scalar {v!r}")
-
-
 class _Launcher:
     """One compiled kernel for one signature on one device."""
 
-    __slots__ = ("function", "module", "fmt", "slots")
+    __slots__ = ("function", "module", "fmt", "slots", "name")
 
-    def __init__(self, module: Any, function: Any, fmt: str, nslots: int) -> None:
+    def __init__(self, module: Any, function: Any, fmt: str, nslots: int, name: str) -> None:
         self.module = module
         self.function = function
         self.fmt = fmt
         self.slots = nslots
+        self.name = name
 
 
 class _Prepared:
@@ -182,7 +175,7 @@ class _Prepared:
 
     __slots__ = ("function", "gx", "gy", "gz", "bx", "by", "bz", "params", "buf", "ptrs", "name")
 
-    def __init__(self, launcher: _Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], values: list[Any], name: str) -> None:
+    def __init__(self, launcher: _Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], values: list[Any]) -> None:
         n = max(launcher.slots, 1)
         self.buf = (ctypes.c_uint64 * n)()
         struct.pack_into(launcher.fmt, self.buf, 0, *values)
@@ -192,17 +185,7 @@ class _Prepared:
         self.function = launcher.function
         self.gx, self.gy, self.gz = grid
         self.bx, self.by, self.bz = block
-        self.name = name
-
-
-def _signature_key(args: Sequence[Any]) -> tuple[Any, ...]:
-    key = []
-    for a in args:
-        if type(a) is ArrayArg:
-            key.append((a.dtype.char, len(a.shape)))
-        else:
-            key.append(_scalar_dtype(a).char)
-    return tuple(key)
+        self.name = launcher.name
 
 
 def _numba_signature(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -211,9 +194,10 @@ def _numba_signature(args: Sequence[Any]) -> tuple[Any, ...]:
     sig = []
     for a in args:
         if type(a) is ArrayArg:
-            sig.append(types.Array(from_dtype(a.dtype), len(a.shape), "C"))
+            layout = "C" if a.contiguous else "A"
+            sig.append(types.Array(from_dtype(a.dtype), len(a.shape), layout, readonly=not a.writable))
         else:
-            sig.append(from_dtype(_scalar_dtype(a)))
+            sig.append(from_dtype(scalar_dtype(a)))
     return tuple(sig)
 
 
@@ -226,7 +210,7 @@ def _param_format(args: Sequence[Any]) -> tuple[str, int]:
             fmt.append("q" * n)
             slots += n
         else:
-            f, n = _SCALAR_FORMATS[_scalar_dtype(a).char]
+            f, n = _SCALAR_FORMATS[scalar_dtype(a).char]
             fmt.append(f)
             slots += n
     return "".join(fmt), slots
@@ -254,34 +238,28 @@ def _cache_dir() -> pathlib.Path | None:
         return None
 
 
-def _source_stamp(fn: Any) -> str:
-    code = fn.__code__
-    try:
-        st = os.stat(code.co_filename)
-        stamp = f"{st.st_mtime_ns}:{st.st_size}"
-    except OSError:
-        stamp = repr(code.co_code)
-    return f"{code.co_filename}:{fn.__qualname__}:{code.co_firstlineno}:{stamp}"
+_CACHE_FORMAT = "trio-cuda-kernel-cache-2"
 
 
 def _compile_cubin(device: "CudaDevice", source: KernelSource, args: Sequence[Any]) -> tuple[bytes, str]:
-    """PTX from numba, linked to a cubin for this device; cached on disk."""
+    """PTX from numba, linked to a cubin for this device; cached on disk by content."""
     import numba
     from numba.cuda import compile_ptx
 
-    from .. import __version__
-
     sig = _numba_signature(args)
     cc = device.compute_capability
-    key_text = "|".join([__version__, numba.__version__, _source_stamp(source.py_func), repr(sig), repr(cc)])
+    key_text = "|".join([_CACHE_FORMAT, numba.__version__, source.key, repr(sig), repr(cc)])
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    cache = _cache_dir()
+    cache = _cache_dir() if source.cacheable else None
     if cache is not None:
         cubin_path = cache / f"{key}.cubin"
         name_path = cache / f"{key}.name"
         if cubin_path.exists() and name_path.exists():
             return cubin_path.read_bytes(), name_path.read_text()
-    ptx, _ = compile_ptx(source.py_func, sig, cc=cc)
+    try:
+        ptx, _ = compile_ptx(source.py_func, sig, cc=cc)
+    except Exception as err:  # numba's typing and lowering errors
+        raise LaunchError(f"numba cannot compile the kernel for {sig}: {err}", op=f"kernel {source.name}", device=device.ordinal) from err
     entry = None
     for line in ptx.splitlines():
         if ".entry" in line:
@@ -347,7 +325,8 @@ class CudaDevice(DeviceDriver):
         # free has completed, or when the allocating stream already depends on it.
         check(cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0), "cuMemPoolSetAttribute", self)
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
-        self._notify: dict[Any, Any] = {}
+        self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
+        self._notify: dict[int, Any] = {}
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
 
     # -- context ------------------------------------------------------------------
@@ -403,6 +382,16 @@ class CudaDevice(DeviceDriver):
         self._current()
         return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
 
+    def destroy_stream(self, stream: Any) -> None:
+        if self._fault is not None:
+            return  # the context is gone with the fault
+        self._current()
+        side = self._notify.pop(int(stream), None)
+        if side is not None:
+            cu.cuStreamDestroy(side)
+        # Returns at once; work already enqueued completes first.
+        cu.cuStreamDestroy(stream)
+
     def create_event(self) -> Any:
         self._current()
         return check(cu.cuEventCreate(self._event_flags), "cuEventCreate", self)
@@ -430,12 +419,6 @@ class CudaDevice(DeviceDriver):
                 raise self._fault
             return False
         raise error(err, "cuEventQuery", self)
-
-    def synchronize(self, event: Any) -> None:
-        self._current()
-        err = cu.cuEventSynchronize(event)[0]
-        if err != _SUCCESS:
-            raise error(err, "cuEventSynchronize", self)
 
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
         assert isinstance(waker, _SemWaker)
@@ -544,32 +527,41 @@ class CudaDevice(DeviceDriver):
         finally:
             cu.cuLinkDestroy(state)
 
-    def _launcher(self, source: KernelSource, args: Sequence[Any]) -> _Launcher:
-        key = (id(source), _signature_key(args))
+    def loaded_kernel(self, source: KernelSource, signature: tuple[Any, ...]) -> Any:
+        return self._launchers.get((source.key, signature))
+
+    def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> _Launcher:
+        key = (source.key, signature)
         launcher = self._launchers.get(key)
-        if launcher is None:
+        if launcher is not None:
+            return launcher
+        lock = self._load_locks.setdefault(key, threading.Lock())
+        with lock:  # one compilation per kernel and signature, whatever the threads
+            launcher = self._launchers.get(key)
+            if launcher is not None:
+                return launcher
             cubin, entry = _compile_cubin(self, source, args)
             self._current()
             op = f"kernel {source.name}"
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData", self, launch=True, op=op)
             function = check(cu.cuModuleGetFunction(module, entry.encode()), "cuModuleGetFunction", self, launch=True, op=op)
             if hasattr(cu, "cuFuncLoad"):
-                # Finish lazy loading now, at prepare time, not at the first launch
-                # (loading can wait for work already running on the device).
+                # Finish lazy loading now, not at the first launch (loading can wait for
+                # work already running on the device; here it waits in a worker thread).
                 check(cu.cuFuncLoad(function), "cuFuncLoad", self, launch=True, op=op)
             fmt, nslots = _param_format(args)
-            launcher = _Launcher(module, function, fmt, nslots)
+            launcher = _Launcher(module, function, fmt, nslots, source.name)
             self._launchers[key] = launcher
         return launcher
 
     def prepare_launch(
         self,
-        source: KernelSource,
+        loaded: _Launcher,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         args: Sequence[Any],
     ) -> _Prepared:
-        return _Prepared(self._launcher(source, args), grid, block, _param_values(args), source.name)
+        return _Prepared(loaded, grid, block, _param_values(args))
 
     def launch(self, p: _Prepared, stream: Any) -> None:
         if _tls.token is not self._token:
@@ -588,10 +580,20 @@ class CudaDevice(DeviceDriver):
     def end_capture(self, stream: Any) -> _Graph:
         self._current()
         graph = check(cu.cuStreamEndCapture(stream), "cuStreamEndCapture", self)
-        nodes = check(cu.cuGraphGetNodes(graph), "cuGraphGetNodes", self)
-        count = nodes[1] if isinstance(nodes, tuple) else len(nodes)
-        exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate", self)
+        try:
+            nodes = check(cu.cuGraphGetNodes(graph), "cuGraphGetNodes", self)
+            count = nodes[1] if isinstance(nodes, tuple) else len(nodes)
+            exec_ = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate", self)
+        except BaseException:
+            cu.cuGraphDestroy(graph)
+            raise
         return _Graph(graph, exec_, int(count))
+
+    def abort_capture(self, stream: Any) -> None:
+        self._current()
+        err, graph = cu.cuStreamEndCapture(stream)
+        if err == _SUCCESS and graph is not None and int(graph) != 0:
+            cu.cuGraphDestroy(graph)
 
     def graph_launch(self, graph: _Graph, stream: Any) -> None:
         self._current()
@@ -640,4 +642,6 @@ class CudaBackend(Backend):
         return d
 
     def new_waker(self) -> Waker:
-        return _SemWaker()
+        w = _SemWaker()
+        _wakers.append(w)
+        return w

@@ -3,7 +3,8 @@
 What is simulated, and how:
 
 * **Streams** are worker threads, each running its commands in FIFO order, so work
-  on different streams really overlaps (whenever it does not hold the GIL).
+  on different streams really overlaps (whenever it does not hold the GIL). A
+  destroyed stream finishes its queued commands and its thread exits.
 * **Events** hold their latest record (a ticket): ``record`` enqueues a command that
   completes a new ticket; ``wait_event`` enqueues a command that blocks its stream until
   the ticket current at call time completes, so re-recording never releases an earlier
@@ -15,10 +16,17 @@ What is simulated, and how:
 * **Kernels** run through numba's CUDA simulator (one kernel at a time, process-wide,
   as the simulator requires), on numpy views of device memory. Inputs (tensor
   arguments) are read-only views, so a kernel that writes an input is caught.
+  Compiled kernels are cached by the kernel's content key, never by ``id``.
 * **Faults**: an exception inside a command (an out-of-bounds index in a kernel, a
   write to an input) makes the device faulted, as an illegal address does on CUDA:
   queued and later work is dropped, every query and wait raises the fault, and only
   ``reset`` clears it.
+* **Faults stay on their device**: a stream that waits for an event of *another*
+  device which faulted (or was reset) does not fault its own device. The wait fails:
+  the stream skips its commands up to its next event record, that record completes
+  with the error (so the op that waited fails with DeviceFault), and the memory the
+  skipped commands would have written is *poisoned*: a later command reading it
+  fails the same way, until a copy or fill rewrites the whole allocation.
 * **Graphs**: while a stream captures, commands are recorded instead of run;
   replay runs the recorded commands in capture order on the launching stream.
 
@@ -28,13 +36,14 @@ What is simulated, and how:
 from __future__ import annotations
 
 import bisect
-import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .._config import env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError
 from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker
 
@@ -45,6 +54,8 @@ __all__ = ["SimBackend"]
 _cond = threading.Condition()
 # numba's simulator supports one kernel at a time per process.
 _kernel_lock = threading.Lock()
+# Wakers live for the whole process (see Waker).
+_wakers: list["_SimWaker"] = []
 
 _ALIGN = 256
 
@@ -61,20 +72,20 @@ class _SimWaker(Waker):
 
 
 class _Ticket:
-    """One record of an event: complete once the stream reaches it."""
+    """One record of an event: complete once the stream reaches it (maybe with an error)."""
 
-    __slots__ = ("done", "armed")
+    __slots__ = ("done", "error", "armed")
 
     def __init__(self) -> None:
         self.done = False
+        self.error: DeviceFault | None = None
         self.armed: list[Waker] = []
 
 
 class _SimEvent:
-    """An event: its latest record (a ticket). Waits capture the ticket current at call
-    time, so re-recording an event never releases earlier waiters early, as on CUDA."""
+    """An event: its latest record (a ticket)."""
 
-    __slots__ = ("device", "ticket")
+    __slots__ = ("device", "ticket", "__weakref__")
 
     def __init__(self, device: "_SimDevice") -> None:
         self.device = device
@@ -84,7 +95,7 @@ class _SimEvent:
 class _SimGraph:
     __slots__ = ("device", "commands")
 
-    def __init__(self, device: "_SimDevice", commands: list[tuple[Callable[[], None], str]]) -> None:
+    def __init__(self, device: "_SimDevice", commands: list["_Command"]) -> None:
         self.device = device
         self.commands = commands
 
@@ -96,42 +107,74 @@ class _Capture:
 
     def __init__(self, origin: "_SimStream") -> None:
         self.origin = origin
-        self.commands: list[tuple[Callable[[], None], str]] = []
+        self.commands: list[_Command] = []
         self.streams: set[_SimStream] = {origin}
 
 
+class _Command:
+    """A unit of stream work: what it does, and which allocations it reads and writes."""
+
+    __slots__ = ("fn", "what", "reads", "writes", "full", "always")
+
+    def __init__(
+        self,
+        fn: Callable[[], None],
+        what: str,
+        reads: tuple[int, ...] = (),
+        writes: tuple[int, ...] = (),
+        full: bool = False,
+        always: bool = False,
+    ) -> None:
+        self.fn = fn
+        self.what = what
+        self.reads = reads  # device pointers read
+        self.writes = writes  # device pointers written
+        self.full = full  # the write covers its whole allocation (clears poison)
+        self.always = always  # runs after a failed wait too (event records, frees)
+
+
+class _Alloc:
+    __slots__ = ("data", "nbytes", "poison")
+
+    def __init__(self, size: int, nbytes: int) -> None:
+        self.data = np.zeros(size, dtype=np.uint8)
+        self.nbytes = nbytes  # as requested (data is rounded up)
+        self.poison: DeviceFault | None = None
+
+
 class _SimStream:
-    __slots__ = ("device", "generation", "queue", "thread", "capture")
+    __slots__ = ("device", "generation", "queue", "thread", "capture", "error", "__weakref__")
 
     def __init__(self, device: "_SimDevice") -> None:
         self.device = device
         self.generation = device.generation
-        self.queue: queue.SimpleQueue[tuple[Callable[[], None], str] | None] = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.capture: _Capture | None = None
+        self.error: DeviceFault | None = None  # a failed cross-device wait, until the next record
 
-    def enqueue(self, fn: Callable[[], None], what: str) -> None:
+    def enqueue(self, cmd: _Command) -> None:
         if self.capture is not None:
-            self.capture.commands.append((fn, what))
+            self.capture.commands.append(cmd)
             return
         if self.thread is None:
             self.thread = threading.Thread(target=self._work, name=f"trio-cuda-sim-stream-{self.device.ordinal}", daemon=True)
             self.thread.start()
-        self.queue.put((fn, what))
+        self.queue.put(cmd)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
 
     def _work(self) -> None:
         device = self.device
         while True:
-            item = self.queue.get()
-            if item is None or self.generation != device.generation:
+            cmd = self.queue.get()
+            if cmd is None or self.generation != device.generation:
                 return
-            fn, what = item
             if device._fault is not None:
                 continue  # a faulted device runs nothing
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - a fault, whatever raised it
-                device._set_fault(_describe_fault(what, exc))
+            device._run(self, cmd)
 
 
 def _describe_fault(what: str, exc: BaseException) -> DeviceFault:
@@ -148,6 +191,13 @@ def _describe_fault(what: str, exc: BaseException) -> DeviceFault:
     return fault
 
 
+class _ForeignFailure(Exception):
+    """A stream wait whose event belongs to a device that faulted or was reset."""
+
+    def __init__(self, fault: DeviceFault) -> None:
+        self.fault = fault
+
+
 class _SimDevice(DeviceDriver):
     def __init__(self, ordinal: int, capacity: int) -> None:
         self.ordinal = ordinal
@@ -157,12 +207,13 @@ class _SimDevice(DeviceDriver):
         self.generation = 0
         self._fault: DeviceFault | None = None
         self._lock = threading.Lock()
-        self._allocs: dict[int, np.ndarray] = {}
+        self._allocs: dict[int, _Alloc] = {}
         self._bases: list[int] = []
         self._next = _ALIGN * (1 + ordinal) << 36  # distinct address ranges per device
         self._in_use = 0
         self._wakers: set[Waker] = set()
-        self._kernels: dict[int, Any] = {}
+        self._kernels: dict[str, Any] = {}
+        self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -187,16 +238,75 @@ class _SimDevice(DeviceDriver):
         with _cond:
             self.generation += 1
             self._fault = None
+            wakers = list(self._wakers)
             _cond.notify_all()
+        for s in list(self._streams):
+            s.close()
         with self._lock:
             self._allocs.clear()
             self._bases.clear()
             self._in_use = 0
+        for w in wakers:
+            w.post()
+
+    # -- running commands -----------------------------------------------------
+    def _run(self, stream: _SimStream, cmd: _Command) -> None:
+        if cmd.always:
+            try:
+                cmd.fn()
+            except BaseException as exc:  # noqa: BLE001
+                self._set_fault(_describe_fault(cmd.what, exc))
+            return
+        err = stream.error
+        if err is None:
+            for ptr in cmd.reads:
+                a = self._alloc_at(ptr)
+                if a is not None and a.poison is not None:
+                    err = stream.error = DeviceFault(
+                        f"{cmd.what} reads data that a failed op did not write ({a.poison.message})",
+                        device=self.ordinal,
+                        op=cmd.what,
+                    )
+                    break
+        if err is not None:
+            self._poison(cmd.writes, err)
+            return
+        try:
+            cmd.fn()
+        except _ForeignFailure as f:
+            stream.error = f.fault
+        except BaseException as exc:  # noqa: BLE001 - a fault, whatever raised it
+            self._set_fault(_describe_fault(cmd.what, exc))
+            return
+        if cmd.full:
+            for ptr in cmd.writes:
+                a = self._alloc_at(ptr)
+                if a is not None:
+                    a.poison = None
+
+    def _poison(self, ptrs: tuple[int, ...], err: DeviceFault) -> None:
+        for ptr in ptrs:
+            a = self._alloc_at(ptr)
+            if a is not None:
+                a.poison = err
+
+    def _alloc_at(self, ptr: int) -> _Alloc | None:
+        with self._lock:
+            i = bisect.bisect_right(self._bases, ptr) - 1
+            if i < 0:
+                return None
+            a = self._allocs[self._bases[i]]
+            return a if ptr < self._bases[i] + a.data.nbytes else None
 
     # -- streams and events ---------------------------------------------------
     def create_stream(self) -> _SimStream:
         self._check()
-        return _SimStream(self)
+        s = _SimStream(self)
+        self._streams.add(s)
+        return s
+
+    def destroy_stream(self, stream: _SimStream) -> None:
+        stream.close()
 
     def create_event(self) -> _SimEvent:
         return _SimEvent(self)
@@ -216,16 +326,21 @@ class _SimDevice(DeviceDriver):
             # of the capture to depend on; it adds no node.
             _capture_events[event] = stream.capture
             return
-        stream.enqueue(lambda: self._complete(ticket), "event record")
 
-    def _complete(self, ticket: _Ticket) -> None:
-        with _cond:
-            ticket.done = True
-            ready = ticket.armed
-            ticket.armed = []
-            _cond.notify_all()
-        for w in ready:
-            w.post()
+        def complete() -> None:
+            err = stream.error
+            stream.error = None  # the failure ends with this submission's record
+            with _cond:
+                ticket.error = err
+                ticket.done = True
+                ready = ticket.armed
+                ticket.armed = []
+                _cond.notify_all()
+            for w in ready:
+                w.post()
+
+        # A record runs even after a failed wait: it carries the failure to the waiters.
+        stream.enqueue(_Command(complete, "event record", always=True))
 
     def wait_event(self, stream: _SimStream, event: _SimEvent) -> None:
         self._check()
@@ -239,42 +354,40 @@ class _SimDevice(DeviceDriver):
                 stream.capture = cap
                 cap.streams.add(stream)
             return
-        if ticket is None or ticket.done:
+        if ticket is None or (ticket.done and ticket.error is None):
             return
         src = event.device
+        gen_src = src.generation
 
         def wait() -> None:
             with _cond:
                 while not ticket.done:
                     if src._fault is not None:
-                        raise DeviceFault(f"waited on an event of device {src.ordinal}, which faulted: {src._fault}")
-                    if src.generation != gen_src or self.generation != stream.generation:
+                        if src is self:
+                            raise src._fault
+                        raise _ForeignFailure(
+                            DeviceFault(f"waited for work of device {src.ordinal}, which faulted: {src._fault.message}", device=self.ordinal)
+                        )
+                    if src.generation != gen_src:
+                        raise _ForeignFailure(DeviceFault(f"waited for work of device {src.ordinal}, which was reset", device=self.ordinal))
+                    if self.generation != stream.generation:
                         return
                     _cond.wait()
+            if ticket.error is not None:
+                raise _ForeignFailure(ticket.error)
 
-        gen_src = src.generation
-        stream.enqueue(wait, "stream wait")
+        stream.enqueue(_Command(wait, f"wait for device {src.ordinal}" if src is not self else "stream wait"))
 
     def query(self, event: _SimEvent) -> bool:
         dev = event.device
         if dev._fault is not None:
             raise dev._fault
         t = event.ticket
-        return t is None or t.done
-
-    def synchronize(self, event: _SimEvent) -> None:
-        dev = event.device
-        gen = dev.generation
-        ticket = event.ticket
-        with _cond:
-            while ticket is not None and not ticket.done:
-                if dev._fault is not None:
-                    raise dev._fault
-                if dev.generation != gen:
-                    return
-                _cond.wait()
-        if dev._fault is not None:
-            raise dev._fault
+        if t is None:
+            return True
+        if t.done and t.error is not None:
+            raise t.error
+        return t.done
 
     def arm(self, event: _SimEvent, stream: _SimStream, waker: Waker) -> None:
         dev = event.device
@@ -283,6 +396,7 @@ class _SimDevice(DeviceDriver):
             dev._wakers.add(waker)
             done = ticket is None or ticket.done or dev._fault is not None
             if not done:
+                assert ticket is not None
                 ticket.armed.append(waker)
         if done:
             waker.post()
@@ -302,7 +416,7 @@ class _SimDevice(DeviceDriver):
                 )
             ptr = self._next
             self._next += size
-            self._allocs[ptr] = np.zeros(size, dtype=np.uint8)
+            self._allocs[ptr] = _Alloc(size, nbytes)
             bisect.insort(self._bases, ptr)
             self._in_use += size
         return ptr
@@ -314,15 +428,16 @@ class _SimDevice(DeviceDriver):
             with self._lock:
                 if self.generation != gen:
                     return
-                buf = self._allocs.pop(ptr)
+                a = self._allocs.pop(ptr)
                 del self._bases[bisect.bisect_left(self._bases, ptr)]
-                self._in_use -= buf.nbytes
+                self._in_use -= a.data.nbytes
 
         if self._fault is not None or stream.generation != gen:
             if stream.generation == gen:  # a faulted device runs nothing: free now
                 release()
             return
-        stream.enqueue(release, "free")
+        # A free runs even on a stream whose wait failed (memory is returned regardless).
+        stream.enqueue(_Command(release, "free", always=True))
 
     def memory_in_use(self) -> int:
         return self._in_use
@@ -332,11 +447,16 @@ class _SimDevice(DeviceDriver):
             i = bisect.bisect_right(self._bases, ptr) - 1
             if i >= 0:
                 base = self._bases[i]
-                buf = self._allocs[base]
+                buf = self._allocs[base].data
                 off = ptr - base
                 if off + nbytes <= buf.nbytes:
                     return buf[off : off + nbytes]
         raise IndexError(f"illegal address: {nbytes} bytes at {ptr:#x} are not allocated on device {self.ordinal}")
+
+    def _whole(self, ptr: int, nbytes: int) -> bool:
+        with self._lock:
+            a = self._allocs.get(ptr)
+        return a is not None and nbytes >= a.nbytes
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, dtype=np.uint8)
@@ -353,7 +473,7 @@ class _SimDevice(DeviceDriver):
             dst = self._bytes(ptr, nbytes)
             dst.reshape(-1, len(pat))[:] = pat
 
-        stream.enqueue(run, "fill")
+        stream.enqueue(_Command(run, "fill", (), (ptr,), self._whole(ptr, nbytes)))
 
     def copy_h2d(self, dst: int, src: np.ndarray, stream: _SimStream) -> None:
         self._check()
@@ -363,7 +483,7 @@ class _SimDevice(DeviceDriver):
         def run() -> None:
             self._bytes(dst, data.nbytes)[:] = data
 
-        stream.enqueue(run, "copy host to device")
+        stream.enqueue(_Command(run, "copy host to device", (), (dst,), self._whole(dst, data.nbytes)))
 
     def copy_d2h(self, dst: np.ndarray, src: int, stream: _SimStream) -> None:
         self._check()
@@ -373,7 +493,7 @@ class _SimDevice(DeviceDriver):
         def run() -> None:
             out[:] = self._bytes(src, out.nbytes)
 
-        stream.enqueue(run, "copy device to host")
+        stream.enqueue(_Command(run, "copy device to host", (src,), ()))
 
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream: _SimStream) -> None:
         self._check()
@@ -382,71 +502,85 @@ class _SimDevice(DeviceDriver):
         def run() -> None:
             self._bytes(dst, nbytes)[:] = self._bytes(src, nbytes)
 
-        stream.enqueue(run, "copy device to device")
+        stream.enqueue(_Command(run, "copy device to device", (src,), (dst,), self._whole(dst, nbytes)))
 
     def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: _SimStream) -> None:
         self._check()
         self._live(stream)
         assert isinstance(src_driver, _SimDevice)
+        gen_src = src_driver.generation
 
         def run() -> None:
-            src_driver._check()
+            if src_driver._fault is not None or src_driver.generation != gen_src:
+                raise _ForeignFailure(DeviceFault(f"copy from device {src_driver.ordinal}, which faulted or was reset", device=self.ordinal))
+            a = src_driver._alloc_at(src)
+            if a is not None and a.poison is not None:
+                raise _ForeignFailure(DeviceFault(f"copy from device {src_driver.ordinal} of data a failed op did not write", device=self.ordinal))
             self._bytes(dst, nbytes)[:] = src_driver._bytes(src, nbytes)
 
-        stream.enqueue(run, f"copy from device {src_driver.ordinal}")
+        stream.enqueue(_Command(run, f"copy from device {src_driver.ordinal}", (), (dst,), self._whole(dst, nbytes)))
 
     def mem_info(self) -> tuple[int, int]:
         return self.total_memory - self._in_use, self.total_memory
 
     # -- kernels --------------------------------------------------------------
-    def _compiled(self, source: KernelSource) -> Any:
-        k = self._kernels.get(id(source))
+    def loaded_kernel(self, source: KernelSource, signature: tuple[Any, ...]) -> Any:
+        if source.host_impl is not None:
+            return (source.name, source.host_impl, True)
+        k = self._kernels.get(source.key)
+        return None if k is None else (source.name, k, False)
+
+    def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> Any:
+        if source.host_impl is not None:
+            return (source.name, source.host_impl, True)
+        k = self._kernels.get(source.key)
         if k is None:
             from numba import cuda
 
-            k = cuda.jit(source.py_func)
-            self._kernels[id(source)] = k
-        return k
+            k = self._kernels.setdefault(source.key, cuda.jit(source.py_func))
+        return (source.name, k, False)
 
     def prepare_launch(
         self,
-        source: KernelSource,
+        loaded: Any,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
-        args: Sequence[ArrayArg | int | float | bool | np.generic],
+        args: Sequence[Any],
     ) -> tuple[Any, ...]:
-        _check_launch_config(source.name, grid, block, self.ordinal)
-        impl = source.host_impl
-        compiled = None if impl is not None else self._compiled(source)
-        return (source.name, impl, compiled, grid, block, tuple(args))
+        name, impl, host_impl = loaded
+        _check_launch_config(name, grid, block, self.ordinal)
+        reads = tuple(a.ptr for a in args if isinstance(a, ArrayArg) and not a.writable)
+        writes = tuple(a.ptr for a in args if isinstance(a, ArrayArg) and a.writable)
+        return (name, impl, host_impl, grid, block, tuple(args), reads, writes)
 
     def launch(self, prepared: tuple[Any, ...], stream: _SimStream) -> None:
         self._check()
         self._live(stream)
-        name, impl, compiled, grid, block, args = prepared
+        name, loaded, host_impl, grid, block, args, reads, writes = prepared
 
         def run() -> None:
             values = [self._array(a) if isinstance(a, ArrayArg) else a for a in args]
-            if impl is not None:
-                impl(*values)
+            if host_impl:
+                loaded(*values)
                 return
             from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
             wrapped = [FakeCUDAArray(v) if isinstance(v, np.ndarray) else v for v in values]
             with _kernel_lock:
-                compiled[grid, block](*wrapped)
+                loaded[grid, block](*wrapped)
 
-        stream.enqueue(run, f"kernel {name}")
+        stream.enqueue(_Command(run, f"kernel {name}", reads, writes))
 
     def _array(self, a: ArrayArg) -> np.ndarray:
-        if a.shape:
-            span = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) + a.dtype.itemsize
-        else:
-            span = a.dtype.itemsize
         if any(n == 0 for n in a.shape):
             span = 0
-        raw = self._bytes(a.ptr, max(span, 0))
-        arr = np.ndarray(a.shape, dtype=a.dtype, buffer=raw, strides=a.strides)
+            lo = 0
+        else:
+            lo = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s < 0)
+            hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0)
+            span = hi - lo + a.dtype.itemsize
+        raw = self._bytes(a.ptr + lo, max(span, 0))
+        arr = np.ndarray(a.shape, dtype=a.dtype, buffer=raw, offset=-lo, strides=a.strides)
         if not a.writable:
             arr.flags.writeable = False
         return arr
@@ -459,7 +593,7 @@ class _SimDevice(DeviceDriver):
             raise GraphCaptureError("the stream is capturing already", device=self.ordinal)
         stream.capture = _Capture(stream)
 
-    def end_capture(self, stream: _SimStream) -> _SimGraph:
+    def _end(self, stream: _SimStream) -> _Capture:
         cap = stream.capture
         if cap is None or cap.origin is not stream:
             raise GraphCaptureError("the stream did not begin a capture", device=self.ordinal)
@@ -467,21 +601,31 @@ class _SimDevice(DeviceDriver):
             s.capture = None
         for ev in [e for e, c in _capture_events.items() if c is cap]:
             del _capture_events[ev]
-        return _SimGraph(self, list(cap.commands))
+        return cap
+
+    def end_capture(self, stream: _SimStream) -> _SimGraph:
+        return _SimGraph(self, list(self._end(stream).commands))
+
+    def abort_capture(self, stream: _SimStream) -> None:
+        self._end(stream)
 
     def graph_launch(self, graph: _SimGraph, stream: _SimStream) -> None:
         self._check()
         self._live(stream)
         commands = graph.commands
+        reads = tuple(p for c in commands for p in c.reads)
+        writes = tuple(p for c in commands for p in c.writes)
 
         def run() -> None:
-            for fn, what in commands:
+            for c in commands:
                 try:
-                    fn()
+                    c.fn()
+                except _ForeignFailure:
+                    raise
                 except BaseException as exc:  # noqa: BLE001
-                    raise _describe_fault(f"graph node {what}", exc) from exc
+                    raise _describe_fault(f"graph node {c.what}", exc) from exc
 
-        stream.enqueue(run, "graph launch")
+        stream.enqueue(_Command(run, "graph launch", reads, writes))
 
     def graph_nodes(self, graph: _SimGraph) -> int:
         return len(graph.commands)
@@ -491,7 +635,7 @@ class _SimDevice(DeviceDriver):
 
 
 # Events recorded inside an open capture, and the capture they belong to.
-_capture_events: dict[_SimEvent, _Capture] = {}
+_capture_events: "weakref.WeakKeyDictionary[_SimEvent, _Capture]" = weakref.WeakKeyDictionary()
 
 
 def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int, int, int], ordinal: int) -> None:
@@ -516,10 +660,8 @@ class SimBackend(Backend):
     poll_budget_us = 100.0
 
     def __init__(self) -> None:
-        count = int(os.environ.get("TRIO_CUDA_SIM_DEVICES", "1"))
-        capacity = int(os.environ.get("TRIO_CUDA_SIM_MEMORY", str(4 << 30)))
-        if count < 1:
-            raise ValueError(f"TRIO_CUDA_SIM_DEVICES must be at least 1, not {count}")
+        count = env_int("TRIO_CUDA_SIM_DEVICES", 1, minimum=1)
+        capacity = env_int("TRIO_CUDA_SIM_MEMORY", 4 << 30, minimum=1 << 20)
         self._devices = [_SimDevice(i, capacity) for i in range(count)]
         self.description = f"simulated device ({count} device{'s' if count != 1 else ''}, kernels through numba's CUDA simulator)"
 
@@ -530,4 +672,6 @@ class SimBackend(Backend):
         return self._devices[ordinal]
 
     def new_waker(self) -> Waker:
-        return _SimWaker()
+        w = _SimWaker()
+        _wakers.append(w)
+        return w

@@ -1,0 +1,87 @@
+"""The devices of the process, and the current device of each task and thread.
+
+The current device is a context variable: per trio task (inherited by the tasks it
+starts) and per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from typing import Iterator
+
+from ._backends import backend
+from ._checks import is_int
+from ._device import Device
+
+__all__ = ["as_device", "current_device", "device", "device_count", "devices", "use_device"]
+
+_devices: list[Device] | None = None
+_devices_lock = threading.Lock()
+_current: contextvars.ContextVar[Device | None] = contextvars.ContextVar("trio_cuda_current_device", default=None)
+
+
+def devices() -> list[Device]:
+    """All devices of the selected backend (the first call opens the backend)."""
+    global _devices
+    if _devices is None:
+        with _devices_lock:
+            if _devices is None:
+                b = backend()
+                _devices = [Device._new(i, b.driver(i), b.name, b.new_waker) for i in range(b.device_count())]
+    return list(_devices)
+
+
+def device_count() -> int:
+    """The number of devices."""
+    return len(devices())
+
+
+def device(ordinal: int) -> Device:
+    """The device with the given ordinal (numpy integers accepted).
+
+    Raises:
+        TypeError: ``ordinal`` is not an integer.
+        ValueError: No such device.
+    """
+    all_ = devices()
+    if not is_int(ordinal):
+        raise TypeError(f"device ordinal must be an int, not {type(ordinal).__name__}")
+    if not 0 <= ordinal < len(all_):
+        raise ValueError(f"no device {ordinal}: there are {len(all_)} device(s)")
+    return all_[int(ordinal)]
+
+
+def current_device() -> Device:
+    """The device that ``await op`` uses in this task or thread (device 0 unless changed)."""
+    d = _current.get()
+    if d is not None:
+        return d
+    return _devices[0] if _devices is not None else device(0)
+
+
+def as_device(d: "Device | int | None") -> Device:
+    """``d`` as a Device: a Device, an ordinal, or None for the current device."""
+    if d is None:
+        return current_device()
+    if isinstance(d, Device):
+        return d
+    return device(d)
+
+
+@contextlib.contextmanager
+def use_device(d: "Device | int") -> Iterator[Device]:
+    """Make ``d`` the current device for the block (in this task/thread and the tasks it starts).
+
+    Example (inside a trio task)::
+
+        with trio_cuda.use_device(1):
+            t = await api.zeros((4, 4))   # on device 1
+    """
+    dev = as_device(d)
+    token = _current.set(dev)
+    try:
+        yield dev
+    finally:
+        _current.reset(token)

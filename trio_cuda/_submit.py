@@ -1,0 +1,823 @@
+"""Submission: plan the whole DAG, then enqueue it; and the waits in between.
+
+A submission has two phases:
+
+1. **Plan** (host work only, no driver call): the DAG is walked iteratively (any
+   depth) in dependency order. ``then`` callbacks run, arguments are resolved and
+   validated, every op appends its *steps* (what it will enqueue) to the plan, and
+   allocations are sized. A bad argument anywhere raises here: nothing of the DAG ran.
+2. **Enqueue** (driver calls): allocations first (so an out-of-memory error leaves
+   nothing half-run), then the steps in order, each on its *lane* (a stream): before a
+   step touches a buffer its lane waits for the buffer's pending accesses on other
+   streams, afterwards the step is registered as the buffer's writer or reader. The
+   submission ends with one event on the root lane.
+
+Both phases run under the runtime lock, in one hold in the common case. Between them a
+submission may have to *wait*, with the lock released: for a first-launch kernel
+compilation, for pinned staging memory, for another unfinished submission whose
+shared op or buffer it uses, or (out of memory) for the device's pending work before
+one retry. Under ``await`` these waits happen in a worker thread or in trio, and are
+cancellable: a submission cancelled before it enqueues did not happen (its ops are not
+consumed), unless another submission already relies on it, in which case it completes
+(shielded; bounded by the wait) and then raises Cancelled.
+
+Host values produced by device work (``to_host``) are *pending* until the
+submission's event completes; they are resolved, and ``map`` callbacks over them
+applied, afterwards.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import trio
+
+from ._capture import Capture
+from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted
+from ._guard import LOCK, check_blocking_allowed, check_not_nested, set_submitting
+from ._memory import Buffer
+from ._notifier import wait_event
+from ._registry import current_device
+from ._staging import Staging, pin, pool_of
+
+if TYPE_CHECKING:
+    from ._backends._boundary import KernelSource
+    from ._device import Device
+    from ._stream import Event, Stream
+
+__all__ = [
+    "Continue",
+    "Lane",
+    "Pending",
+    "Plan",
+    "contains_pending",
+    "resolve",
+    "Submitted",
+    "run_async",
+    "run_sync",
+    "submit_async",
+    "submit_blocking",
+]
+
+
+# -- pending host values ------------------------------------------------------------
+class Pending:
+    """A host value that exists once the submission's work has completed."""
+
+    __slots__ = ("_fn", "_value", "_done")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self._done = False
+        self._value: Any = None
+
+    def resolve(self) -> Any:
+        if not self._done:
+            self._value = self._fn()
+            self._done = True
+            self._fn = None  # type: ignore[assignment]
+        return self._value
+
+
+def contains_pending(v: Any) -> bool:
+    t = type(v)
+    if isinstance(v, Pending):
+        return True
+    if t is tuple or t is list:
+        return any(contains_pending(x) for x in v)
+    return False
+
+
+def resolve(v: Any) -> Any:
+    """Replace pending host values in ``v`` (and in tuples/lists inside it) by their values."""
+    t = type(v)
+    if isinstance(v, Pending):
+        return v.resolve()
+    if t is tuple:
+        return tuple(resolve(x) for x in v) if contains_pending(v) else v
+    if t is list:
+        return [resolve(x) for x in v]
+    return v
+
+
+class Continue:
+    """Returned by an op's ``_plan`` to continue with another op on the same lane."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+
+
+# -- shared-op states ------------------------------------------------------------------
+class Claimed:
+    """A shared op claimed by an unfinished plan; its output value is known."""
+
+    __slots__ = ("plan", "value", "pending")
+
+    def __init__(self, plan: "Plan", value: Any, pending: bool) -> None:
+        self.plan = plan
+        self.value = value
+        self.pending = pending
+
+
+class Done:
+    """A shared op whose work was enqueued: consumers depend on (stream, seq)."""
+
+    __slots__ = ("value", "stream", "seq", "pending")
+
+    def __init__(self, value: Any, stream: "Stream", seq: int, pending: bool) -> None:
+        self.value = value
+        self.stream = stream
+        self.seq = seq
+        self.pending = pending
+
+
+class Failed:
+    """A shared op whose execution failed: every consumer sees the error."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+EXECUTING = True  # the state of an op being planned (or executed, for single-use ops)
+
+
+# -- lanes ----------------------------------------------------------------------------
+class Lane:
+    """Where a part of a submission enqueues: one stream.
+
+    Made at plan time (the stream is chosen then); its other fields are enqueue-time
+    state.
+    """
+
+    __slots__ = ("stream", "device", "plan", "start", "need", "forks", "__weakref__")
+
+    def __init__(self, plan: "Plan", stream: "Stream") -> None:
+        self.plan = plan
+        self.stream = stream
+        self.device = stream.device
+        self.start = 0
+        self.need = 0
+        self.forks: list[Lane] = []
+
+    # -- plan time -------------------------------------------------------------------
+    def fork(self, device: "Device | None" = None, *, join_at_end: bool = True) -> "Lane":
+        """A lane on another stream (of ``device``, default this lane's).
+
+        It is joined back into this lane when the submission finishes, or, with
+        ``join_at_end=False``, wherever the caller joins it (``zip``).
+        """
+        dev = device or self.device
+        plan = self.plan
+        stream = plan.capture.fork_stream(dev) if plan.capture is not None else dev.policy.next_stream()
+        lane = plan.lane(stream)
+        if join_at_end:
+            self.forks.append(lane)
+        return lane
+
+    def on(self, device: "Device") -> "Lane":
+        """This lane if it is on ``device``, else a forked lane on a stream of ``device``."""
+        return self if device is self.device else self.fork(device)
+
+    # -- enqueue time ---------------------------------------------------------------------
+    def depend(self, stream: "Stream", seq: int) -> None:
+        """Order the rest of this lane after point ``seq`` of ``stream``, and wait for it at the end."""
+        if seq <= stream.done_seq:
+            return
+        cap = self.plan.capture
+        if cap is not None and not cap.inside(stream, seq):
+            return  # work from before the capture: the graph's launches are ordered after it
+        s = self.stream
+        if stream is s:
+            if seq > self.need:
+                self.need = seq
+            return
+        s.wait_for(stream, seq)
+        self.need = s.mark()
+
+    def read(self, buf: Buffer, tracked: bool = True) -> None:
+        """Order this lane after the buffer's pending write (before a read)."""
+        cap = self.plan.capture
+        if cap is not None:
+            cap.touch(buf, False)
+        if not tracked:
+            return
+        w = buf.writer
+        if w is not None and w[0] is not self.stream and (cap is None or cap.inside(w[0], w[1])):
+            self.stream.wait_for(w[0], w[1])
+
+    def write(self, buf: Buffer, tracked: bool = True) -> None:
+        """Order this lane after the buffer's pending write and reads (before a write)."""
+        cap = self.plan.capture
+        if cap is not None:
+            cap.touch(buf, True)
+        if not tracked:
+            return
+        s = self.stream
+        w = buf.writer
+        if w is not None and w[0] is not s and (cap is None or cap.inside(w[0], w[1])):
+            s.wait_for(w[0], w[1])
+        for r, seq in buf.readers.items():
+            if r is not s and (cap is None or cap.inside(r, seq)):
+                s.wait_for(r, seq)
+
+    def wrote(self, buf: Buffer, seq: int, tracked: bool = True) -> None:
+        if tracked:
+            buf.writer = (self.stream, seq)
+            buf.readers.clear()
+        else:
+            buf.lifetime[self.stream] = seq
+
+    def was_read(self, buf: Buffer, seq: int, tracked: bool = True) -> None:
+        if tracked:
+            buf.readers[self.stream] = seq
+        else:
+            buf.lifetime[self.stream] = seq
+
+    def keep(self, obj: Any) -> None:
+        """Keep host memory a pending copy uses alive until the copy is done (or the graph dies)."""
+        cap = self.plan.capture
+        if cap is not None:
+            cap.keep.append(obj)
+        else:
+            self.stream.keep(obj)
+
+    def end(self) -> int:
+        """Close the point of the op just enqueued; returns its seq."""
+        return self.stream.mark()
+
+    def join(self, forks: "Iterable[Lane]") -> None:
+        """Order the rest of this lane after everything the ``forks`` enqueued."""
+        for f in forks:
+            f.join(f.forks)
+            f.forks = []
+            fs = f.stream
+            seq = fs.seq if fs.seq > f.start else f.need
+            if seq:
+                self.depend(fs, seq)
+
+    def finish(self) -> "Event | None":
+        """Join every fork and return the event the caller waits for (None if nothing to wait for)."""
+        self.join(self.forks)
+        self.forks = []
+        s = self.stream
+        seq = s.seq if s.seq > self.start else self.need
+        if seq == 0 or seq <= s.done_seq:
+            return None
+        return s.event_at(seq)
+
+
+# -- the plan -------------------------------------------------------------------------------
+PLANNING, PLANNED, ENQUEUED, ABORTED, FAILED = range(5)
+
+
+class _StagingSlot:
+    """A staging buffer a step will use, lent at enqueue time."""
+
+    __slots__ = ("device", "nbytes", "host_hold", "staging")
+
+    def __init__(self, device: "Device", nbytes: int, host_hold: bool) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.host_hold = host_hold
+        self.staging: Staging | None = None
+
+
+class _KernelNeed:
+    __slots__ = ("source", "device", "signature", "args", "loaded")
+
+    def __init__(self, source: "KernelSource", device: "Device", signature: tuple[Any, ...], args: list[Any]) -> None:
+        self.source = source
+        self.device = device
+        self.signature = signature
+        self.args = args
+        self.loaded: Any = None
+
+
+class Need:
+    """What a submission waits for before it can enqueue (see the module docstring)."""
+
+    __slots__ = ("kind", "data")
+
+    def __init__(self, kind: str, data: Any) -> None:
+        self.kind = kind  # "kernels" | "staging" | "plan" | "memory"
+        self.data = data
+
+    def wait_blocking(self) -> None:
+        kind, data = self.kind, self.data
+        if kind == "kernels":
+            _load_kernels(data)
+        elif kind == "staging":
+            for device, sizes in data:
+                pin(device, sizes)
+        elif kind == "plan":
+            data.done.wait()
+        else:  # memory
+            for ev in data:
+                ev.device.wait_blocking(ev)
+
+    async def wait_async(self) -> None:
+        kind, data = self.kind, self.data
+        if kind == "memory":
+            for ev in data:
+                await wait_event(ev)
+        elif kind == "plan":
+            # Another submission (perhaps in this trio run) finishes its own wait first.
+            if not data.done.is_set():
+                await trio.to_thread.run_sync(data.done.wait, abandon_on_cancel=True)
+            await trio.lowlevel.checkpoint()
+        else:
+            await trio.to_thread.run_sync(self.wait_blocking, abandon_on_cancel=True)
+
+
+def _load_kernels(needs: "list[_KernelNeed]") -> None:
+    """Compile and load kernels (slow: numba and module loading). No runtime lock held."""
+    for n in needs:
+        dev = n.device
+        gen = dev.generation
+        with dev._slow_lock:
+            if dev.generation != gen:
+                continue  # the next plan step re-checks against the reset device
+            n.loaded = dev._driver.load_kernel(n.source, n.signature, n.args)
+
+
+class Plan:
+    """One submission: its lanes, its steps, what it allocates, and its state."""
+
+    def __init__(self, stream: "Stream", capture: Capture | None = None) -> None:
+        self.capture = capture
+        self.lanes: list[Lane] = []
+        self.steps: list[tuple[Callable[[Lane, Any], None], Lane, Any]] = []
+        self.buffers: list[tuple[Lane, Buffer, str]] = []
+        self.claimed: list[Any] = []
+        self.shared: list[Any] = []
+        self.kernels: list[_KernelNeed] = []
+        self.staging: list[_StagingSlot] = []
+        self.waits: set[Plan] = set()
+        self.foreign: list[Buffer] = []
+        self.dependents = 0
+        self.state = PLANNING
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.ops: list[str] = []
+        self.pending = 0
+        self.event: Event | None = None
+        self.oom_retried = False
+        self.started = False  # driver calls were made (a failure from here on is partial)
+        self.generations: dict[Device, int] = {}
+        self.root = self.lane(stream)
+
+    def lane(self, stream: "Stream") -> Lane:
+        lane = Lane(self, stream)
+        self.lanes.append(lane)
+        dev = stream.device
+        if dev not in self.generations:
+            dev.check_usable()
+            self.generations[dev] = dev.generation
+        return lane
+
+    # -- used by ops at plan time -----------------------------------------------------------
+    def step(self, lane: Lane, fn: Callable[[Lane, Any], None], arg: Any = None) -> None:
+        """Enqueue ``fn(lane, arg)`` in the enqueue phase, after the steps before it."""
+        self.steps.append((fn, lane, arg))
+
+    def new_buffer(self, lane: Lane, nbytes: int, what: str) -> Buffer:
+        """A buffer this submission allocates (on ``lane``'s stream) when it enqueues."""
+        if self.capture is not None:
+            raise GraphCaptureError(
+                f"{what} inside a graph capture: allocate tensors before capturing and capture "
+                "only kernel launches and copies into them",
+                device=lane.device.ordinal,
+            )
+        buf = Buffer(lane.device, nbytes, self)
+        if nbytes:
+            self.buffers.append((lane, buf, what))
+        return buf
+
+    def use(self, buf: Buffer, what: str) -> None:
+        """Check that this submission may use ``buf`` (see Buffer.check)."""
+        if buf.ptr is None or buf.capture is not None or buf.generation != buf.device.generation:
+            buf.check(self, what)
+            if buf.owner is not None and buf.owner is not self:
+                self.foreign.append(buf)
+
+    def need_kernel(self, source: "KernelSource", device: "Device", signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
+        n = _KernelNeed(source, device, signature, args)
+        self.kernels.append(n)
+        return n
+
+    def need_staging(self, lane: Lane, nbytes: int, host_hold: bool) -> _StagingSlot:
+        """Pinned host memory a copy step will use (lent when the submission enqueues)."""
+        slot = _StagingSlot(lane.device, nbytes, host_hold)
+        self.staging.append(slot)
+        return slot
+
+    def wait_for_plan(self, other: "Plan") -> None:
+        if other.state in (ENQUEUED, ABORTED, FAILED) or other in self.waits:
+            return
+        self.waits.add(other)
+        other.dependents += 1
+
+    def claim(self, op: Any) -> None:
+        op._state = EXECUTING
+        self.claimed.append(op)
+
+    # -- the walk ---------------------------------------------------------------------------------
+    def walk(self, root: Any) -> Any:
+        """Plan ``root`` and everything it depends on; returns its output value."""
+        lane = self.root
+        if root._state is None and not root._inputs:
+            # A lone op (the common `await launch(tensors...)`): no walk needed.
+            self.claim(root)
+            r = root._plan(self, lane, ())
+            if type(r) is not Continue:
+                return r
+            root = r.op
+        values: list[Any] = []
+        work: list[tuple[Any, Lane, int]] = [(root, lane, -1)]
+        self._walk(work, values)
+        assert len(values) == 1
+        return values[0]
+
+    def _walk(self, work: list[tuple[Any, Lane, int]], values: list[Any]) -> None:
+        # Frames are (op, lane, n): n < 0 enters the op, n >= 0 plans it on its n input values.
+        pop = work.pop
+        push = work.append
+        vpush = values.append
+        while work:
+            op, ln, n = pop()
+            if n < 0:
+                state = op._state
+                if state is not None:
+                    if state is EXECUTING:
+                        raise OpAlreadyExecuted(
+                            f"{op!r} was executed already; an op describes work that happens once "
+                            "(use .shared() for an op with several consumers)"
+                        )
+                    vpush(op._reuse(self, ln))  # only shared ops have other states
+                    continue
+                self.claim(op)
+                inputs = op._inputs
+                k = len(inputs)
+                if k:
+                    push((op, ln, k))
+                    if op._forks:
+                        lanes = op._lanes(ln, k)
+                        for i in range(k - 1, -1, -1):
+                            push((inputs[i], lanes[i], -1))
+                    elif k == 1:
+                        push((inputs[0], ln, -1))
+                    else:
+                        for i in range(k - 1, -1, -1):
+                            push((inputs[i], ln, -1))
+                    continue
+                r = op._plan(self, ln, ())
+            else:
+                if n == 1:
+                    r = op._plan(self, ln, (values.pop(),))
+                else:
+                    args = values[-n:]
+                    del values[-n:]
+                    r = op._plan(self, ln, args)
+            if type(r) is Continue:
+                push((r.op, ln, -1))
+            else:
+                vpush(r)
+
+    # -- between plan and enqueue ----------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.state in (ENQUEUED, ABORTED, FAILED)
+
+    def advance(self) -> Need | None:
+        """Enqueue if nothing is missing; else say what to wait for (under LOCK)."""
+        for w in list(self.waits):
+            if not w.finished:
+                return Need("plan", w)
+            self.waits.discard(w)
+            w.dependents -= 1
+        missing = []
+        for n in self.kernels:
+            if n.loaded is None:
+                n.loaded = n.device._driver.loaded_kernel(n.source, n.signature)
+                if n.loaded is None:
+                    missing.append(n)
+        if missing:
+            return Need("kernels", missing)
+        try:
+            return self._enqueue()
+        except BaseException as exc:
+            if self.started:
+                self._failed(exc)
+            else:
+                self.abort(exc)
+            raise
+
+    def _take_staging(self) -> Need | None:
+        taken: list[_StagingSlot] = []
+        missing: dict[Device, list[int]] = {}
+        for slot in self.staging:
+            if slot.staging is not None:
+                continue
+            st = pool_of(slot.device).take(slot.nbytes, slot.host_hold)
+            if st is None:
+                missing.setdefault(slot.device, []).append(slot.nbytes)
+            else:
+                slot.staging = st
+                taken.append(slot)
+        if not missing:
+            return None
+        for slot in taken:  # give them back: the retry takes everything in one hold
+            st = slot.staging
+            assert st is not None
+            st._give_back()
+            slot.staging = None
+        return Need("staging", [(d, pool_of(d).missing(sizes)) for d, sizes in missing.items()])
+
+    def _enqueue(self) -> Need | None:
+        for dev, gen in self.generations.items():
+            if dev.generation != gen:
+                raise DeviceReset("the device was reset while this submission was being prepared", device=dev.ordinal)
+            dev.check_usable()
+        for buf in self.foreign:
+            if buf.ptr is None:
+                raise ValueError("a tensor this submission uses belongs to a submission that failed before it ran; it has no memory")
+        cap = self.capture
+        for lane in self.lanes:
+            s = lane.stream
+            lane.device._current_stream(s)
+            if s.capture is not None and s.capture is not cap:
+                raise GraphCaptureError(
+                    "this op's stream is recording a graph capture; use another stream (or finish the capture)",
+                    device=lane.device.ordinal,
+                )
+        for dev in self.generations:
+            pool_of(dev).drain()
+            if cap is None:
+                dev._housekeeping()
+                dev.flush_frees()
+        need = self._take_staging()
+        if need is not None:
+            return need
+        for lane in self.lanes:
+            lane.start = lane.stream.seq
+            if lane.stream._keep:
+                lane.stream.retire()
+        # Allocations first: running out of memory leaves nothing half-run.
+        made: list[tuple[Lane, Buffer]] = []
+        try:
+            for lane, buf, what in self.buffers:
+                buf.ptr = lane.device._alloc(buf.nbytes, lane.stream, what)
+                buf.generation = lane.device.generation
+                made.append((lane, buf))
+        except DeviceOutOfMemory as err:
+            for lane, buf in made:
+                assert buf.ptr is not None
+                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
+                buf.ptr = None
+            if not self.oom_retried:
+                self.oom_retried = True
+                events = [ev for dev in self.generations for ev in dev.pending_events()]
+                if events:
+                    return Need("memory", events)
+            raise err from None
+        self.started = True
+        for lane, buf in made:
+            buf.owner = None
+            buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
+        if cap is not None:
+            if not cap.open:
+                cap.begin()
+            for lane in self.lanes:
+                cap.join(lane.stream)
+        set_submitting(True)
+        try:
+            for fn, lane, arg in self.steps:
+                fn(lane, arg)
+            if cap is None:
+                self.event = self.root.finish()
+            else:
+                self.root.join(self.root.forks)
+                if cap.auto_end:
+                    cap.graph = cap.end(True)
+        except BaseException:
+            if cap is not None and cap.open:
+                if cap.auto_end:
+                    cap.end(False)
+                else:
+                    cap.broken = True
+            raise
+        finally:
+            set_submitting(False)
+        for dev in self.generations:
+            dev._stats.submissions += 1
+        self.state = ENQUEUED
+        for op in self.shared:
+            if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
+                st = op._state
+                op._state = Done(st.value, self.root.stream, 0, st.pending)
+        self.done.set()
+        return None
+
+    def _failed(self, exc: BaseException) -> None:
+        """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
+        self.error = exc
+        self.state = FAILED
+        for op in self.shared:
+            if op._state.__class__ is not Done:
+                op._state = Failed(exc)
+        for _, buf, _ in self.buffers:
+            if buf.ptr is None:
+                buf.owner = None
+        self.done.set()
+
+    def abort(self, exc: BaseException) -> None:
+        """Abandon a submission that did not enqueue (under LOCK).
+
+        Its ops are not consumed (they can run later), unless another submission already
+        relies on it: then its shared ops fail with ``exc`` for every consumer.
+        """
+        if self.finished:
+            return
+        for w in self.waits:
+            w.dependents -= 1
+        self.waits.clear()
+        if self.dependents:
+            self._failed(exc)
+        else:
+            for op in self.claimed:
+                op._state = None
+            for _, buf, _ in self.buffers:
+                buf.owner = None
+            for slot in self.staging:
+                st = slot.staging
+                if st is not None:
+                    st._give_back()
+                    slot.staging = None
+            self.state = ABORTED
+            self.done.set()
+
+    # -- errors ------------------------------------------------------------------------------------
+    def describe(self) -> str | None:
+        if not self.ops:
+            return None
+        names = list(dict.fromkeys(self.ops))
+        return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+
+    def fault(self, err: DeviceError) -> DeviceError:
+        """``err`` naming this submission's ops when it names none."""
+        ops = self.describe()
+        if ops is None or err.op is not None or not isinstance(err, DeviceFault):
+            return err
+        device = err.device if err.device is not None else self.root.device.ordinal
+        new = DeviceFault(f"{err.message} (in the work of this submission)", device=device, op=ops)
+        new.__cause__ = err
+        return new
+
+
+# -- entry points ---------------------------------------------------------------------------------
+def begin(op: Any, stream: "Stream", capture: Capture | None = None) -> tuple[Plan, Any, Need | None]:
+    """Plan ``op`` on ``stream`` and enqueue it if nothing is missing.
+
+    Returns (plan, output value, what to wait for before enqueueing, or None).
+    """
+    check_not_nested("executing a DeviceOp")
+    with LOCK:
+        plan = Plan(stream, capture)
+        set_submitting(True)
+        try:
+            value = plan.walk(op)
+        except BaseException as exc:
+            set_submitting(False)
+            plan.abort(exc)
+            raise
+        set_submitting(False)
+        plan.state = PLANNED
+        need = plan.advance()
+    return plan, value, need
+
+
+def _give_up(plan: Plan, exc: BaseException) -> None:
+    with LOCK:
+        plan.abort(exc)
+
+
+def submit_blocking(op: Any, stream: "Stream", capture: Capture | None = None) -> tuple[Plan, Any]:
+    """Plan and enqueue ``op``, waiting in the calling thread when needed; no completion wait."""
+    plan, value, need = begin(op, stream, capture)
+    while need is not None:
+        try:
+            need.wait_blocking()
+        except BaseException as exc:
+            _give_up(plan, exc)
+            raise
+        with LOCK:
+            need = plan.advance()
+    return plan, value
+
+
+async def _finish_shielded(plan: Plan, need: Need | None) -> None:
+    with trio.CancelScope(shield=True):
+        while need is not None:
+            await need.wait_async()
+            with LOCK:
+                need = plan.advance()
+
+
+class Submitted:
+    """A submission that has been enqueued (see :func:`trio_cuda.lowlevel.submit`).
+
+    Attributes:
+        event: The event its work completes at (None if it enqueued no device work).
+    """
+
+    __slots__ = ("plan", "value", "event", "_taken")
+
+    def __init__(self, plan: Plan, value: Any) -> None:
+        self.plan = plan
+        self.value = value
+        self.event = plan.event
+        self._taken = False
+
+    async def wait(self) -> Any:
+        """Wait for the work (a checkpoint) and return the op's output (once)."""
+        if self._taken:
+            raise RuntimeError("the output of this submission was taken already")
+        ev = self.event
+        if ev is None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            try:
+                await wait_event(ev)
+            except DeviceError as err:
+                raise self.plan.fault(err) from err
+        self._taken = True
+        return resolve(self.value) if self.plan.pending else self.value
+
+
+async def _enqueue_async(plan: Plan, need: Need | None) -> None:
+    """Wait for what the plan needs (in trio) until it enqueues."""
+    while need is not None:
+        try:
+            await need.wait_async()
+        except trio.Cancelled:
+            if plan.dependents:
+                # Another submission relies on this one: complete it, then honour the cancel.
+                await _finish_shielded(plan, need)
+            else:
+                _give_up(plan, DeviceError("cancelled"))
+            raise
+        except BaseException as exc:
+            _give_up(plan, exc)
+            raise
+        with LOCK:
+            need = plan.advance()
+
+
+async def submit_async(op: Any, stream: "Stream | None" = None) -> Submitted:
+    """Plan and enqueue ``op`` (waiting in trio where needed); do not wait for its work."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    if stream is None:
+        stream = current_device().policy.next_stream()
+    plan, value, need = begin(op, stream)
+    if need is not None:
+        await _enqueue_async(plan, need)
+    return Submitted(plan, value)
+
+
+async def run_async(op: Any, stream: "Stream | None" = None) -> Any:
+    """``await op``: submit on ``stream`` (default: the current device's policy) and wait in trio."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    if stream is None:
+        stream = current_device().policy.next_stream()
+    plan, value, need = begin(op, stream)
+    if need is not None:
+        await _enqueue_async(plan, need)
+    ev = plan.event
+    if ev is None:
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    else:
+        try:
+            await wait_event(ev)
+        except DeviceError as err:
+            raise plan.fault(err) from err
+    return resolve(value) if plan.pending else value
+
+
+def run_sync(op: Any, stream: "Stream | None" = None) -> Any:
+    """``op.sync()``: submit and block the calling (non-trio) thread until done."""
+    check_blocking_allowed("op.sync()")
+    if stream is None:
+        stream = current_device().policy.next_stream()
+    plan, value = submit_blocking(op, stream)
+    ev = plan.event
+    if ev is not None:
+        try:
+            ev.device.wait_blocking(ev)
+        except DeviceError as err:
+            raise plan.fault(err) from err
+    return resolve(value) if plan.pending else value

@@ -1,0 +1,95 @@
+"""Stream and event internals for experts: ``from trio_cuda import lowlevel``.
+
+Most programs never need these: ops order themselves through the tensors they touch.
+They are for interop with other libraries' streams and for tests of ordering.
+
+* :class:`Stream` and :class:`Event`: a stream counts its points (``seq``); an event
+  marks one (``event.seq``) and completes when the work before it does.
+* :func:`record` records an event at a stream's current point; :func:`stream_wait`
+  orders a stream after an event (of any device); :func:`wait` waits for an event in
+  trio (a checkpoint; DeviceFault/DeviceReset as for ops).
+* :func:`submit` enqueues an op now and returns a handle to wait for it later
+  (``await (await lowlevel.submit(op)).wait()`` is ``await op``).
+* :func:`accesses` shows a tensor's pending writer and readers, as ``(stream, seq)``.
+* :func:`notifier_statistics` counts awaits completed on the fast and the slow path.
+* The scheduling policies and :class:`~trio_cuda.ScheduledOp` are here too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._guard import LOCK
+from ._notifier import NotifierStatistics, notifier, wait_event
+from ._op import ScheduledOp
+from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin
+from ._stream import Event, Stream
+from ._submit import Submitted, submit_async
+
+__all__ = [
+    "Event",
+    "NotifierStatistics",
+    "ScheduledOp",
+    "SchedulingPolicy",
+    "SingleStream",
+    "Stream",
+    "StreamPoolRoundRobin",
+    "Submitted",
+    "accesses",
+    "notifier_statistics",
+    "record",
+    "stream_wait",
+    "submit",
+    "wait",
+]
+
+
+def record(stream: Stream) -> Event:
+    """An event at the current point of ``stream`` (covering all work enqueued on it so far)."""
+    if not isinstance(stream, Stream):
+        raise TypeError(f"record() needs a Stream, got {stream!r}")
+    with LOCK:
+        stream.device.check_usable()
+        stream.device._current_stream(stream)
+        return stream.event_at(stream.mark())
+
+
+def stream_wait(stream: Stream, event: Event) -> None:
+    """Make later work on ``stream`` wait until ``event`` completes (no host wait)."""
+    if not isinstance(stream, Stream) or not isinstance(event, Event):
+        raise TypeError("stream_wait() needs a Stream and an Event")
+    with LOCK:
+        stream.device.check_usable()
+        if event.generation != event.device.generation:
+            return  # the event's device was reset: nothing of it is pending any more
+        stream.device._current_stream(stream)
+        stream.wait_for(event.stream, event.seq)
+
+
+async def wait(event: Event) -> None:
+    """Wait in trio until ``event`` completes (always a checkpoint)."""
+    if not isinstance(event, Event):
+        raise TypeError(f"wait() needs an Event, got {event!r}")
+    await wait_event(event)
+
+
+def accesses(tensor: Any) -> tuple[tuple[Stream, int] | None, dict[Stream, int]]:
+    """The pending tracked accesses of ``tensor``'s memory: ``(writer, {reader: seq})``."""
+    buf = tensor._as_tensor()._buffer
+    with LOCK:
+        return buf.writer, dict(buf.readers)
+
+
+def notifier_statistics() -> NotifierStatistics:
+    """How awaits completed so far: fast path (polling) vs slow path (parked), and the
+    helper thread's wake-ups (it does not wake while nothing is parked)."""
+    return notifier().statistics()
+
+
+async def submit(op: Any, stream: Stream | None = None) -> Submitted:
+    """Plan and enqueue ``op`` now (on ``stream``, default the current device's policy),
+    without waiting for its work; ``await handle.wait()`` waits and returns the output.
+
+    Cancellation before the op is enqueued means it did not happen, as for ``await op``.
+    """
+    return await submit_async(op, stream)
