@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda, float64
 
@@ -28,8 +30,10 @@ def _check_rms_norm(out: Any, x: Any, w: Any, eps: Any) -> None:
         raise ValueError(f"rms_norm: partition out in tiles of one row, (1, {x.shape[1]}), got {out.tile_shape}")
     if len({out.dtype, x.dtype, w.dtype}) != 1 or x.dtype.kind != "f":
         raise TypeError(f"rms_norm: out, x and w must share one float dtype, got {out.dtype}, {x.dtype}, {w.dtype}")
-    if not isinstance(eps, float) or eps <= 0:
-        raise ValueError(f"rms_norm: eps must be a positive float, got {eps!r}")
+    if not isinstance(eps, (int, float, np.integer, np.floating)) or isinstance(eps, (bool, np.bool_)):
+        raise TypeError(f"rms_norm: eps must be a real number, got {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"rms_norm: eps must be a positive finite number, got {eps!r}")
 
 
 @trio_cuda.kernel(block=(NORM_THREADS,), validate=_check_rms_norm)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda
 
@@ -22,7 +24,7 @@ def _check_sleep(counter: Any, ns: Any) -> None:
         raise ValueError("sleep: the counter must be a 1-D partition with at least one element")
     if counter.dtype.kind not in "iu":
         raise TypeError(f"sleep: the counter must be an integer tensor, got {counter.dtype}")
-    if not isinstance(ns, int) or ns < 0:
+    if not isinstance(ns, (int, np.integer)) or isinstance(ns, bool) or ns < 0:
         raise ValueError(f"sleep: ns must be a non-negative int, got {ns!r}")
 
 

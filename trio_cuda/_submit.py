@@ -620,8 +620,24 @@ class Plan:
             if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
                 st = op._state
                 op._state = Done(st.value, self.root.stream, 0, st.pending)
+        self._release()
         self.done.set()
         return None
+
+    def _release(self) -> None:
+        """Drop what only planning and enqueueing needed (no reference cycle keeps the
+        tensors of a finished submission alive)."""
+        for lane in self.lanes:
+            lane.plan = None  # type: ignore[assignment]
+            lane.forks = []
+        self.lanes = []
+        self.steps = []
+        self.buffers = []
+        self.claimed = []
+        self.shared = []
+        self.kernels = []
+        self.staging = []
+        self.foreign = []
 
     def _failed(self, exc: BaseException) -> None:
         """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
@@ -633,6 +649,7 @@ class Plan:
         for _, buf, _ in self.buffers:
             if buf.ptr is None:
                 buf.owner = None
+        self._release()
         self.done.set()
 
     def abort(self, exc: BaseException) -> None:
@@ -659,6 +676,7 @@ class Plan:
                     st._give_back()
                     slot.staging = None
             self.state = ABORTED
+            self._release()
             self.done.set()
 
     # -- errors ------------------------------------------------------------------------------------
