@@ -178,3 +178,28 @@ def test_device_errors_share_one_base() -> None:
 
 async def _await(op: object) -> None:
     await op  # type: ignore[misc]
+
+
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+async def test_a_fault_stays_on_its_device_and_fails_only_the_ops_waiting_for_it() -> None:
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    t1 = await api.zeros((32,), device=1)
+    with trio_cuda.use_device(1):
+        await sleep(counter(), 1000)  # loaded
+        bad = sleep(counter(), 100_000_000).then(lambda _: scribble(t1.partition((32,))))
+        pending = await trio_cuda.lowlevel.submit(bad)
+    # A copy to device 0 waits (on device 0's stream) for t1's pending writer on device 1.
+    with pytest.raises(trio_cuda.DeviceFault, match="device 1") as info:
+        await api.dup(t1, device=0).to_host()
+    assert info.value.device == 0
+    with pytest.raises(trio_cuda.DeviceFault):
+        await pending.wait()
+    assert d1.is_faulted and not d0.is_faulted
+    # Device 0 keeps working, on every stream, including the one whose wait failed.
+    for _ in range(len(d0.policy.streams)):
+        np.testing.assert_array_equal(await api.full((3,), 2.0).to_host(), [2, 2, 2])
+    await trio.to_thread.run_sync(d1.reset)
+    with trio_cuda.use_device(1):
+        np.testing.assert_array_equal(await api.full((3,), 5.0).to_host(), [5, 5, 5])

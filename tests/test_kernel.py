@@ -184,3 +184,94 @@ async def test_prepare_blocks_so_it_is_refused_inside_trio() -> None:
     with pytest.raises(RuntimeError, match="would block the trio event loop"):
         add.prepare(x.partition((2,)), x, x)
     await trio.to_thread.run_sync(add.prepare, x.partition((2,)), x, x)
+
+
+def _make_scaler(k: float) -> trio_cuda.Kernel:
+    @trio_cuda.kernel
+    def scale(out, x):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < out.shape[0]:
+            out[i] = k * x[i]
+
+    return scale
+
+
+async def test_kernels_made_at_run_time_run_their_own_code() -> None:
+    # Each factory kernel is dropped after use, so Python reuses its id for the next one;
+    # compile caches keyed by id would run a dead kernel's code.
+    x = await api.arange(8)
+    seen_ids = set()
+    for k in [2.0, 3.0, 2.0, 5.0, 7.0, 3.0, 11.0, 13.0] * 3:
+        kern = _make_scaler(k)
+        seen_ids.add(id(kern))
+        out = await kern(api.empty((8,)).partition((8,)), x).first().to_host()
+        np.testing.assert_array_equal(out, k * np.arange(8, dtype=np.float32))
+        del kern
+    assert len(seen_ids) < 24, "ids were never reused: the test lost its point"
+
+
+def test_content_key_covers_code_closures_and_globals() -> None:
+    a, b, c = _make_scaler(2.0), _make_scaler(2.0), _make_scaler(3.0)
+    assert a.key == b.key and a.key != c.key
+    assert a.cacheable
+
+    def with_global(g: float) -> trio_cuda.Kernel:
+        namespace: dict[str, object] = {"cuda": cuda, "G": g}
+        exec(
+            "def k(out, x):\n    i = cuda.grid(1)\n    if i < out.shape[0]:\n        out[i] = G * x[i]\n",
+            namespace,
+        )
+        return trio_cuda.kernel(namespace["k"])  # type: ignore[arg-type]
+
+    assert with_global(1.0).key != with_global(2.0).key
+    assert with_global(1.0).key == with_global(1.0).key
+
+    class Opaque:
+        pass
+
+    def with_object(o: object) -> trio_cuda.Kernel:
+        @trio_cuda.kernel
+        def k(out):  # type: ignore[no-untyped-def]
+            if o is None:
+                out[0] = 1
+
+        return k
+
+    # An object that cannot be described by content: the key holds its identity (and the
+    # kernel keeps it alive), and the kernel never goes to the disk cache.
+    u1, u2 = with_object(Opaque()), with_object(Opaque())
+    assert u1.key != u2.key and not u1.cacheable
+
+
+def test_kernel_scalars_the_kernel_cannot_represent_are_refused() -> None:
+    x = api.ones((4,)).sync()
+    y = api.zeros((4,)).sync()
+    with pytest.raises(TypeError, match="complex scalar"):
+        saxpy(1 + 2j, x, y.partition((4,))).sync()
+    with pytest.raises(TypeError, match="complex scalar"):
+        saxpy(np.complex64(1), x, y.partition((4,))).sync()
+    with pytest.raises(OverflowError, match="64-bit"):
+        saxpy(2**70, x, y.partition((4,))).sync()
+    np.testing.assert_array_equal(y.to_host().sync(), np.zeros(4))
+    # numpy scalars are accepted wherever Python scalars are.
+    out = saxpy(np.float32(2), x, y.partition((np.int64(4),))).last().to_host().sync()
+    np.testing.assert_array_equal(out, np.full(4, 2.0))
+
+
+def test_library_kernel_arguments_follow_numpy_scalars() -> None:
+    from trio_cuda.kernels import rms_norm, sleep
+
+    x = api.ones((2, 8)).sync()
+    w = api.ones((8,)).sync()
+    out = rms_norm(api.empty((2, 8)).partition((1, 8)), x, w, np.float32(1e-5)).first().to_host().sync()
+    np.testing.assert_allclose(out, np.ones((2, 8)), rtol=1e-4)
+    for bad in (float("nan"), float("inf"), 0.0, -1e-5):
+        with pytest.raises(ValueError, match="eps"):
+            rms_norm(api.empty((2, 8)).partition((1, 8)), x, w, bad).sync()
+    with pytest.raises(TypeError, match="complex"):
+        rms_norm(api.empty((2, 8)).partition((1, 8)), x, w, 1e-5 + 0j).sync()
+    with pytest.raises(TypeError, match="argument 3"):
+        rms_norm(api.empty((2, 8)).partition((1, 8)), x, w, "1e-5")
+    c = api.zeros((1,), np.int32).sync()
+    sleep(c.partition((1,)), np.int64(1000)).sync()
+    np.testing.assert_array_equal(c.to_host().sync(), [1])

@@ -448,7 +448,9 @@ class Device:
                 )
             if self._driver.query(ev.handle):
                 ev.done = True
-                ev.stream.observe(ev.seq)
+                s = ev._stream()
+                if s is not None:
+                    s.observe(ev.seq)
                 return True
         return False
 
@@ -457,7 +459,7 @@ class Device:
         with LOCK:
             if ev.done or ev.generation != self.generation:
                 return False
-            self._driver.arm(ev.handle, ev.stream.handle, waker)
+            self._driver.arm(ev.handle, ev.stream_handle, waker)
             return True
 
     def wait_blocking(self, ev: Event) -> None:

@@ -78,7 +78,7 @@ class _Waiter:
 
     def __init__(self, event: "Event", token: trio.lowlevel.TrioToken, task: trio.lowlevel.Task) -> None:
         self.event = event
-        self.device = event.stream.device
+        self.device = event.device
         self.token = token
         self.task = task
         self.active = True
@@ -194,7 +194,7 @@ async def wait_event(event: "Event") -> None:
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
-    dev = event.stream.device
+    dev = event.device
     if dev.poll(event):
         _paths[0] += 1
         await trio.lowlevel.cancel_shielded_checkpoint()

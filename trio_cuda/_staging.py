@@ -169,6 +169,7 @@ class StagingPool:
             else:
                 out.append(n)
         if out and not self._prefilled:
+            self._prefilled = True  # once, even if several submissions pin at the same time
             out.extend(size for size, count in _PREFILL for _ in range(count))
         return out
 
@@ -177,7 +178,6 @@ class StagingPool:
         self._sync_generation()
         if generation != self._generation:
             return  # pinned before a reset: gone with the context
-        self._prefilled = True
         for size, buf in bufs:
             self._pinned += size
             self._free[size].append(buf)

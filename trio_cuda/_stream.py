@@ -16,6 +16,7 @@ destroyed (after its pending work) by its device; the finalizer only queues that
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from ._guard import LOCK, check_blocking_allowed
@@ -30,23 +31,26 @@ class Event:
     """A completion point in a stream: done when everything enqueued before it is.
 
     Attributes:
-        stream: The stream it was recorded on.
+        device: The device of the stream.
         seq: The point of the stream it marks.
         generation: The device generation it belongs to (a reset ends it).
     """
 
-    __slots__ = ("stream", "seq", "handle", "done", "generation", "__weakref__")
+    __slots__ = ("device", "_stream", "stream_handle", "seq", "handle", "done", "generation", "__weakref__")
 
     def __init__(self, stream: "Stream", seq: int, handle: Any) -> None:
-        self.stream = stream
+        self.device = stream.device
+        self._stream = weakref.ref(stream)  # no cycle with the stream's last event
+        self.stream_handle = stream.handle
         self.seq = seq
         self.handle = handle
         self.done = False
         self.generation = stream.generation
 
     @property
-    def device(self) -> "Device":
-        return self.stream.device
+    def stream(self) -> "Stream | None":
+        """The stream it was recorded on (None once that stream is gone)."""
+        return self._stream()
 
     def query(self) -> bool:
         """True once the work before this event has completed (non-blocking).
@@ -55,15 +59,15 @@ class Event:
             DeviceFault: The work failed or the device faulted.
             DeviceReset: The device was reset since the event was recorded.
         """
-        return self.stream.device.poll(self)
+        return self.device.poll(self)
 
     def __repr__(self) -> str:
-        return f"<trio_cuda.Event at point {self.seq} of {self.stream!r}>"
+        return f"<trio_cuda.Event at point {self.seq} of a stream of device {self.device.ordinal}>"
 
     def __del__(self) -> None:
         # Lock-free: the device takes the handle back (if its generation is current).
         try:
-            self.stream.device._recycle_event(self.generation, self.handle)
+            self.device._recycle_event(self.generation, self.handle)
         except Exception:  # interpreter shutdown
             pass
 

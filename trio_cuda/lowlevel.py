@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._errors import GraphCaptureError
 from ._guard import LOCK
 from ._notifier import NotifierStatistics, notifier, wait_event
 from ._op import ScheduledOp
@@ -60,10 +61,12 @@ def stream_wait(stream: Stream, event: Event) -> None:
         raise TypeError("stream_wait() needs a Stream and an Event")
     with LOCK:
         stream.device.check_usable()
-        if event.generation != event.device.generation:
-            return  # the event's device was reset: nothing of it is pending any more
+        if event.generation != event.device.generation or event.done:
+            return  # complete, or its device was reset: nothing of it is pending any more
         stream.device._current_stream(stream)
-        stream.wait_for(event.stream, event.seq)
+        if stream.capture is not None:
+            raise GraphCaptureError("the stream is recording a graph capture", device=stream.device.ordinal)
+        stream.device._driver.wait_event(stream.handle, event.handle)
 
 
 async def wait(event: Event) -> None:

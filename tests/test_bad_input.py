@@ -1,0 +1,111 @@
+"""Bad input gets a clear builtin error before any GPU work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import trio_cuda
+from trio_cuda import api
+
+
+def snapshot(dev: trio_cuda.Device) -> tuple[int, ...]:
+    s = dev.statistics()
+    return (s.submissions, s.launches, s.allocations, s.copies, s.bytes_in_use)
+
+
+def test_full_follows_numpys_fill_rules(dev: trio_cuda.Device) -> None:
+    before = snapshot(dev)
+    with pytest.raises(TypeError, match="None"):
+        api.full((3,), None)
+    with pytest.raises(ValueError, match="broadcast"):
+        api.full((6,), [1, 2])
+    with pytest.raises(ValueError, match="broadcast"):
+        api.full((3,), [1, 2])
+    with pytest.raises(ValueError, match="broadcast"):
+        api.full((2, 3), np.ones((2, 3, 1)))
+    with pytest.raises(ValueError, match="out of range"):
+        api.full((2,), 300, np.int8)
+    with pytest.raises(ValueError, match="cannot fill"):
+        api.full((2,), 1 + 2j, np.float32)
+    with pytest.raises(ValueError, match="cannot fill"):
+        api.full((2,), float("nan"), np.int32)
+    with pytest.raises(ValueError, match="cannot fill"):
+        api.full((2,), "x")
+    with pytest.raises(TypeError, match="memcpy"):
+        api.full((2,), api.ones((2,)))
+    assert snapshot(dev) == before
+    # What numpy accepts works: a row that broadcasts, numpy scalars, unsafe casts.
+    np.testing.assert_array_equal(api.full((3, 2), [1, 2]).to_host().sync(), np.full((3, 2), [1, 2], np.float32))
+    np.testing.assert_array_equal(api.full((2, 2), np.array([[5], [6]]), np.int64).to_host().sync(), [[5, 5], [6, 6]])
+    np.testing.assert_array_equal(api.full((3,), np.float16(1.5), np.float32).to_host().sync(), [1.5] * 3)
+    np.testing.assert_array_equal(api.full((3,), 2.7, np.int32).to_host().sync(), np.full(3, 2.7).astype(np.int32))
+
+
+def test_sizes_and_shapes(dev: trio_cuda.Device) -> None:
+    before = snapshot(dev)
+    with pytest.raises(ValueError, match="can address"):
+        api.zeros((3, 2**62), np.int8)
+    with pytest.raises(ValueError, match="can address"):
+        api.empty((2**30, 2**30))
+    with pytest.raises(TypeError, match="ints"):
+        api.zeros((2, 2.0))
+    with pytest.raises(TypeError, match="ints"):
+        api.zeros((True, 2))
+    with pytest.raises(ValueError, match="negative"):
+        api.ones((-1,))
+    with pytest.raises(TypeError, match="dtype"):
+        api.zeros((2,), None)
+    with pytest.raises(ValueError, match="finite"):
+        api.arange(0, float("inf"))
+    with pytest.raises(TypeError, match="real number"):
+        api.arange(1j)
+    assert snapshot(dev) == before
+    # numpy integers are shapes, ordinals and steps too.
+    t = api.arange(np.int64(0), np.int32(6), np.int16(2), device=np.int64(0)).sync()
+    np.testing.assert_array_equal(t.to_host().sync(), [0, 2, 4])
+    assert api.zeros((np.int64(2), np.uint8(3))).sync().shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("TRIO_CUDA_SIM_DEVICES", "two"),
+        ("TRIO_CUDA_SIM_DEVICES", "0"),
+        ("TRIO_CUDA_SIM_MEMORY", "lots"),
+        ("TRIO_CUDA_BACKEND", "opencl"),
+        ("TRIO_CUDA_QUIET", "maybe"),
+        ("TRIO_CUDA_STAGING_CAP_MB", "-5"),
+    ],
+)
+def test_bad_environment_variables_name_the_variable(name: str, value: str) -> None:
+    code = "import trio_cuda; from trio_cuda import api; print(api.ones((2,)).to_host().sync())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_CUDA_")}
+    env.update({"TRIO_CUDA_BACKEND": "sim", name: value})
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout
+    assert name in r.stderr and "ValueError" in r.stderr
+
+
+def test_direct_construction_is_refused() -> None:
+    with pytest.raises(TypeError, match="api"):
+        trio_cuda.Tensor()
+    with pytest.raises(TypeError, match="partition"):
+        trio_cuda.Partition()
+    with pytest.raises(TypeError, match="create_stream"):
+        trio_cuda.Stream()
+    with pytest.raises(TypeError, match="device"):
+        trio_cuda.Device()
+
+
+async def test_tensors_refuse_host_conversion_with_a_pointer_to_to_host() -> None:
+    t = await api.ones((3,))
+    with pytest.raises(TypeError, match="to_host"):
+        np.asarray(t)
+    with pytest.raises(TypeError, match="to_host"):
+        bool(await api.ones(()))
+    assert "shape=(3,)" in repr(t) and "float32" in repr(t) and "device=0" in repr(t)

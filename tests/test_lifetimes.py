@@ -1,0 +1,122 @@
+"""Lifetimes: memory, streams and staging buffers live exactly as long as work needs them."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import api
+from trio_cuda.kernels import sleep
+
+from .conftest import ON_CUDA, counter, settle, started
+
+SLOW_NS = 500_000_000
+
+
+@pytest.mark.sim_only
+async def test_untracked_views_keep_memory_alive_for_work_in_flight(dev: trio_cuda.Device) -> None:
+    # mem_info() on the simulated device shows what the device really holds.
+    await trio.to_thread.run_sync(settle)
+    free_before, _ = dev.mem_info()
+    c = await counter()
+    view = c.tensor.untracked()
+    with trio.move_on_after(0.05) as scope:
+        await sleep(view.partition((1,)), SLOW_NS)  # the kernel writes through the untracked view
+    assert scope.cancelled_caught
+    del c, view
+    gc.collect()
+    await api.zeros((1,))  # a submission: deferred frees are enqueued here
+    free_during, _ = dev.mem_info()
+    assert free_during < free_before, "the memory was released while the kernel still ran"
+    await trio.to_thread.run_sync(settle)  # waits for the kernel, then for the free
+    assert dev.mem_info()[0] == free_before
+
+
+async def test_streams_of_dropped_policies_are_destroyed(dev: trio_cuda.Device) -> None:
+    await trio.to_thread.run_sync(settle)
+    threads_before = threading.active_count()
+    destroyed_before = dev.statistics().streams_destroyed
+    for i in range(100):
+        policy = trio_cuda.StreamPoolRoundRobin(dev, 4)
+        await api.full((4,), float(i)).schedule(policy)
+    del policy
+    gc.collect()
+    await trio.to_thread.run_sync(settle)
+    assert dev.statistics().streams_destroyed - destroyed_before >= 400
+    if not ON_CUDA:
+        # A simulated stream is a thread: destroyed streams' threads have exited.
+        for _ in range(100):
+            if threading.active_count() <= threads_before:
+                break
+            await trio.sleep(0.01)
+        assert threading.active_count() <= threads_before
+
+
+async def test_pinned_staging_stays_bounded_after_large_read_backs(dev: trio_cuda.Device) -> None:
+    mb = 1 << 20
+    x = await api.full((30 * mb // 4,), 1.0)
+    before = dev.statistics()
+
+    async def read_back() -> None:
+        out = await x.to_host()
+        assert out[0] == 1.0 and out[-1] == 1.0
+
+    async with trio.open_nursery() as n:  # 240 MiB read back at once: 8 buffers lent
+        for _ in range(8):
+            n.start_soon(read_back)
+    await trio.to_thread.run_sync(settle)
+    await api.ones((1,)).to_host()  # returned buffers are taken back at the next copy
+    stats = dev.statistics()
+    assert stats.staging_pins - before.staging_pins >= 8
+    assert stats.staging_unpins - before.staging_unpins >= 4
+    assert stats.staging_bytes <= 64 * mb  # the documented cap (TRIO_CUDA_STAGING_CAP_MB)
+
+
+async def test_a_dropped_stream_keeps_the_staging_of_its_pending_copies(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A read-back cancelled on a stream that is then dropped: its copy still runs later,
+    # so its pinned buffer must not be lent to another copy meanwhile.
+    from trio_cuda import _staging
+
+    lent: dict[int, weakref.ref[_staging.Staging]] = {}
+    real_take = _staging.StagingPool.take
+
+    def checked_take(self: _staging.StagingPool, nbytes: int, host_hold: bool) -> _staging.Staging | None:
+        st = real_take(self, nbytes, host_hold)
+        if st is not None:
+            key = st.buf.ctypes.data
+            prev = lent.get(key)
+            p = prev() if prev is not None else None
+            assert p is None or not p._once, "a pinned buffer was lent to two copies at once"
+            lent[key] = weakref.ref(st)
+        return st
+
+    monkeypatch.setattr(_staging.StagingPool, "take", checked_take)
+    await sleep(counter(), 1000)
+    x = await api.full((1000,), 3.0)
+    for _ in range(3):
+        policy = trio_cuda.SingleStream(dev)
+        with trio.move_on_after(0.02):
+            await sleep(counter(), 200_000_000).then(lambda _: x.to_host()).schedule(policy)
+        del policy
+        gc.collect()
+        for _ in range(20):
+            np.testing.assert_array_equal(await x.to_host(), np.full(1000, 3.0, np.float32))
+    await trio.to_thread.run_sync(settle)
+
+
+async def test_memory_returns_to_baseline_after_cancelled_work(dev: trio_cuda.Device) -> None:
+    await trio.to_thread.run_sync(settle)
+    baseline = dev.memory_in_use()
+    async with trio.open_nursery() as n:
+        for _ in range(4):
+            await n.start(started, sleep(counter(), SLOW_NS).then(lambda _: api.zeros((1 << 16,)).to_host()))
+        n.cancel_scope.cancel()
+    gc.collect()
+    await trio.to_thread.run_sync(settle)
+    assert dev.memory_in_use() == baseline
