@@ -29,6 +29,7 @@ applied, afterwards.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import trio
@@ -59,6 +60,44 @@ __all__ = [
     "submit_async",
     "submit_blocking",
 ]
+
+
+# -- statistics ----------------------------------------------------------------------
+# Counted under the runtime lock.
+_counts = {"planned": 0, "enqueued": 0, "abandoned": 0, "failed": 0, "kernels": 0, "staging": 0, "plan": 0, "memory": 0}
+
+
+@dataclass(frozen=True)
+class SubmissionStatistics:
+    """What submissions did so far (see :func:`trio_cuda.lowlevel.submission_statistics`).
+
+    Attributes:
+        planned: Submissions planned (a bad argument raises before this counts).
+        enqueued: Submissions that enqueued their work.
+        abandoned: Submissions abandoned before they enqueued (cancelled, or an error
+            while they waited); nothing of them ran.
+        failed: Submissions whose enqueue failed part-way (a driver error).
+        waited_for_kernels: Waits for a first-launch compilation.
+        waited_for_staging: Waits for pinned host memory.
+        waited_for_submission: Waits for another submission's shared op or buffer.
+        waited_for_memory: Out-of-memory waits for the device's pending work.
+    """
+
+    planned: int
+    enqueued: int
+    abandoned: int
+    failed: int
+    waited_for_kernels: int
+    waited_for_staging: int
+    waited_for_submission: int
+    waited_for_memory: int
+
+
+def statistics() -> SubmissionStatistics:
+    c = _counts
+    return SubmissionStatistics(
+        c["planned"], c["enqueued"], c["abandoned"], c["failed"], c["kernels"], c["staging"], c["plan"], c["memory"]
+    )
 
 
 # -- pending host values ------------------------------------------------------------
@@ -306,6 +345,7 @@ class Need:
     def __init__(self, kind: str, data: Any) -> None:
         self.kind = kind  # "kernels" | "staging" | "plan" | "memory"
         self.data = data
+        _counts[kind] += 1
 
     def wait_blocking(self) -> None:
         kind, data = self.kind, self.data
@@ -616,6 +656,7 @@ class Plan:
         for dev in self.generations:
             dev._stats.submissions += 1
         self.state = ENQUEUED
+        _counts["enqueued"] += 1
         for op in self.shared:
             if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
                 st = op._state
@@ -643,6 +684,7 @@ class Plan:
         """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
         self.error = exc
         self.state = FAILED
+        _counts["failed"] += 1
         for op in self.shared:
             if op._state.__class__ is not Done:
                 op._state = Failed(exc)
@@ -676,6 +718,7 @@ class Plan:
                     st._give_back()
                     slot.staging = None
             self.state = ABORTED
+            _counts["abandoned"] += 1
             self._release()
             self.done.set()
 
@@ -715,6 +758,7 @@ def begin(op: Any, stream: "Stream", capture: Capture | None = None) -> tuple[Pl
             raise
         set_submitting(False)
         plan.state = PLANNED
+        _counts["planned"] += 1
         need = plan.advance()
     return plan, value, need
 

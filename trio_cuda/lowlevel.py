@@ -11,7 +11,8 @@ They are for interop with other libraries' streams and for tests of ordering.
 * :func:`submit` enqueues an op now and returns a handle to wait for it later
   (``await (await lowlevel.submit(op)).wait()`` is ``await op``).
 * :func:`accesses` shows a tensor's pending writer and readers, as ``(stream, seq)``.
-* :func:`notifier_statistics` counts awaits completed on the fast and the slow path.
+* :func:`notifier_statistics` counts awaits completed on the fast and the slow path;
+  :func:`submission_statistics` counts submissions and what they waited for.
 * The scheduling policies and :class:`~trio_cuda.ScheduledOp` are here too.
 """
 
@@ -25,7 +26,8 @@ from ._notifier import NotifierStatistics, notifier, wait_event
 from ._op import ScheduledOp
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin
 from ._stream import Event, Stream
-from ._submit import Submitted, submit_async
+from ._submit import SubmissionStatistics, Submitted, submit_async
+from ._submit import statistics as _submission_statistics
 
 __all__ = [
     "Event",
@@ -35,11 +37,13 @@ __all__ = [
     "SingleStream",
     "Stream",
     "StreamPoolRoundRobin",
+    "SubmissionStatistics",
     "Submitted",
     "accesses",
     "notifier_statistics",
     "record",
     "stream_wait",
+    "submission_statistics",
     "submit",
     "wait",
 ]
@@ -96,3 +100,11 @@ async def submit(op: Any, stream: Stream | None = None) -> Submitted:
     Cancellation before the op is enqueued means it did not happen, as for ``await op``.
     """
     return await submit_async(op, stream)
+
+
+def submission_statistics() -> SubmissionStatistics:
+    """Submissions planned, enqueued, abandoned and failed so far, and how often one had
+    to wait before enqueueing (first-launch compilation, pinned memory, another
+    submission, out of memory)."""
+    with LOCK:
+        return _submission_statistics()
