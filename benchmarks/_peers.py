@@ -91,7 +91,8 @@ import re
 import statistics
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["FIELDS", "PEERS", "run_all", "run_peer"]
 
@@ -557,8 +558,12 @@ class _RawBindingsPeer(_Peer):
             raise RuntimeError(f"no CUDA device {self._device_ordinal} ({count} found)")
         self._dev = self._ck(cu.cuDeviceGet(self._device_ordinal), "cuDeviceGet")
         attr = cu.CUdevice_attribute
-        major = self._ck(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev), "cuDeviceGetAttribute")
-        minor = self._ck(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev), "cuDeviceGetAttribute")
+        major = self._ck(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._dev), "cuDeviceGetAttribute"
+        )
+        minor = self._ck(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._dev), "cuDeviceGetAttribute"
+        )
         cc = (int(major), int(minor))
         self._prev_ctx = self._ck(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
         self._ctx = self._ck(cu.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")

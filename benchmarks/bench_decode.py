@@ -32,7 +32,7 @@ import trio_cuda
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from cuda_graphs_deviceop import EPS, build  # noqa: E402
+from cuda_graphs_deviceop import EPS, build
 
 
 def per_kernel_ops(m: Any) -> list[Any]:
@@ -156,7 +156,7 @@ def torch_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float]
         res["torch CUDA graph"] = (time.perf_counter() - t0) / tokens * 1e3
         del out
         return res, None
-    except Exception as e:  # noqa: BLE001 - a missing peer is reported, not fatal
+    except Exception as e:
         return {}, f"{type(e).__name__}: {e}"
 
 
@@ -191,7 +191,7 @@ def main() -> int:
     if torch_error:
         checks.append(f"- torch: {torch_error}")
     dev = trio_cuda.current_device()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = (
         f"# Decode step ({stamp})\n\nGPU: {dev.name}, backend {trio_cuda.backend_name()}; hidden {args.hidden}, "
         f"{args.layers} layers, {4 * args.layers} kernels per token, graph of {nodes} nodes; {args.tokens} tokens per mode, "
@@ -202,7 +202,9 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     day = dt.date.today().isoformat()
     (out / f"decode-{day}.md").write_text(text)
-    (out / f"decode-{day}.json").write_text(json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res}, indent=2))
+    (out / f"decode-{day}.json").write_text(
+        json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res}, indent=2)
+    )
     return 0
 
 

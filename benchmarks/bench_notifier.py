@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 import trio
+from numba import cuda
 
 import trio_cuda
-from numba import cuda
 from trio_cuda import _notifier, api
 from trio_cuda._execution import submit
 from trio_cuda.kernels import sleep
@@ -87,10 +87,12 @@ def main() -> int:
     for label, res in rows:
         lines.append(f"| {label} | " + " | ".join(f"{res[m]:.1f}" for m in modes) + f" | {res['slow path'] - res['spin']:.1f} |")
     dev = trio_cuda.current_device()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = (
         f"# Await completion latency ({stamp})\n\nGPU: {dev.name}, backend {trio_cuda.backend_name()}; medians of "
-        f"{args.reps} awaits (fewer for 5 ms); default budget {_notifier.poll_budget_ns() / 1e3:.0f} us.\n\n" + "\n".join(lines) + "\n"
+        f"{args.reps} awaits (fewer for 5 ms); default budget {_notifier.poll_budget_ns() / 1e3:.0f} us.\n\n"
+        + "\n".join(lines)
+        + "\n"
     )
     print(text)
     out = pathlib.Path(args.out)

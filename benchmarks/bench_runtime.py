@@ -32,14 +32,14 @@ from typing import Any
 
 import numpy as np
 import trio
+from numba import cuda
 
 import trio_cuda
-from numba import cuda
 from trio_cuda import api
 from trio_cuda.kernels import sleep
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks import _peers  # noqa: E402
+from benchmarks import _peers
 
 
 @trio_cuda.kernel
@@ -167,11 +167,11 @@ def main() -> int:
     args = ap.parse_args()
 
     ours = trio.run(_trio_figures, args.n, args.reps)
-    rows = [ours] + _peers.run_all(n=args.n, reps=args.reps)
+    rows = [ours, *_peers.run_all(n=args.n, reps=args.reps)]
     order = ["raw_cuda_bindings", "trio-cuda"]
-    rows.sort(key=lambda r: (order.index(r["name"]) if r["name"] in order else 2))
+    rows.sort(key=lambda r: order.index(r["name"]) if r["name"] in order else 2)
     dev = trio_cuda.current_device()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     header = (
         f"# Runtime overheads ({stamp})\n\n"
         f"GPU: {dev.name} (cc {dev.compute_capability[0]}.{dev.compute_capability[1]}), backend {trio_cuda.backend_name()}, "

@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 from cuda.bindings import driver as cu
+from llvmlite import ir
 from numba import cuda, types
 from numba.core.extending import intrinsic
 from numba.cuda import compile_ptx
-from llvmlite import ir
 
 
 @intrinsic
@@ -20,6 +20,7 @@ def globaltimer(typingctx):
     def codegen(context, builder, sig, args):
         asm = ir.InlineAsm(ir.FunctionType(ir.IntType(64), []), "mov.u64 $0, %globaltimer;", "=l", side_effect=True)
         return builder.call(asm, [])
+
     return types.uint64(), codegen
 
 
@@ -47,7 +48,7 @@ def main():
 
     def load(fn):
         ptx, _ = compile_ptx(fn, sig, cc=(9, 0))
-        entry = [l for l in ptx.splitlines() if ".entry" in l][0].split(".entry", 1)[1].strip().split("(")[0]
+        entry = next(line for line in ptx.splitlines() if ".entry" in line).split(".entry", 1)[1].strip().split("(")[0]
         _, mod = cu.cuModuleLoadData(ptx.encode())
         return cu.cuModuleGetFunction(mod, entry.encode())[1]
 

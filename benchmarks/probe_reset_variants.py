@@ -36,7 +36,7 @@ def child(variant: str) -> None:
 
     def load(fn):
         ptx, _ = compile_ptx(fn, sig, cc=(9, 0))
-        entry = [l for l in ptx.splitlines() if ".entry" in l][0].split(".entry", 1)[1].strip().split("(")[0]
+        entry = next(line for line in ptx.splitlines() if ".entry" in line).split(".entry", 1)[1].strip().split("(")[0]
         mod = ok(cu.cuModuleLoadData(ptx.encode()), "load")
         return ok(cu.cuModuleGetFunction(mod, entry.encode()), "getfunction")
 
@@ -60,24 +60,36 @@ def child(variant: str) -> None:
     steps = []
     try:
         if variant == "reset_only":
-            ok(cu.cuDevicePrimaryCtxReset(dev), "reset"); steps.append("reset")
-            ok(cu.cuCtxSetCurrent(ctx), "setcurrent"); steps.append("setcurrent")
+            ok(cu.cuDevicePrimaryCtxReset(dev), "reset")
+            steps.append("reset")
+            ok(cu.cuCtxSetCurrent(ctx), "setcurrent")
+            steps.append("setcurrent")
         elif variant == "reset_release_retain":
-            ok(cu.cuDevicePrimaryCtxReset(dev), "reset"); steps.append("reset")
-            ok(cu.cuDevicePrimaryCtxRelease(dev), "release"); steps.append("release")
-            ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain"); steps.append("retain")
-            ok(cu.cuCtxSetCurrent(ctx), "setcurrent"); steps.append("setcurrent")
+            ok(cu.cuDevicePrimaryCtxReset(dev), "reset")
+            steps.append("reset")
+            ok(cu.cuDevicePrimaryCtxRelease(dev), "release")
+            steps.append("release")
+            ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain")
+            steps.append("retain")
+            ok(cu.cuCtxSetCurrent(ctx), "setcurrent")
+            steps.append("setcurrent")
         elif variant == "release_all_retain":
-            ok(cu.cuDevicePrimaryCtxRelease(dev), "release"); steps.append("release")
-            ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain"); steps.append("retain")
-            ok(cu.cuCtxSetCurrent(ctx), "setcurrent"); steps.append("setcurrent")
+            ok(cu.cuDevicePrimaryCtxRelease(dev), "release")
+            steps.append("release")
+            ctx = ok(cu.cuDevicePrimaryCtxRetain(dev), "retain")
+            steps.append("retain")
+            ok(cu.cuCtxSetCurrent(ctx), "setcurrent")
+            steps.append("setcurrent")
         elif variant == "ctx_create":
-            ok(cu.cuCtxSetCurrent(0), "unset"); steps.append("unset")
-            ctx = ok(cu.cuCtxCreate(None, 0, dev), "ctxcreate"); steps.append("ctxcreate")
-        good = load(fill); steps.append("load")
+            ok(cu.cuCtxSetCurrent(0), "unset")
+            steps.append("unset")
+            ctx = ok(cu.cuCtxCreate(None, 0, dev), "ctxcreate")
+            steps.append("ctxcreate")
+        good = load(fill)
+        steps.append("load")
         val = run(good)
         print(variant, "| fault:", fault, "| steps:", steps, "| RECOVERED, kernel wrote", val)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(variant, "| fault:", fault, "| steps ok:", steps, "| then failed:", e)
 
 
@@ -87,4 +99,4 @@ if __name__ == "__main__":
     else:
         for v in VARIANTS:
             r = subprocess.run([sys.executable, __file__, v], capture_output=True, text=True, timeout=120)
-            print((r.stdout.strip() or r.stderr.strip()[-400:]))
+            print(r.stdout.strip() or r.stderr.strip()[-400:])

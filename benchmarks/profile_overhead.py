@@ -12,9 +12,9 @@ import sys
 import time
 
 import trio
+from numba import cuda
 
 import trio_cuda
-from numba import cuda
 from trio_cuda import api
 
 

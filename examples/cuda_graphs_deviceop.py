@@ -38,7 +38,9 @@ VOCAB = 512
 class Model:
     """Weights and activation buffers of the toy decoder (all allocated before capture)."""
 
-    def __init__(self, hidden: int, layers: int, weights: list[tuple[Any, Any, Any]], bufs: tuple[Any, ...], embedding: np.ndarray) -> None:
+    def __init__(
+        self, hidden: int, layers: int, weights: list[tuple[Any, Any, Any]], bufs: tuple[Any, ...], embedding: np.ndarray
+    ) -> None:
         self.hidden = hidden
         self.layers = layers
         self.weights = weights

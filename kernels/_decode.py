@@ -10,9 +10,9 @@ import math
 from typing import Any
 
 import numpy as np
-
-import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda, float64
+
+import trio_cuda
 
 NORM_THREADS = 256
 MATVEC_ROWS = 8  # rows of y per block: matvec's output partition has tiles of 8

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda
+
+import trio_cuda
 
 from ._checks import same_shape
 

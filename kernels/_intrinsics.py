@@ -10,7 +10,7 @@ from numba.core.extending import intrinsic
 
 
 @intrinsic
-def globaltimer(typingctx: Any) -> Any:
+def _globaltimer(typingctx: Any) -> Any:
     """The GPU's global nanosecond timer (PTX ``%globaltimer``), as a uint64."""
     sig = types.uint64()
 
@@ -19,3 +19,7 @@ def globaltimer(typingctx: Any) -> Any:
         return builder.call(asm, [])
 
     return sig, codegen
+
+
+# Called as globaltimer() inside kernels (numba supplies the typing context).
+globaltimer: Any = _globaltimer

@@ -6,9 +6,9 @@ import time
 from typing import Any
 
 import numpy as np
-
-import trio_cuda  # noqa: F401  (chooses the backend before numba.cuda is imported)
 from numba import cuda
+
+import trio_cuda
 
 from ._intrinsics import globaltimer
 

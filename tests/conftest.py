@@ -11,15 +11,15 @@ import os
 
 os.environ.setdefault("TRIO_CUDA_SIM_DEVICES", "3")
 
-import gc  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
+import gc
+import subprocess
+import sys
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import trio  # noqa: E402
+import numpy as np
+import pytest
+import trio
 
-import trio_cuda  # noqa: E402
+import trio_cuda
 
 DEADLINE = float(os.environ.get("TRIO_CUDA_TEST_DEADLINE", "90"))
 ON_CUDA = trio_cuda.backend_name() == "cuda"
@@ -109,7 +109,7 @@ def needs_devices(n: int):  # type: ignore[no-untyped-def]
     return pytest.mark.skipif(trio_cuda.device_count() < n, reason=f"needs {n} devices")
 
 
-def counter() -> "trio_cuda.DeviceOp[trio_cuda.Partition]":
+def counter() -> trio_cuda.DeviceOp[trio_cuda.Partition]:
     """A fresh 1-element int32 counter partition, for the sleep kernel."""
     return trio_cuda.api.zeros((1,), np.int32).partition((1,))
 
@@ -122,7 +122,7 @@ def settle() -> None:
 
 
 async def started(
-    op: object, policy: "trio_cuda.SchedulingPolicy | None" = None, *, task_status: "trio.TaskStatus[None]" = trio.TASK_STATUS_IGNORED
+    op: object, policy: trio_cuda.SchedulingPolicy | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> object:
     """For ``await nursery.start(started, op[, policy])``: reports started once ``op`` is
     enqueued (its work is then ordered before anything submitted later), then waits for it."""

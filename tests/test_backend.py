@@ -12,7 +12,9 @@ import trio_cuda
 
 from .conftest import ON_CUDA
 
-PROGRAM = "import trio_cuda; from trio_cuda import api; api.ones((2,)).sync(); api.ones((2,)).sync(); print(trio_cuda.backend_name())"
+PROGRAM = (
+    "import trio_cuda; from trio_cuda import api; api.ones((2,)).sync(); api.ones((2,)).sync(); print(trio_cuda.backend_name())"
+)
 
 
 def run(env: dict[str, str], code: str = PROGRAM) -> subprocess.CompletedProcess[str]:

@@ -107,4 +107,3 @@ async def test_cancelled_during_a_long_dag_keeps_every_intermediate_alive() -> N
     # The intermediates are referenced by nothing here; the GPU finishes with them anyway.
     out = await api.dup(x).to_host()
     np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
-

@@ -69,7 +69,7 @@ def test_events_have_timing_disabled(dev: trio_cuda.Device) -> None:
     assert err == cu.CUresult.CUDA_ERROR_INVALID_HANDLE
 
 
-def test_kernels_are_cached_on_disk(tmp_path: "os.PathLike[str]") -> None:
+def test_kernels_are_cached_on_disk(tmp_path: os.PathLike[str]) -> None:
     # A child process compiles a kernel into an empty cache; a second child must load it
     # from the cache without calling numba's compiler.
     prog = textwrap.dedent(

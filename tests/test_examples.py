@@ -17,6 +17,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
     [("async_add.py", []), ("async_saxpy.py", []), ("cuda_graphs_deviceop.py", ["--tokens", "1"])],
 )
 def test_example_runs_and_checks_itself(name: str, args: list[str]) -> None:
-    r = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=600, env=dict(os.environ)
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "correct" in r.stdout

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 import trio
+from numba import cuda
 
 import trio_cuda  # before numba.cuda: it chooses the backend
-from numba import cuda
 from trio_cuda import api
 from trio_cuda.kernels import sleep
 

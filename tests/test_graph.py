@@ -57,7 +57,7 @@ async def test_graph_matches_eager_execution() -> None:
 
 
 async def test_update_rewrites_inputs_without_recapture() -> None:
-    x, y, z = await setup()
+    x, _y, z = await setup()
     g = (add(z.partition((4,)), x, x)).graph()
     for k in range(3):
         g.update(api.memcpy(x, np.full(N, float(k), np.float32)))
@@ -80,7 +80,7 @@ def test_launch_sync_and_sync_on(dev: trio_cuda.Device) -> None:
 
 
 async def test_graph_launch_orders_after_pending_work_on_other_streams(dev: trio_cuda.Device) -> None:
-    x, y, z = await setup()
+    x, _y, z = await setup()
     g = add(z.partition((4,)), x, x).graph()
     a, b = trio_cuda.SingleStream(dev), trio_cuda.SingleStream(dev)
     # A slow write of x on stream a, then the graph on stream b: the graph must see it.
@@ -119,7 +119,7 @@ async def test_scope_form_records_imperatively() -> None:
 
 
 async def test_refusals_inside_a_capture(dev: trio_cuda.Device) -> None:
-    x, y, z = await setup()
+    x, _y, z = await setup()
     with pytest.raises(trio_cuda.GraphCaptureError, match="allocat"):
         api.zeros((4,)).graph()
     with pytest.raises(trio_cuda.GraphCaptureError, match="host"):
@@ -132,7 +132,7 @@ async def test_refusals_inside_a_capture(dev: trio_cuda.Device) -> None:
 
 
 async def test_capture_is_scoped_to_its_streams_and_buffers(dev: trio_cuda.Device) -> None:
-    x, y, z = await setup()
+    x, _y, z = await setup()
     other = await api.arange(N)
     with trio_cuda.capture_graph() as scope:
         scope.record(add(z.partition((4,)), x, x))
@@ -160,7 +160,7 @@ async def test_capture_is_scoped_to_its_streams_and_buffers(dev: trio_cuda.Devic
 
 
 async def test_executing_inside_a_capture_callback_is_nested(dev: trio_cuda.Device) -> None:
-    x, y, z = await setup()
+    x, _y, z = await setup()
 
     def cb(_: object) -> object:
         return api.ones((1,)).sync()
@@ -184,4 +184,3 @@ async def test_graph_keeps_its_buffers_alive() -> None:
     await api.zeros((64,))  # flushes deferred frees: the graph's buffers must survive
     await g.launch()
     np.testing.assert_array_equal(await out.to_host(), 2 * np.arange(N))
-

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
+from numba import cuda
 
 import trio_cuda  # before numba.cuda: it chooses the backend
-from numba import cuda
 from trio_cuda import api
 from trio_cuda.kernels import add, saxpy
 
@@ -132,7 +132,11 @@ async def test_rms_norm_matches_numpy() -> None:
     for dtype in (np.float32, np.float64):
         x = rng.standard_normal((2, 40)).astype(dtype)
         w = rng.standard_normal(40).astype(dtype)
-        out = await rms_norm(api.empty((2, 40), dtype).partition((1, 40)), api.from_host(x), api.from_host(w), 1e-5).first().to_host()
+        out = (
+            await rms_norm(api.empty((2, 40), dtype).partition((1, 40)), api.from_host(x), api.from_host(w), 1e-5)
+            .first()
+            .to_host()
+        )
         x64 = x.astype(np.float64)
         ref = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + 1e-5) * w
         np.testing.assert_allclose(out, ref, rtol=1e-5 if dtype == np.float32 else 1e-12)

@@ -24,7 +24,13 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     me = _module(path)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for b in node.body for n in ast.walk(b)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for b in node.body
+        for n in ast.walk(b)
+    }
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -59,7 +65,7 @@ def test_no_import_cycles() -> None:
         path.append(v)
         for w in sorted(graph[v]):
             if state.get(w) == 1:
-                cycle = path[path.index(w) :] + [w]
+                cycle = [*path[path.index(w) :], w]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if w not in state:
                 visit(w)
@@ -83,7 +89,18 @@ def test_star_import_does_not_shadow_builtins() -> None:
 def test_public_faces() -> None:
     from trio_cuda import lowlevel
 
-    for name in ("Stream", "Event", "SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin", "record", "stream_wait", "wait", "submit", "accesses"):
+    for name in (
+        "Stream",
+        "Event",
+        "SchedulingPolicy",
+        "SingleStream",
+        "StreamPoolRoundRobin",
+        "record",
+        "stream_wait",
+        "wait",
+        "submit",
+        "accesses",
+    ):
         assert hasattr(lowlevel, name), name
     for name in ("SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin", "DeviceReset", "lowlevel"):
         assert name in trio_cuda.__all__, name

@@ -78,7 +78,9 @@ async def test_pinned_staging_stays_bounded_after_large_read_backs(dev: trio_cud
     assert stats.staging_bytes <= 64 * mb  # the documented cap (TRIO_CUDA_STAGING_CAP_MB)
 
 
-async def test_a_dropped_stream_keeps_the_staging_of_its_pending_copies(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_dropped_stream_keeps_the_staging_of_its_pending_copies(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A read-back cancelled on a stream that is then dropped: its copy still runs later,
     # so its pinned buffer must not be lent to another copy meanwhile.
     from trio_cuda import _staging

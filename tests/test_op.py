@@ -148,7 +148,7 @@ async def test_then_chain_keeps_order_and_one_stream(dev: trio_cuda.Device) -> N
     for _ in range(5):
         op = op.then(lambda out: saxpy(2.0, x, out[2] if isinstance(out, tuple) else out))
     waits_before = dev.statistics().stream_waits
-    y, = (await op.last().unpartition().to_host(),)
+    (y,) = (await op.last().unpartition().to_host(),)
     np.testing.assert_array_equal(y, np.full(8, 10.0, np.float32))
     # A then-chain stays on one stream: no cross-stream waits were needed.
     assert dev.statistics().stream_waits == waits_before
@@ -236,7 +236,7 @@ async def test_unzip_arity_rules() -> None:
     assert (await a) is (await b)
     with pytest.raises(ValueError, match="unzip\\(3\\)"):
         trio_cuda.zip(api.ones((1,)), api.ones((1,))).unzip(3)
-    c, d, e = trio_cuda.value((1, 2)).map(lambda v: v).unzip(3)
+    c, _d, _e = trio_cuda.value((1, 2)).map(lambda v: v).unzip(3)
     with pytest.raises(ValueError, match="2 elements"):
         await c
 

@@ -86,4 +86,3 @@ async def test_zip_branches_join_before_the_consumer(dev: trio_cuda.Device) -> N
     # waits for nothing) sees both increments.
     np.testing.assert_array_equal(await a.tensor.untracked().to_host(), [1])
     np.testing.assert_array_equal(await b.tensor.untracked().to_host(), [1])
-

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from numba import cuda
 
 import trio_cuda
-from numba import cuda
 from trio_cuda import api
 from trio_cuda._guard import LOCK
 from trio_cuda.kernels import add, saxpy
@@ -86,7 +86,9 @@ def _factory_kernel(tag: float) -> trio_cuda.Kernel:
     return twice
 
 
-async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     k = _factory_kernel(0.31)
     x = await api.full((8,), 4.0)
     drv = dev._driver
@@ -224,7 +226,9 @@ async def test_shared_op_used_by_concurrent_submissions_runs_once(dev: trio_cuda
         np.testing.assert_array_equal(r, np.full(8, 3.0, np.float32))
 
 
-async def test_shared_op_first_submission_cancelled_while_others_rely_on_it(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_shared_op_first_submission_cancelled_while_others_rely_on_it(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Task A plans a shared op and waits for its kernel to compile; task B, planned
     # meanwhile, relies on A's plan. A is cancelled during the compilation: A must still
     # enqueue (shielded, bounded by the compilation) so B gets its result; A sees Cancelled.

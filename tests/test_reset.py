@@ -185,7 +185,7 @@ def test_reset_while_another_thread_syncs_in_a_loop(dev: trio_cuda.Device) -> No
                 out = api.full((8,), float(i)).to_host().sync()
             except (trio_cuda.DeviceError, ValueError):
                 continue
-            except BaseException as err:  # noqa: BLE001 - reported below
+            except BaseException as err:
                 errors.append(err)
                 return
             if not (out == i).all():

@@ -15,7 +15,8 @@ import contextlib
 import gc
 import os
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import trio
@@ -54,7 +55,9 @@ async def test_random_dags_match_serial_numpy(dev: trio_cuda.Device) -> None:
     del w
     waits_before = lowlevel.submission_statistics()
 
-    def at_submission(update: Callable[[], Any], op_factory: Callable[[], trio_cuda.DeviceOp], flag: list[bool]) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+    def at_submission(
+        update: Callable[[], Any], op_factory: Callable[[], trio_cuda.DeviceOp], flag: list[bool]
+    ) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
         # The callback runs when the submission is planned, in submission order.
         def cb(_: object) -> Any:
             nonlocal submitted
@@ -71,32 +74,46 @@ async def test_random_dags_match_serial_numpy(dev: trio_cuda.Device) -> None:
         a = r.choice([-1, 1, 2, 3])
         ti, tj, tk = tensors[i], tensors[j], tensors[k]
         if kind == "saxpy":
+
             def upd() -> None:
                 model[j] = a * model[i] + model[j]
+
             return at_submission(upd, lambda: saxpy(a, ti, tj.partition((4,))), flag)
         if kind == "add":
+
             def upd() -> None:
                 model[k] = model[i] + model[j]
+
             return at_submission(upd, lambda: add(tk.partition((8,)), ti, tj), flag)
         if kind == "copy":
+
             def upd() -> None:
                 model[j] = model[i].copy()
+
             return at_submission(upd, lambda: api.memcpy(tj, ti), flag)
         if kind == "read":
             return at_submission(lambda: model[i].copy(), lambda: ti.to_host(), flag)
         if kind == "dup_read":
             return at_submission(lambda: model[i].copy(), lambda: api.dup(ti).to_host(), flag)
         if kind == "slow_saxpy":
+
             def upd() -> None:
                 model[j] = a * model[i] + model[j]
+
             return at_submission(
-                upd, lambda: sleep(api.zeros((1,), np.int32).partition((1,)), SLOW_NS).then(lambda _: saxpy(a, ti, tj.partition((16,)))), flag
+                upd,
+                lambda: sleep(api.zeros((1,), np.int32).partition((1,)), SLOW_NS).then(
+                    lambda _: saxpy(a, ti, tj.partition((16,)))
+                ),
+                flag,
             )
+
         # fan: two independent branches in one submission, then a read of one of them
         def upd() -> np.ndarray:
             model[j] = a * model[i] + model[j]
             model[k] = model[i] + model[i]
             return model[j].copy()
+
         return at_submission(
             upd,
             lambda: trio_cuda.zip(saxpy(a, ti, tj.partition((4,))), add(tk.partition((4,)), ti, ti)).then(lambda _: tj.to_host()),
@@ -130,7 +147,7 @@ async def test_random_dags_match_serial_numpy(dev: trio_cuda.Device) -> None:
         waits_before.waited_for_submission,
     ), "a submission waited between planning and enqueueing: the model's order is not the device's"
     assert waits.abandoned == waits_before.abandoned
-    for t, m in zip(tensors, model):
+    for t, m in zip(tensors, model, strict=False):
         np.testing.assert_array_equal(await t.to_host(), m)
     assert submitted > TASKS * OPS_PER_TASK // 2
     assert reads_checked > 0

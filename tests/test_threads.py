@@ -42,7 +42,7 @@ def test_synchronize_from_other_threads_while_trio_tasks_submit(dev: trio_cuda.D
                 for s in streams:
                     s.synchronize()
                 syncs += 1
-            except BaseException as err:  # noqa: BLE001 - reported below
+            except BaseException as err:
                 errors.append(err)
                 return
 
@@ -85,7 +85,7 @@ def test_many_threads_sync_while_trio_awaits(dev: trio_cuda.Device) -> None:
                 v = float(i * 100 + j)
                 out = api.full((8,), v).then(lambda t: add(api.empty((8,)).partition((8,)), t, t)).first().to_host().sync()
                 assert (out == 2 * v).all(), (i, j, out)
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:
             errors.append(err)
 
     async def main() -> None:
@@ -170,7 +170,7 @@ def test_streams_created_and_dropped_from_many_threads(dev: trio_cuda.Device) ->
                 policy = trio_cuda.StreamPoolRoundRobin(dev, 2)
                 out = api.full((4,), float(i)).to_host().schedule(policy).sync()
                 assert (out == i).all()
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:
             errors.append(err)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]

@@ -60,7 +60,7 @@ def _plan_h2d(plan: Plan, lane: Lane, t: Tensor, host: Any) -> None:
 
 # -- constructors ----------------------------------------------------------------------------------
 class _Alloc(DeviceOp[Tensor]):
-    __slots__ = ("_shape", "_dtype", "_nbytes", "_pattern", "_host", "_device")
+    __slots__ = ("_device", "_dtype", "_host", "_nbytes", "_pattern", "_shape")
 
     def __init__(
         self, shape: tuple[int, ...], dtype: np.dtype[Any], pattern: bytes | None, host: Any, device: Device | None
@@ -195,7 +195,9 @@ def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Ten
 
 
 # -- copies -------------------------------------------------------------------------------------------
-def _check_same(dst_shape: tuple[int, ...], dst_dtype: np.dtype[Any], src_shape: tuple[int, ...], src_dtype: np.dtype[Any]) -> None:
+def _check_same(
+    dst_shape: tuple[int, ...], dst_dtype: np.dtype[Any], src_shape: tuple[int, ...], src_dtype: np.dtype[Any]
+) -> None:
     if dst_dtype != src_dtype:
         raise TypeError(f"memcpy() dtype mismatch: destination {dst_dtype}, source {src_dtype}")
     if dst_shape != src_shape:
@@ -292,7 +294,7 @@ def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
 
 
 class _Dup(DeviceOp[Tensor]):
-    __slots__ = ("_src", "_device")
+    __slots__ = ("_device", "_src")
 
     def __init__(self, src: Any, device: Device | None) -> None:
         super().__init__((src,) if isinstance(src, DeviceOp) else ())
@@ -306,7 +308,9 @@ class _Dup(DeviceOp[Tensor]):
             raise ValueError(f"dup() of a non-contiguous view of shape {src.shape}")
         target = self._device or src.device
         ln = lane.on(target)
-        t = Tensor._new(plan.new_buffer(ln, src.nbytes, f"copying a {src.dtype} tensor of shape {src.shape}"), src.shape, src.dtype)
+        t = Tensor._new(
+            plan.new_buffer(ln, src.nbytes, f"copying a {src.dtype} tensor of shape {src.shape}"), src.shape, src.dtype
+        )
         plan.step(ln, _d2d_step, (t, src))
         return t
 
@@ -316,4 +320,3 @@ def dup(tensor: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     if not isinstance(tensor, (Tensor, Partition, DeviceOp)):
         raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {type(tensor).__name__}")
     return _Dup(tensor, _explicit_device(device))
-

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Capture"]
 
 # Private streams for capture branches, per device, reused across captures.
-_spare: dict[int, list["Stream"]] = {}
+_spare: dict[int, list[Stream]] = {}
 
 
 class Capture:
@@ -40,7 +40,7 @@ class Capture:
         keep: Host memory the graph's copies use (kept with the graph).
     """
 
-    def __init__(self, device: "Device", stream: "Stream") -> None:
+    def __init__(self, device: Device, stream: Stream) -> None:
         self.device = device
         self.stream = stream
         self.start: dict[Stream, int] = {}  # joined streams -> their seq when they joined
@@ -55,24 +55,28 @@ class Capture:
         self.graph: Any = None
 
     # -- used by lanes ----------------------------------------------------------------
-    def inside(self, stream: "Stream", seq: int) -> bool:
+    def inside(self, stream: Stream, seq: int) -> bool:
         """True if point ``seq`` of ``stream`` was made inside this capture."""
         start = self.start.get(stream)
         return start is not None and seq > start
 
-    def touch(self, buf: "Buffer", write: bool) -> None:
+    def touch(self, buf: Buffer, write: bool) -> None:
         """Record an access of the graph to ``buf`` (saving its state the first time)."""
         if buf.device is not self.device:
-            raise GraphCaptureError("a graph captures the work of one device; this op touches another", device=self.device.ordinal)
+            raise GraphCaptureError(
+                "a graph captures the work of one device; this op touches another", device=self.device.ordinal
+            )
         if buf not in self.saved_buffers:
             self.saved_buffers[buf] = (buf.writer, dict(buf.readers), dict(buf.lifetime))
             buf.capture = self
         self.accesses[buf] = self.accesses.get(buf, False) or write
 
-    def fork_stream(self, device: "Device") -> "Stream":
+    def fork_stream(self, device: Device) -> Stream:
         """A private stream for a branch, joined to the capture when first used."""
         if device is not self.device:
-            raise GraphCaptureError("a graph captures the work of one device; a branch runs on another", device=self.device.ordinal)
+            raise GraphCaptureError(
+                "a graph captures the work of one device; a branch runs on another", device=self.device.ordinal
+            )
         spare = _spare.setdefault(device.ordinal, [])
         while spare:
             s = spare.pop()
@@ -84,7 +88,7 @@ class Capture:
         self.forks.append(s)
         return s
 
-    def join(self, s: "Stream") -> None:
+    def join(self, s: Stream) -> None:
         """Bring stream ``s`` into the capture, ordered after the origin's current point."""
         if s in self.start:
             return

@@ -55,11 +55,11 @@ def check_dtype(dtype: Any) -> np.dtype[Any]:
     if dtype is None:
         raise TypeError("dtype must not be None")
     try:
-        dt = np.dtype(dtype)
+        dt: np.dtype[Any] = np.dtype(dtype)
     except TypeError as err:
         raise TypeError(f"not a dtype: {dtype!r}") from err
     if dt.byteorder not in ("=", "|"):
-        dt = dt.newbyteorder("=")
+        dt = np.dtype(dt.newbyteorder("="))
     if dt not in _SUPPORTED:
         supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"unsupported dtype {dt}; supported: {supported}")
@@ -101,10 +101,7 @@ def nbytes_of(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
     """The size in bytes of a ``shape`` array of ``dtype``, refused above :data:`MAX_BYTES`."""
     n = math.prod(shape) * dtype.itemsize
     if n > MAX_BYTES:
-        raise ValueError(
-            f"a {dtype} array of shape {shape} needs {n} bytes, more than a device can address "
-            f"({MAX_BYTES} bytes)"
-        )
+        raise ValueError(f"a {dtype} array of shape {shape} needs {n} bytes, more than a device can address ({MAX_BYTES} bytes)")
     return n
 
 

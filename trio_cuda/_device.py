@@ -23,8 +23,9 @@ import collections
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable
@@ -85,17 +86,17 @@ class DeviceStatistics:
 
 class _Counters:
     __slots__ = (
-        "submissions",
-        "launches",
-        "graph_launches",
         "allocations",
-        "frees",
         "copies",
-        "stream_waits",
-        "streams_destroyed",
+        "frees",
+        "graph_launches",
+        "launches",
         "staging_bytes",
         "staging_pins",
         "staging_unpins",
+        "stream_waits",
+        "streams_destroyed",
+        "submissions",
     )
 
     def __init__(self) -> None:
@@ -104,10 +105,10 @@ class _Counters:
         self.staging_bytes = self.staging_pins = self.staging_unpins = 0
 
 
-_default_policy_factory: "Callable[[Device], SchedulingPolicy] | None" = None
+_default_policy_factory: Callable[[Device], SchedulingPolicy] | None = None
 
 
-def set_default_policy_factory(factory: "Callable[[Device], SchedulingPolicy]") -> None:
+def set_default_policy_factory(factory: Callable[[Device], SchedulingPolicy]) -> None:
     """Set how a device makes its default policy (the scheduling layer registers
     StreamPoolRoundRobin here: devices do not know the policies)."""
     global _default_policy_factory
@@ -122,11 +123,34 @@ class Device:
         generation: Bumped by each :meth:`reset`; objects of an older generation are stale.
     """
 
+    ordinal: int
+    generation: int
+    _driver: DeviceDriver
+    _backend_name: str
+    _new_waker: Callable[[], Waker]
+    _resetting: bool
+    _slow_lock: threading.Lock
+    _streams: weakref.WeakSet[Stream]
+    _utility: Stream | None
+    _policy: SchedulingPolicy | None
+    _dead_streams: collections.deque[tuple[int, Any, collections.deque[tuple[int, Any]]]]
+    _lingering: list[tuple[Any, collections.deque[tuple[int, Any]]]]
+    _event_pool: collections.deque[tuple[int, Any]]
+    _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]]]]
+    _dead_graphs: collections.deque[tuple[int, Any]]
+    _bytes_in_use: int
+    _stats: _Counters
+    _reset_callbacks: list[Callable[[Device], None]]
+    _blocking: set[Waker]
+    _idle_wakers: list[Waker]
+    _host_cond: threading.Condition
+    _host_readers: int
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Device cannot be constructed directly; use trio_cuda.device(i) or trio_cuda.devices()")
 
     @classmethod
-    def _new(cls, ordinal: int, driver: DeviceDriver, backend_name: str, new_waker: Callable[[], Waker]) -> "Device":
+    def _new(cls, ordinal: int, driver: DeviceDriver, backend_name: str, new_waker: Callable[[], Waker]) -> Device:
         self = object.__new__(cls)
         self.ordinal = ordinal
         self._driver = driver
@@ -135,20 +159,20 @@ class Device:
         self.generation = 0
         self._resetting = False
         self._slow_lock = threading.Lock()
-        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
-        self._utility: Stream | None = None
-        self._policy: SchedulingPolicy | None = None
+        self._streams = weakref.WeakSet()
+        self._utility = None
+        self._policy = None
         # Lock-free queues, filled by finalizers and drained under LOCK.
-        self._dead_streams: collections.deque[tuple[int, Any, collections.deque[tuple[int, Any]]]] = collections.deque()
-        self._lingering: list[tuple[Any, collections.deque[tuple[int, Any]]]] = []
-        self._event_pool: collections.deque[tuple[int, Any]] = collections.deque()
-        self._dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]]]] = collections.deque()
-        self._dead_graphs: collections.deque[tuple[int, Any]] = collections.deque()
+        self._dead_streams = collections.deque()
+        self._lingering = []
+        self._event_pool = collections.deque()
+        self._dead_buffers = collections.deque()
+        self._dead_graphs = collections.deque()
         self._bytes_in_use = 0
         self._stats = _Counters()
-        self._reset_callbacks: list[Callable[[Device], None]] = []
-        self._blocking: set[Waker] = set()
-        self._idle_wakers: list[Waker] = []
+        self._reset_callbacks = []
+        self._blocking = set()
+        self._idle_wakers = []
         self._host_cond = threading.Condition(threading.Lock())
         self._host_readers = 0
         return self
@@ -202,7 +226,7 @@ class Device:
             self._current_stream(u)
         return u
 
-    def _recycle_stream(self, generation: int, handle: Any, keep: "collections.deque[tuple[int, Any]]") -> None:
+    def _recycle_stream(self, generation: int, handle: Any, keep: collections.deque[tuple[int, Any]]) -> None:
         # Called from Stream.__del__ in any thread: no lock, just queue it.
         self._dead_streams.append((generation, handle, keep))
 
@@ -264,7 +288,7 @@ class Device:
 
     # -- policy -------------------------------------------------------------------
     @property
-    def policy(self) -> "SchedulingPolicy":
+    def policy(self) -> SchedulingPolicy:
         """The scheduling policy ``await op`` and ``op.sync()`` use on this device.
 
         Defaults to :class:`~trio_cuda.StreamPoolRoundRobin` over 4 streams. Assign
@@ -280,7 +304,7 @@ class Device:
         return p
 
     @policy.setter
-    def policy(self, policy: "SchedulingPolicy") -> None:
+    def policy(self, policy: SchedulingPolicy) -> None:
         device = getattr(policy, "device", None)
         if not callable(getattr(policy, "next_stream", None)) or device is None:
             raise TypeError(f"expected a SchedulingPolicy, got {policy!r}")
@@ -307,7 +331,7 @@ class Device:
                 op=getattr(fault, "op", None),
             ) from fault
 
-    def on_reset(self, callback: Callable[["Device"], None]) -> None:
+    def on_reset(self, callback: Callable[[Device], None]) -> None:
         """Call ``callback(device)`` right after each reset bumps the generation (any thread;
         it must not block). Used by the notifier and the staging pools."""
         with LOCK:
@@ -514,7 +538,11 @@ class Device:
 
     def pending_events(self) -> list[Event]:
         """An event at the current point of each stream with unfinished work (under LOCK)."""
-        return [s.event_at(s.seq) for s in list(self._streams) if s.generation == self.generation and s.seq > s.done_seq and s.capture is None]
+        return [
+            s.event_at(s.seq)
+            for s in list(self._streams)
+            if s.generation == self.generation and s.seq > s.done_seq and s.capture is None
+        ]
 
     def statistics(self) -> DeviceStatistics:
         """A frozen snapshot of this device's counters."""

@@ -21,6 +21,7 @@ such kernels are not cached on disk.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import types
 from typing import Any
@@ -39,7 +40,7 @@ class Fingerprint:
         pins: Objects whose identity went into the digest; hold them while it is used.
     """
 
-    __slots__ = ("digest", "stable", "pins")
+    __slots__ = ("digest", "pins", "stable")
 
     def __init__(self, digest: str, stable: bool, pins: tuple[Any, ...]) -> None:
         self.digest = digest
@@ -143,8 +144,7 @@ class _Hasher:
                 self.put("global", name.encode())
                 self.value(g[name], depth + 1)
             else:
-                b = __builtins__ if isinstance(__builtins__, dict) else vars(__builtins__)
-                self.put("builtin" if name in b else "unbound", name.encode())
+                self.put("builtin" if hasattr(builtins, name) else "unbound", name.encode())
 
 
 def _global_names(code: types.CodeType) -> list[str]:

@@ -46,11 +46,11 @@ __all__ = ["CudaGraph", "GraphScope", "capture_graph"]
 T = TypeVar("T")
 
 
-def _private_stream(device: "Device") -> Stream:
+def _private_stream(device: Device) -> Stream:
     return device.create_stream()
 
 
-def capture_op(op: DeviceOp[T], stream: Stream | None) -> "CudaGraph[T]":
+def capture_op(op: DeviceOp[T], stream: Stream | None) -> CudaGraph[T]:
     """Capture ``op``'s DAG on ``stream`` (None: a private stream) into a graph."""
     check_not_nested("capturing a graph")
     if stream is None:
@@ -74,18 +74,28 @@ class CudaGraph(Generic[T]):
         nodes: The number of nodes in the graph.
     """
 
+    device: Device
+    stream: Stream
+    nodes: int
+    _handle: Any
+    _output: Any
+    _taken: bool
+    _accesses: tuple[tuple[Buffer, bool], ...]
+    _keep: list[Any]
+    _generation: int
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("CudaGraph cannot be constructed directly; use op.graph_on(stream) or trio_cuda.capture_graph()")
 
     @classmethod
-    def _new(cls, device: "Device", stream: Stream, handle: Any, output: Any, cap: Capture) -> "CudaGraph[T]":
+    def _new(cls, device: Device, stream: Stream, handle: Any, output: Any, cap: Capture) -> CudaGraph[T]:
         self = object.__new__(cls)
         self.device = device
         self.stream = stream
         self._handle = handle
         self._output = output
         self._taken = False
-        self._accesses: tuple[tuple[Buffer, bool], ...] = tuple(cap.accesses.items())  # keeps the buffers alive
+        self._accesses = tuple(cap.accesses.items())  # keeps the buffers alive
         self._keep = cap.keep  # host data copied by the graph
         self._generation = device.generation
         self.nodes = device._driver.graph_nodes(handle)
@@ -135,7 +145,7 @@ class CudaGraph(Generic[T]):
                 pass
 
 
-def _graph_step(lane: Lane, g: "CudaGraph[Any]") -> None:
+def _graph_step(lane: Lane, g: CudaGraph[Any]) -> None:
     for buf, written in g._accesses:
         if written:
             lane.write(buf)
@@ -195,7 +205,7 @@ class GraphScope:
         self._outputs: list[Any] = []
         self._thread = threading.get_ident()
 
-    def __enter__(self) -> "GraphScope":
+    def __enter__(self) -> GraphScope:
         check_not_nested("capturing a graph")
         dev = self.stream.device
         cap = Capture(dev, self.stream)

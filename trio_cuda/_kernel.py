@@ -28,7 +28,8 @@ happens in a worker thread, with the runtime lock released.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -147,20 +148,32 @@ class Kernel:
                 ops.append(a)
             elif not (isinstance(a, (Tensor, Partition)) or is_scalar(a)):
                 raise TypeError(
-                    f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, "
-                    f"got {type(a).__name__}"
+                    f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, got {type(a).__name__}"
                 )
         return _Launch(self, args, tuple(ops))
 
 
+@overload
+def kernel(fn: Callable[..., Any], /) -> Kernel: ...
+@overload
 def kernel(
-    fn: Callable[..., Any] | None = None,
+    fn: None = None,
+    /,
     *,
     block: Any = None,
     sim: Callable[..., Any] | None = None,
     validate: Callable[..., None] | None = None,
     name: str | None = None,
-) -> Any:
+) -> Callable[[Callable[..., Any]], Kernel]: ...
+def kernel(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    block: Any = None,
+    sim: Callable[..., Any] | None = None,
+    validate: Callable[..., None] | None = None,
+    name: str | None = None,
+) -> Kernel | Callable[[Callable[..., Any]], Kernel]:
     """Decorate a numba-cuda kernel function into a launcher of DeviceOps.
 
     Args:
@@ -183,11 +196,11 @@ def kernel(
 class _Config:
     """A validated launch of one kernel on one argument geometry and device."""
 
-    __slots__ = ("device", "generation", "grid", "block", "writes", "reads", "signature", "proto", "loaded", "prepared")
+    __slots__ = ("block", "device", "generation", "grid", "loaded", "prepared", "proto", "reads", "signature", "writes")
 
     def __init__(
         self,
-        device: "Device",
+        device: Device,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         writes: tuple[int, ...],
@@ -224,7 +237,7 @@ def _geometry(args: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(key)
 
 
-def _config(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
+def _config(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
     """The validated launch config for ``args`` on ``device`` (cached by geometry)."""
     try:
         key = (device.ordinal, device.generation, _geometry(args))
@@ -242,7 +255,7 @@ def _config(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
     return cfg
 
 
-def _validate(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
+def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
     """Check the arguments against the device and build the launch config (no GPU work)."""
     name = k.name
     grid: tuple[int, ...] | None = None
@@ -295,13 +308,13 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: "Device") -> _Config:
         raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
     if k._validate is not None:
         k._validate(*args)
-    grid3 = (tuple(grid) + (1, 1, 1))[:3]
-    block3 = (tuple(block) + (1, 1, 1))[:3]
+    grid3 = ((*tuple(grid), 1, 1, 1))[:3]
+    block3 = ((*tuple(block), 1, 1, 1))[:3]
     return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
 
 
 def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _KernelNeed | None]) -> None:
-    k, cfg, args, need = arg
+    _k, cfg, args, need = arg
     if cfg.loaded is None:
         assert need is not None and need.loaded is not None
         cfg.loaded = need.loaded
@@ -374,7 +387,7 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
 
 
 class _Launch(DeviceOp[tuple[Any, ...]]):
-    __slots__ = ("_kernel", "_args", "_inputs_at")
+    __slots__ = ("_args", "_inputs_at", "_kernel")
 
     def __init__(self, k: Kernel, args: tuple[Any, ...], ops: tuple[DeviceOp[Any], ...]) -> None:
         self._inputs = ops
@@ -391,10 +404,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             pos = self._inputs_at
             if len(pos) == 1:
                 i = pos[0]
-                args = args[:i] + (values[0],) + args[i + 1 :]
+                args = (*args[:i], values[0], *args[i + 1 :])
             else:
                 merged = list(args)
-                for i, v in zip(pos, values):
+                for i, v in zip(pos, values, strict=False):
                     merged[i] = v
                 args = tuple(merged)
         device = lane.device
@@ -411,4 +424,3 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         plan.step(lane, _launch_step, (k, cfg, args, need))
         plan.ops.append(k.name)
         return args
-

@@ -47,20 +47,20 @@ class Buffer:
     """
 
     __slots__ = (
-        "device",
-        "nbytes",
-        "ptr",
-        "generation",
-        "writer",
-        "readers",
-        "lifetime",
-        "owner",
-        "capture",
-        "args",
         "__weakref__",
+        "args",
+        "capture",
+        "device",
+        "generation",
+        "lifetime",
+        "nbytes",
+        "owner",
+        "ptr",
+        "readers",
+        "writer",
     )
 
-    def __init__(self, device: "Device", nbytes: int, owner: Any) -> None:
+    def __init__(self, device: Device, nbytes: int, owner: Any) -> None:
         self.device = device
         self.nbytes = nbytes
         self.generation = device.generation
@@ -78,7 +78,7 @@ class Buffer:
             self.ptr = None
             self.owner = owner
 
-    def accesses(self) -> list[tuple["Stream", int]]:
+    def accesses(self) -> list[tuple[Stream, int]]:
         """Every pending access, the writer first."""
         acc = list(self.readers.items())
         acc.extend(self.lifetime.items())

@@ -74,9 +74,9 @@ def poll_budget_ns() -> int:
 
 
 class _Waiter:
-    __slots__ = ("event", "device", "token", "task", "active")
+    __slots__ = ("active", "device", "event", "task", "token")
 
-    def __init__(self, event: "Event", token: trio.lowlevel.TrioToken, task: trio.lowlevel.Task) -> None:
+    def __init__(self, event: Event, token: trio.lowlevel.TrioToken, task: trio.lowlevel.Task) -> None:
         self.event = event
         self.device = event.device
         self.token = token
@@ -112,7 +112,7 @@ class Notifier:
         """A frozen snapshot of the wake-up counters."""
         return NotifierStatistics(_paths[0], _paths[1], len(self._waiters), self.wakeups, self.batches)
 
-    async def wait(self, event: "Event") -> None:
+    async def wait(self, event: Event) -> None:
         """Park the current task until ``event`` completes (or fails, or its device resets)."""
         w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
         dev = w.device
@@ -135,7 +135,7 @@ class Notifier:
 
         await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def _on_reset(self, device: "Device") -> None:
+    def _on_reset(self, device: Device) -> None:
         self._waker.post()
 
     def _run(self) -> None:
@@ -186,7 +186,7 @@ def notifier() -> Notifier:
     return _notifier
 
 
-async def wait_event(event: "Event") -> None:
+async def wait_event(event: Event) -> None:
     """Wait in trio for ``event``: a checkpoint even if it has completed already.
 
     Raises:

@@ -22,14 +22,17 @@ are looked up in :data:`extensions`, which those layers fill when they are impor
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Generator, Generic, TypeVar, overload
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, Unpack, overload
 
 from ._checks import check_shape
-from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, contains_pending, resolve, run_async, run_sync
 from ._stream import Stream
+from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, contains_pending, resolve, run_async, run_sync
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from ._tensor import Partition, Tensor
 
 __all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "extensions", "value", "zip"]
 
@@ -39,6 +42,7 @@ A = TypeVar("A")
 B = TypeVar("B")
 C = TypeVar("C")
 D = TypeVar("D")
+Ts = TypeVarTuple("Ts")
 
 # Filled by higher layers: "capture" (op, stream) -> CudaGraph; the math ops later.
 extensions: dict[str, Callable[..., Any]] = {}
@@ -54,10 +58,10 @@ def _ext(name: str) -> Callable[..., Any]:
 class DeviceOp(Generic[T]):
     """A lazy description of device work with an output value of type ``T``."""
 
-    __slots__ = ("_inputs", "_state", "_arity")
+    __slots__ = ("_arity", "_inputs", "_state")
     _forks = False  # True if _lanes() may put inputs on other lanes
 
-    def __init__(self, inputs: tuple["DeviceOp[Any]", ...] = (), arity: int | None = None) -> None:
+    def __init__(self, inputs: tuple[DeviceOp[Any], ...] = (), arity: int | None = None) -> None:
         self._inputs = inputs
         self._state: Any = None
         self._arity = arity
@@ -77,10 +81,10 @@ class DeviceOp(Generic[T]):
 
     # -- combinators ----------------------------------------------------------------
     @overload
-    def then(self, fn: "Callable[[T], DeviceOp[U]]") -> "DeviceOp[U]": ...
+    def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]: ...
     @overload
-    def then(self, fn: "Callable[[T], U]") -> "DeviceOp[U]": ...
-    def then(self, fn: "Callable[[T], Any]") -> "DeviceOp[Any]":
+    def then(self, fn: Callable[[T], U]) -> DeviceOp[U]: ...
+    def then(self, fn: Callable[[T], Any]) -> DeviceOp[Any]:
         """Serial dependency: ``fn(output)`` returns the next op (or a plain value).
 
         The next op runs on the same stream, strictly after this one. ``fn`` runs on
@@ -91,7 +95,7 @@ class DeviceOp(Generic[T]):
             raise TypeError(f"then() needs a callable, got {fn!r}")
         return _Then(self, fn)
 
-    def map(self, fn: "Callable[[T], U]") -> "DeviceOp[U]":
+    def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
         """Transform the output on the host; no device work.
 
         Over a host value that device work produces (``to_host``), ``fn`` is applied
@@ -101,15 +105,27 @@ class DeviceOp(Generic[T]):
             raise TypeError(f"map() needs a callable, got {fn!r}")
         return _Map(self, fn)
 
-    def first(self) -> "DeviceOp[Any]":
+    @overload
+    def first(self: DeviceOp[tuple[A, Unpack[Ts]]]) -> DeviceOp[A]: ...
+    @overload
+    def first(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
+    @overload
+    def first(self) -> DeviceOp[Any]: ...
+    def first(self) -> DeviceOp[Any]:
         """The first element of a tuple output."""
         return _Select(self, 0, None)
 
-    def last(self) -> "DeviceOp[Any]":
+    @overload
+    def last(self: DeviceOp[tuple[Unpack[Ts], A]]) -> DeviceOp[A]: ...
+    @overload
+    def last(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
+    @overload
+    def last(self) -> DeviceOp[Any]: ...
+    def last(self) -> DeviceOp[Any]:
         """The last element of a tuple output."""
         return _Select(self, -1, None)
 
-    def unzip(self, n: int | None = None) -> "tuple[SharedOp[Any], ...]":
+    def unzip(self, n: int | None = None) -> tuple[SharedOp[Any], ...]:
         """Fan a tuple output out into ``n`` independent ops; this op executes at most once.
 
         ``n`` may be omitted when the arity is known (zip, kernel launches, tuple values).
@@ -127,27 +143,27 @@ class DeviceOp(Generic[T]):
         src = self.shared()
         return tuple(SharedOp(_Select(src, i, n)) for i in range(n))
 
-    def shared(self) -> "SharedOp[T]":
+    def shared(self) -> SharedOp[T]:
         """An op that executes this one once; every consumer (and re-await) sees the same output."""
         if isinstance(self, SharedOp):
             return self
         return SharedOp(self)
 
     # tensor conveniences: the whole pipeline reads as one chain
-    def partition(self, tile_shape: Any) -> "DeviceOp[Any]":
+    def partition(self, tile_shape: Any) -> DeviceOp[Partition]:
         """Partition the output tensor (see :meth:`Tensor.partition`)."""
         tile = check_shape(tile_shape, "tile_shape")
         return _Map(self, lambda v: _tensor_of(v, "partition()").partition(tile))
 
-    def unpartition(self) -> "DeviceOp[Any]":
+    def unpartition(self) -> DeviceOp[Tensor]:
         """The tensor of the output partition."""
         return _Map(self, lambda v: _tensor_of(v, "unpartition()"))
 
-    def reshape(self, *shape: Any) -> "DeviceOp[Any]":
+    def reshape(self, *shape: Any) -> DeviceOp[Tensor]:
         """Reshape the output tensor (a view; see :meth:`Tensor.reshape`)."""
         return _Map(self, lambda v: _tensor_of(v, "reshape()").reshape(*shape))
 
-    def to_host(self) -> "DeviceOp[np.ndarray]":
+    def to_host(self) -> DeviceOp[np.ndarray]:
         """Copy the output tensor (or partition) into a new numpy array."""
         return _ToHost(self)
 
@@ -169,7 +185,7 @@ class DeviceOp(Generic[T]):
             raise TypeError(f"sync_on() needs a Stream, got {stream!r}")
         return run_sync(self, stream)  # type: ignore[no-any-return]
 
-    def schedule(self, policy: Any = None) -> "ScheduledOp[T]":
+    def schedule(self, policy: Any = None) -> ScheduledOp[T]:
         """Bind this op to a stream chosen by ``policy`` (a SchedulingPolicy; default: the
         current device's) now; submit when awaited (or synced)."""
         from ._registry import current_device
@@ -278,7 +294,7 @@ def _pick(v: Any, index: int, expect: int | None) -> Any:
 
 
 class _Select(DeviceOp[Any]):
-    __slots__ = ("_index", "_expect")
+    __slots__ = ("_expect", "_index")
 
     def __init__(self, src: DeviceOp[Any], index: int, expect: int | None) -> None:
         super().__init__((src,))
@@ -319,13 +335,13 @@ class _Zip(DeviceOp[tuple[Any, ...]]):
         return tuple(args)
 
 
-def _mark_done(lane: Lane, op: "SharedOp[Any]") -> None:
+def _mark_done(lane: Lane, op: SharedOp[Any]) -> None:
     st = op._state
     s = lane.stream
     op._state = Done(st.value, s, max(s.seq, lane.need), st.pending)
 
 
-def _depend_shared(lane: Lane, op: "SharedOp[Any]") -> None:
+def _depend_shared(lane: Lane, op: SharedOp[Any]) -> None:
     st = op._state
     if st.__class__ is Done:
         if st.seq:
@@ -400,7 +416,9 @@ def zip(a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], /) -> DeviceOp[tuple[A, 
 @overload
 def zip(a: DeviceOp[A], b: DeviceOp[B], c: DeviceOp[C], d: DeviceOp[D], /) -> DeviceOp[tuple[A, B, C, D]]: ...
 @overload
-def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]: ...
+def zip(
+    a: DeviceOp[Any], b: DeviceOp[Any], c: DeviceOp[Any], d: DeviceOp[Any], e: DeviceOp[Any], /, *ops: DeviceOp[Any]
+) -> DeviceOp[tuple[Any, ...]]: ...
 def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]:
     """Fan-in: one op whose output is the tuple of the ops' outputs.
 

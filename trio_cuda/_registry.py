@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 from ._backends import backend
 from ._checks import is_int
@@ -61,7 +61,7 @@ def current_device() -> Device:
     return _devices[0] if _devices is not None else device(0)
 
 
-def as_device(d: "Device | int | None") -> Device:
+def as_device(d: Device | int | None) -> Device:
     """``d`` as a Device: a Device, an ordinal, or None for the current device."""
     if d is None:
         return current_device()
@@ -71,7 +71,7 @@ def as_device(d: "Device | int | None") -> Device:
 
 
 @contextlib.contextmanager
-def use_device(d: "Device | int") -> Iterator[Device]:
+def use_device(d: Device | int) -> Iterator[Device]:
     """Make ``d`` the current device for the block (in this task/thread and the tasks it starts).
 
     Example (inside a trio task)::

@@ -53,9 +53,9 @@ class Staging:
     one-element deque is the lock-free "once".
     """
 
-    __slots__ = ("pool", "buf", "size", "generation", "_stream_done", "_host_done", "_once", "__weakref__")
+    __slots__ = ("__weakref__", "_host_done", "_once", "_stream_done", "buf", "generation", "pool", "size")
 
-    def __init__(self, pool: "StagingPool", buf: np.ndarray, size: int, host_hold: bool) -> None:
+    def __init__(self, pool: StagingPool, buf: np.ndarray, size: int, host_hold: bool) -> None:
         self.pool = pool
         self.buf = buf
         self.size = size
@@ -95,7 +95,7 @@ class Staging:
 class StagingPool:
     """The pinned buffers of one device (see the module docstring)."""
 
-    def __init__(self, device: "Device") -> None:
+    def __init__(self, device: Device) -> None:
         self.device = device
         self.cap = env_int("TRIO_CUDA_STAGING_CAP_MB", 64, minimum=0) << 20
         self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
@@ -197,7 +197,7 @@ class StagingPool:
         return self._idle
 
 
-def pin(device: "Device", sizes: list[int]) -> None:
+def pin(device: Device, sizes: list[int]) -> None:
     """Pin buffers for copies of ``sizes`` bytes into the device's pool (slow; no LOCK held).
 
     Runs in a worker thread for ``await`` (or the calling thread of ``sync()``).
@@ -218,7 +218,7 @@ def pin(device: "Device", sizes: list[int]) -> None:
 _pools: dict[int, StagingPool] = {}
 
 
-def pool_of(device: "Device") -> StagingPool:
+def pool_of(device: Device) -> StagingPool:
     """The staging pool of ``device`` (under LOCK)."""
     p = _pools.get(device.ordinal)
     if p is None:
@@ -235,7 +235,7 @@ class _Janitor:
         self._lock = threading.Lock()  # leaf: guards _thread
         self.freed = 0
 
-    def free(self, device: "Device", generation: int, buf: np.ndarray) -> None:
+    def free(self, device: Device, generation: int, buf: np.ndarray) -> None:
         self._queue.put((device, generation, buf))
         with self._lock:
             if self._thread is None:

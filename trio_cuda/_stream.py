@@ -36,9 +36,9 @@ class Event:
         generation: The device generation it belongs to (a reset ends it).
     """
 
-    __slots__ = ("device", "_stream", "stream_handle", "seq", "handle", "done", "generation", "__weakref__")
+    __slots__ = ("__weakref__", "_stream", "device", "done", "generation", "handle", "seq", "stream_handle")
 
-    def __init__(self, stream: "Stream", seq: int, handle: Any) -> None:
+    def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
         self.device = stream.device
         self._stream = weakref.ref(stream)  # no cycle with the stream's last event
         self.stream_handle = stream.handle
@@ -48,7 +48,7 @@ class Event:
         self.generation = stream.generation
 
     @property
-    def stream(self) -> "Stream | None":
+    def stream(self) -> Stream | None:
         """The stream it was recorded on (None once that stream is gone)."""
         return self._stream()
 
@@ -82,27 +82,37 @@ class Stream:
     """
 
     __slots__ = (
-        "device",
-        "handle",
-        "seq",
-        "done_seq",
-        "generation",
-        "capture",
+        "__weakref__",
+        "_keep",
         "_last_event",
         "_waited",
-        "_keep",
-        "__weakref__",
+        "capture",
+        "device",
+        "done_seq",
+        "generation",
+        "handle",
+        "seq",
     )
+
+    device: Device
+    handle: Any
+    seq: int
+    done_seq: int
+    generation: int
+    capture: Any  # the graph capture recording this stream, if any
+    _last_event: Event | None
+    _waited: dict[Stream, int]
+    _keep: collections.deque[tuple[int, Any]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
 
     @classmethod
-    def _new(cls, device: "Device", handle: Any) -> "Stream":
+    def _new(cls, device: Device, handle: Any) -> Stream:
         """A stream of ``device`` around a driver handle (called under the runtime lock)."""
         self = object.__new__(cls)
         self.device = device
-        self.capture: Any = None  # the graph capture recording this stream, if any
+        self.capture = None
         self._bind(handle)
         return self
 
@@ -111,9 +121,9 @@ class Stream:
         self.generation = self.device.generation
         self.seq = 0
         self.done_seq = 0
-        self._last_event: Event | None = None
-        self._waited: dict[Stream, int] = {}
-        self._keep: collections.deque[tuple[int, Any]] = collections.deque()
+        self._last_event = None
+        self._waited = {}
+        self._keep = collections.deque()
         self.capture = None
 
     def __repr__(self) -> str:
@@ -145,7 +155,7 @@ class Stream:
         self._last_event = ev
         return ev
 
-    def wait_for(self, other: "Stream", seq: int) -> bool:
+    def wait_for(self, other: Stream, seq: int) -> bool:
         """Order future work on this stream after point ``seq`` of ``other``.
 
         Returns True if a driver wait was enqueued.

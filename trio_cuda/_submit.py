@@ -29,8 +29,9 @@ applied, afterwards.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -104,7 +105,7 @@ def statistics() -> SubmissionStatistics:
 class Pending:
     """A host value that exists once the submission's work has completed."""
 
-    __slots__ = ("_fn", "_value", "_done")
+    __slots__ = ("_done", "_fn", "_value")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
@@ -153,9 +154,9 @@ class Continue:
 class Claimed:
     """A shared op claimed by an unfinished plan; its output value is known."""
 
-    __slots__ = ("plan", "value", "pending")
+    __slots__ = ("pending", "plan", "value")
 
-    def __init__(self, plan: "Plan", value: Any, pending: bool) -> None:
+    def __init__(self, plan: Plan, value: Any, pending: bool) -> None:
         self.plan = plan
         self.value = value
         self.pending = pending
@@ -164,9 +165,9 @@ class Claimed:
 class Done:
     """A shared op whose work was enqueued: consumers depend on (stream, seq)."""
 
-    __slots__ = ("value", "stream", "seq", "pending")
+    __slots__ = ("pending", "seq", "stream", "value")
 
-    def __init__(self, value: Any, stream: "Stream", seq: int, pending: bool) -> None:
+    def __init__(self, value: Any, stream: Stream, seq: int, pending: bool) -> None:
         self.value = value
         self.stream = stream
         self.seq = seq
@@ -193,9 +194,9 @@ class Lane:
     state.
     """
 
-    __slots__ = ("stream", "device", "plan", "start", "need", "forks", "__weakref__")
+    __slots__ = ("__weakref__", "device", "forks", "need", "plan", "start", "stream")
 
-    def __init__(self, plan: "Plan", stream: "Stream") -> None:
+    def __init__(self, plan: Plan, stream: Stream) -> None:
         self.plan = plan
         self.stream = stream
         self.device = stream.device
@@ -204,7 +205,7 @@ class Lane:
         self.forks: list[Lane] = []
 
     # -- plan time -------------------------------------------------------------------
-    def fork(self, device: "Device | None" = None, *, join_at_end: bool = True) -> "Lane":
+    def fork(self, device: Device | None = None, *, join_at_end: bool = True) -> Lane:
         """A lane on another stream (of ``device``, default this lane's).
 
         It is joined back into this lane when the submission finishes, or, with
@@ -218,12 +219,12 @@ class Lane:
             self.forks.append(lane)
         return lane
 
-    def on(self, device: "Device") -> "Lane":
+    def on(self, device: Device) -> Lane:
         """This lane if it is on ``device``, else a forked lane on a stream of ``device``."""
         return self if device is self.device else self.fork(device)
 
     # -- enqueue time ---------------------------------------------------------------------
-    def depend(self, stream: "Stream", seq: int) -> None:
+    def depend(self, stream: Stream, seq: int) -> None:
         """Order the rest of this lane after point ``seq`` of ``stream``, and wait for it at the end."""
         if seq <= stream.done_seq:
             return
@@ -289,7 +290,7 @@ class Lane:
         """Close the point of the op just enqueued; returns its seq."""
         return self.stream.mark()
 
-    def join(self, forks: "Iterable[Lane]") -> None:
+    def join(self, forks: Iterable[Lane]) -> None:
         """Order the rest of this lane after everything the ``forks`` enqueued."""
         for f in forks:
             f.join(f.forks)
@@ -299,7 +300,7 @@ class Lane:
             if seq:
                 self.depend(fs, seq)
 
-    def finish(self) -> "Event | None":
+    def finish(self) -> Event | None:
         """Join every fork and return the event the caller waits for (None if nothing to wait for)."""
         self.join(self.forks)
         self.forks = []
@@ -317,9 +318,9 @@ PLANNING, PLANNED, ENQUEUED, ABORTED, FAILED = range(5)
 class _StagingSlot:
     """A staging buffer a step will use, lent at enqueue time."""
 
-    __slots__ = ("device", "nbytes", "host_hold", "staging")
+    __slots__ = ("device", "host_hold", "nbytes", "staging")
 
-    def __init__(self, device: "Device", nbytes: int, host_hold: bool) -> None:
+    def __init__(self, device: Device, nbytes: int, host_hold: bool) -> None:
         self.device = device
         self.nbytes = nbytes
         self.host_hold = host_hold
@@ -327,9 +328,9 @@ class _StagingSlot:
 
 
 class _KernelNeed:
-    __slots__ = ("source", "device", "signature", "args", "loaded")
+    __slots__ = ("args", "device", "loaded", "signature", "source")
 
-    def __init__(self, source: "KernelSource", device: "Device", signature: tuple[Any, ...], args: list[Any]) -> None:
+    def __init__(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> None:
         self.source = source
         self.device = device
         self.signature = signature
@@ -340,7 +341,7 @@ class _KernelNeed:
 class Need:
     """What a submission waits for before it can enqueue (see the module docstring)."""
 
-    __slots__ = ("kind", "data")
+    __slots__ = ("data", "kind")
 
     def __init__(self, kind: str, data: Any) -> None:
         self.kind = kind  # "kernels" | "staging" | "plan" | "memory"
@@ -374,7 +375,7 @@ class Need:
             await trio.to_thread.run_sync(self.wait_blocking, abandon_on_cancel=True)
 
 
-def _load_kernels(needs: "list[_KernelNeed]") -> None:
+def _load_kernels(needs: list[_KernelNeed]) -> None:
     """Compile and load kernels (slow: numba and module loading). No runtime lock held."""
     for n in needs:
         dev = n.device
@@ -388,7 +389,7 @@ def _load_kernels(needs: "list[_KernelNeed]") -> None:
 class Plan:
     """One submission: its lanes, its steps, what it allocates, and its state."""
 
-    def __init__(self, stream: "Stream", capture: Capture | None = None) -> None:
+    def __init__(self, stream: Stream, capture: Capture | None = None) -> None:
         self.capture = capture
         self.lanes: list[Lane] = []
         self.steps: list[tuple[Callable[[Lane, Any], None], Lane, Any]] = []
@@ -411,7 +412,7 @@ class Plan:
         self.generations: dict[Device, int] = {}
         self.root = self.lane(stream)
 
-    def lane(self, stream: "Stream") -> Lane:
+    def lane(self, stream: Stream) -> Lane:
         lane = Lane(self, stream)
         self.lanes.append(lane)
         dev = stream.device
@@ -445,7 +446,7 @@ class Plan:
             if buf.owner is not None and buf.owner is not self:
                 self.foreign.append(buf)
 
-    def need_kernel(self, source: "KernelSource", device: "Device", signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
+    def need_kernel(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
         n = _KernelNeed(source, device, signature, args)
         self.kernels.append(n)
         return n
@@ -456,7 +457,7 @@ class Plan:
         self.staging.append(slot)
         return slot
 
-    def wait_for_plan(self, other: "Plan") -> None:
+    def wait_for_plan(self, other: Plan) -> None:
         if other.state in (ENQUEUED, ABORTED, FAILED) or other in self.waits:
             return
         self.waits.add(other)
@@ -585,7 +586,9 @@ class Plan:
             dev.check_usable()
         for buf in self.foreign:
             if buf.ptr is None:
-                raise ValueError("a tensor this submission uses belongs to a submission that failed before it ran; it has no memory")
+                raise ValueError(
+                    "a tensor this submission uses belongs to a submission that failed before it ran; it has no memory"
+                )
         cap = self.capture
         for lane in self.lanes:
             s = lane.stream
@@ -741,7 +744,7 @@ class Plan:
 
 
 # -- entry points ---------------------------------------------------------------------------------
-def begin(op: Any, stream: "Stream", capture: Capture | None = None) -> tuple[Plan, Any, Need | None]:
+def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan, Any, Need | None]:
     """Plan ``op`` on ``stream`` and enqueue it if nothing is missing.
 
     Returns (plan, output value, what to wait for before enqueueing, or None).
@@ -768,7 +771,7 @@ def _give_up(plan: Plan, exc: BaseException) -> None:
         plan.abort(exc)
 
 
-def submit_blocking(op: Any, stream: "Stream", capture: Capture | None = None) -> tuple[Plan, Any]:
+def submit_blocking(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan, Any]:
     """Plan and enqueue ``op``, waiting in the calling thread when needed; no completion wait."""
     plan, value, need = begin(op, stream, capture)
     while need is not None:
@@ -797,7 +800,7 @@ class Submitted:
         event: The event its work completes at (None if it enqueued no device work).
     """
 
-    __slots__ = ("plan", "value", "event", "_taken")
+    __slots__ = ("_taken", "event", "plan", "value")
 
     def __init__(self, plan: Plan, value: Any) -> None:
         self.plan = plan
@@ -840,7 +843,7 @@ async def _enqueue_async(plan: Plan, need: Need | None) -> None:
             need = plan.advance()
 
 
-async def submit_async(op: Any, stream: "Stream | None" = None) -> Submitted:
+async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
     """Plan and enqueue ``op`` (waiting in trio where needed); do not wait for its work."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
@@ -851,7 +854,7 @@ async def submit_async(op: Any, stream: "Stream | None" = None) -> Submitted:
     return Submitted(plan, value)
 
 
-async def run_async(op: Any, stream: "Stream | None" = None) -> Any:
+async def run_async(op: Any, stream: Stream | None = None) -> Any:
     """``await op``: submit on ``stream`` (default: the current device's policy) and wait in trio."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
@@ -870,7 +873,7 @@ async def run_async(op: Any, stream: "Stream | None" = None) -> Any:
     return resolve(value) if plan.pending else value
 
 
-def run_sync(op: Any, stream: "Stream | None" = None) -> Any:
+def run_sync(op: Any, stream: Stream | None = None) -> Any:
     """``op.sync()``: submit and block the calling (non-trio) thread until done."""
     check_blocking_allowed("op.sync()")
     if stream is None:

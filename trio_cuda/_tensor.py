@@ -51,7 +51,15 @@ class Tensor:
         dtype: The numpy dtype.
     """
 
-    __slots__ = ("_buffer", "shape", "dtype", "_offset", "_strides", "_tracked", "_args")
+    __slots__ = ("_args", "_buffer", "_offset", "_strides", "_tracked", "dtype", "shape")
+
+    _buffer: Buffer
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    _offset: int
+    _strides: tuple[int, ...]
+    _tracked: bool
+    _args: tuple[ArrayArg, ArrayArg] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Tensor cannot be constructed directly; use trio_cuda.api (zeros, from_host, ...)")
@@ -65,7 +73,7 @@ class Tensor:
         offset: int = 0,
         strides: tuple[int, ...] | None = None,
         tracked: bool = True,
-    ) -> "Tensor":
+    ) -> Tensor:
         self = object.__new__(cls)
         self._buffer = buffer
         self.shape = shape
@@ -73,12 +81,12 @@ class Tensor:
         self._offset = offset
         self._strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
         self._tracked = tracked
-        self._args: tuple[ArrayArg, ArrayArg] | None = None
+        self._args = None
         return self
 
     # -- properties -------------------------------------------------------------
     @property
-    def device(self) -> "Device":
+    def device(self) -> Device:
         """The device holding the data."""
         return self._buffer.device
 
@@ -142,7 +150,7 @@ class Tensor:
         return self.shape[0]
 
     # -- the tensor protocol of DeviceOp ------------------------------------------
-    def _as_tensor(self) -> "Tensor":
+    def _as_tensor(self) -> Tensor:
         return self
 
     def _arg(self, writable: bool) -> ArrayArg:
@@ -169,7 +177,7 @@ class Tensor:
         return plan_read_to_host(plan, lane, self, np.empty(self.shape, dtype=self.dtype))
 
     # -- views --------------------------------------------------------------------
-    def reshape(self, *shape: Any) -> "Tensor":
+    def reshape(self, *shape: Any) -> Tensor:
         """A view with another shape and the same number of elements (one dim may be -1)."""
         if len(shape) == 1 and not is_int(shape[0]):
             shape = tuple(shape[0])
@@ -180,7 +188,7 @@ class Tensor:
             known = math.prod(d for d in dims if not (is_int(d) and d == -1))
             if known == 0 or self.size % known:
                 raise ValueError(f"cannot reshape {self.shape} into {tuple(shape)}")
-            dims[[i for i, d in enumerate(dims) if is_int(d) and d == -1][0]] = self.size // known
+            dims[next(i for i, d in enumerate(dims) if is_int(d) and d == -1)] = self.size // known
         new = check_shape(dims)
         if math.prod(new) != self.size:
             raise ValueError(f"cannot reshape {self.shape} ({self.size} elements) into {new}")
@@ -188,11 +196,11 @@ class Tensor:
             raise ValueError(f"reshape() of a non-contiguous view of shape {self.shape}; copy it first")
         return Tensor._new(self._buffer, new, self.dtype, self._offset, None, self._tracked)
 
-    def partition(self, tile_shape: Any) -> "Partition":
+    def partition(self, tile_shape: Any) -> Partition:
         """Cut the tensor into tiles of ``tile_shape``, which must divide its shape."""
         return Partition._new(self, tile_shape)
 
-    def untracked(self) -> "Tensor":
+    def untracked(self) -> Tensor:
         """A view that opts out of automatic cross-stream ordering (experts only).
 
         Ops through this view neither wait for other streams' pending accesses nor
@@ -203,7 +211,7 @@ class Tensor:
         return Tensor._new(self._buffer, self.shape, self.dtype, self._offset, self._strides, False)
 
     # -- ops ----------------------------------------------------------------------
-    def to_host(self) -> "DeviceOp[np.ndarray]":
+    def to_host(self) -> DeviceOp[np.ndarray]:
         """An op that copies the data into a new numpy array."""
         return value(self).to_host()
 
@@ -217,29 +225,33 @@ class Partition:
         grid: Tiles along each dimension (``shape[i] // tile_shape[i]``).
     """
 
-    __slots__ = ("tensor", "tile_shape", "grid")
+    __slots__ = ("grid", "tensor", "tile_shape")
+
+    tensor: Tensor
+    tile_shape: tuple[int, ...]
+    grid: tuple[int, ...]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Partition cannot be constructed directly; use tensor.partition(tile_shape)")
 
     @classmethod
-    def _new(cls, tensor: Tensor, tile_shape: Any) -> "Partition":
+    def _new(cls, tensor: Tensor, tile_shape: Any) -> Partition:
         tile = check_shape(tile_shape, "tile_shape")
         if len(tile) != tensor.ndim:
             raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {tensor.shape} has {tensor.ndim}")
         if any(t == 0 for t in tile):
             raise ValueError(f"tile_shape must be positive: {tile}")
-        bad = [i for i, (n, t) in enumerate(zip(tensor.shape, tile)) if n % t]
+        bad = [i for i, (n, t) in enumerate(zip(tensor.shape, tile, strict=False)) if n % t]
         if bad:
             raise ValueError(f"tile_shape {tile} does not divide the tensor shape {tensor.shape} (dims {bad})")
         self = object.__new__(cls)
         self.tensor = tensor
         self.tile_shape = tile
-        self.grid = tuple(n // t for n, t in zip(tensor.shape, tile))
+        self.grid = tuple(n // t for n, t in zip(tensor.shape, tile, strict=False))
         return self
 
     @property
-    def device(self) -> "Device":
+    def device(self) -> Device:
         return self.tensor.device
 
     @property
@@ -261,7 +273,7 @@ class Partition:
         """The whole tensor again."""
         return self.tensor
 
-    def to_host(self) -> "DeviceOp[np.ndarray]":
+    def to_host(self) -> DeviceOp[np.ndarray]:
         """An op that copies the whole tensor into a new numpy array."""
         return self.tensor.to_host()
 
@@ -274,9 +286,9 @@ class _HostResult(Pending):
     """The pending numpy array of a device-to-host copy (no reference cycle: a
     finalizer must run as soon as an abandoned result is dropped)."""
 
-    __slots__ = ("_slot", "_out", "_nbytes")
+    __slots__ = ("_nbytes", "_out", "_slot")
 
-    def __init__(self, slot: "_StagingSlot", out: np.ndarray, nbytes: int) -> None:
+    def __init__(self, slot: _StagingSlot, out: np.ndarray, nbytes: int) -> None:
         super().__init__(_no_fn)
         self._slot: _StagingSlot | None = slot
         self._out = out
@@ -304,7 +316,7 @@ def _no_fn() -> Any:
     raise AssertionError("resolved through _HostResult.resolve")
 
 
-def _copy_out(st: "Staging", out: np.ndarray, nbytes: int) -> None:
+def _copy_out(st: Staging, out: np.ndarray, nbytes: int) -> None:
     dev = st.pool.device
     if not dev.begin_host_read(st.generation):
         raise DeviceReset("the device was reset before this read-back was copied out; its data is gone", device=dev.ordinal)
@@ -314,7 +326,7 @@ def _copy_out(st: "Staging", out: np.ndarray, nbytes: int) -> None:
         dev.end_host_read()
 
 
-def _d2h_step(lane: Lane, arg: tuple[Tensor, "_StagingSlot"]) -> None:
+def _d2h_step(lane: Lane, arg: tuple[Tensor, _StagingSlot]) -> None:
     t, slot = arg
     st = slot.staging
     assert st is not None

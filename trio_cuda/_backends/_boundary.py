@@ -26,7 +26,8 @@ has faulted asynchronously, or from ``query`` of an event whose preceding work f
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class ArrayArg:
     ArrayArgs, so per-argument work done here is done once per tensor view.
     """
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "writable", "contiguous", "_params")
+    __slots__ = ("_params", "contiguous", "dtype", "ptr", "shape", "strides", "writable")
 
     def __init__(self, ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any], writable: bool) -> None:
         self.ptr = ptr
@@ -71,7 +72,7 @@ class ArrayArg:
 
 def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
     expect = itemsize
-    for n, s in zip(reversed(shape), reversed(strides)):
+    for n, s in zip(reversed(shape), reversed(strides), strict=False):
         if n != 1 and s != expect:
             return False
         expect *= n
@@ -121,8 +122,12 @@ class KernelSource(Protocol):
     name: str
     py_func: Callable[..., Any]
     host_impl: Callable[..., Any] | None
-    key: str
-    cacheable: bool
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def cacheable(self) -> bool: ...
 
 
 class Waker(abc.ABC):
@@ -210,7 +215,7 @@ class DeviceDriver(abc.ABC):
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
 
     @abc.abstractmethod
-    def copy_peer(self, dst: int, src_driver: "DeviceDriver", src: int, nbytes: int, stream: Any) -> None:
+    def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: Any) -> None:
         """Copy from another device's memory into this device's memory."""
 
     @abc.abstractmethod

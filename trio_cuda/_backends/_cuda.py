@@ -32,7 +32,8 @@ import pathlib
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -76,7 +77,7 @@ def _name(err: Any) -> str:
         return str(err)
 
 
-def check(result: Any, what: str, device: "CudaDevice | None" = None, *, launch: bool = False, op: str | None = None) -> Any:
+def check(result: Any, what: str, device: CudaDevice | None = None, *, launch: bool = False, op: str | None = None) -> Any:
     """Unpack a cuda.bindings result tuple; raise the project's error for a bad CUresult."""
     err = result[0]
     if err == _SUCCESS:
@@ -85,7 +86,7 @@ def check(result: Any, what: str, device: "CudaDevice | None" = None, *, launch:
     raise error(err, what, device, launch=launch, op=op)
 
 
-def error(err: Any, what: str, device: "CudaDevice | None", *, launch: bool = False, op: str | None = None) -> DeviceError:
+def error(err: Any, what: str, device: CudaDevice | None, *, launch: bool = False, op: str | None = None) -> DeviceError:
     """The project's error for a bad CUresult (sticky errors also fault the device)."""
     ordinal = device.ordinal if device is not None else None
     msg = f"{what} failed: {_name(err)}"
@@ -120,7 +121,7 @@ _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
 _SEM_POST_ADDR = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
 
 
-_wakers: list["_SemWaker"] = []  # never freed: a pending host function may still post one
+_wakers: list[_SemWaker] = []  # never freed: a pending host function may still post one
 
 
 class _SemWaker(Waker):
@@ -140,7 +141,7 @@ class _SemWaker(Waker):
             return True
         deadline = time.time() + timeout
         ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        return _libc.sem_timedwait(self.addr, ctypes.byref(ts)) == 0
+        return bool(_libc.sem_timedwait(self.addr, ctypes.byref(ts)) == 0)
 
     def post(self) -> None:
         _libc.sem_post(self.addr)
@@ -149,18 +150,29 @@ class _SemWaker(Waker):
 # -- kernels ------------------------------------------------------------------------------
 _SCALAR_FORMATS = {
     # numba's argument packing: one slot per scalar (complex: real and imaginary slots).
-    "b": ("b7x", 1), "B": ("B7x", 1), "?": ("B7x", 1),
-    "h": ("h6x", 1), "H": ("H6x", 1), "i": ("i4x", 1), "I": ("I4x", 1),
-    "l": ("q", 1), "L": ("Q", 1), "q": ("q", 1), "Q": ("Q", 1),
-    "e": ("e6x", 1), "f": ("f4x", 1), "d": ("d", 1),
-    "F": ("f4xf4x", 2), "D": ("dd", 2),
+    "b": ("b7x", 1),
+    "B": ("B7x", 1),
+    "?": ("B7x", 1),
+    "h": ("h6x", 1),
+    "H": ("H6x", 1),
+    "i": ("i4x", 1),
+    "I": ("I4x", 1),
+    "l": ("q", 1),
+    "L": ("Q", 1),
+    "q": ("q", 1),
+    "Q": ("Q", 1),
+    "e": ("e6x", 1),
+    "f": ("f4x", 1),
+    "d": ("d", 1),
+    "F": ("f4xf4x", 2),
+    "D": ("dd", 2),
 }
 
 
 class _Launcher:
     """One compiled kernel for one signature on one device."""
 
-    __slots__ = ("function", "module", "fmt", "slots", "name")
+    __slots__ = ("fmt", "function", "module", "name", "slots")
 
     def __init__(self, module: Any, function: Any, fmt: str, nslots: int, name: str) -> None:
         self.module = module
@@ -173,7 +185,7 @@ class _Launcher:
 class _Prepared:
     """A launch minus its stream: the function, the geometry and the packed parameters."""
 
-    __slots__ = ("function", "gx", "gy", "gz", "bx", "by", "bz", "params", "buf", "ptrs", "name")
+    __slots__ = ("buf", "bx", "by", "bz", "function", "gx", "gy", "gz", "name", "params", "ptrs")
 
     def __init__(self, launcher: _Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], values: list[Any]) -> None:
         n = max(launcher.slots, 1)
@@ -241,7 +253,7 @@ def _cache_dir() -> pathlib.Path | None:
 _CACHE_FORMAT = "trio-cuda-kernel-cache-2"
 
 
-def _compile_cubin(device: "CudaDevice", source: KernelSource, args: Sequence[Any]) -> tuple[bytes, str]:
+def _compile_cubin(device: CudaDevice, source: KernelSource, args: Sequence[Any]) -> tuple[bytes, str]:
     """PTX from numba, linked to a cubin for this device; cached on disk by content."""
     import numba
     from numba.cuda import compile_ptx
@@ -259,7 +271,9 @@ def _compile_cubin(device: "CudaDevice", source: KernelSource, args: Sequence[An
     try:
         ptx, _ = compile_ptx(source.py_func, sig, cc=cc)
     except Exception as err:  # numba's typing and lowering errors
-        raise LaunchError(f"numba cannot compile the kernel for {sig}: {err}", op=f"kernel {source.name}", device=device.ordinal) from err
+        raise LaunchError(
+            f"numba cannot compile the kernel for {sig}: {err}", op=f"kernel {source.name}", device=device.ordinal
+        ) from err
     entry = None
     for line in ptx.splitlines():
         if ".entry" in line:
@@ -285,7 +299,7 @@ _tls = _ThreadState()
 
 # -- graphs ----------------------------------------------------------------------------------
 class _Graph:
-    __slots__ = ("graph", "exec", "nodes")
+    __slots__ = ("exec", "graph", "nodes")
 
     def __init__(self, graph: Any, exec_: Any, nodes: int) -> None:
         self.graph = graph
@@ -302,8 +316,12 @@ class CudaDevice(DeviceDriver):
         raw = check(cu.cuDeviceGetName(256, self.cu_device), "cuDeviceGetName")
         self.name = raw.split(b"\0", 1)[0].decode()
         attr = cu.CUdevice_attribute
-        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "cuDeviceGetAttribute")
-        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute")
+        major = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.cu_device), "cuDeviceGetAttribute"
+        )
+        minor = check(
+            cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.cu_device), "cuDeviceGetAttribute"
+        )
         self.compute_capability = (int(major), int(minor))
         self.total_memory = int(check(cu.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
         self._fault: DeviceFault | None = None
@@ -317,13 +335,19 @@ class CudaDevice(DeviceDriver):
         self.pool = check(cu.cuDeviceGetDefaultMemPool(self.cu_device), "cuDeviceGetDefaultMemPool", self)
         attr = cu.CUmemPool_attribute
         threshold = cu.cuuint64_t(0xFFFF_FFFF_FFFF_FFFF)
-        check(cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold), "cuMemPoolSetAttribute", self)
+        check(
+            cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, threshold), "cuMemPoolSetAttribute", self
+        )
         # No hidden cross-stream waits: by default the pool may make an allocation wait
         # for the stream that freed the memory it reuses, i.e. for everything queued on
         # that stream before the free (seen: a fresh allocation waiting behind an
         # unrelated 3 s kernel). Memory freed on other streams is reused only once the
         # free has completed, or when the allocating stream already depends on it.
-        check(cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0), "cuMemPoolSetAttribute", self)
+        check(
+            cu.cuMemPoolSetAttribute(self.pool, attr.CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, 0),
+            "cuMemPoolSetAttribute",
+            self,
+        )
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}

@@ -39,7 +39,8 @@ import bisect
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ _cond = threading.Condition()
 # numba's simulator supports one kernel at a time per process.
 _kernel_lock = threading.Lock()
 # Wakers live for the whole process (see Waker).
-_wakers: list["_SimWaker"] = []
+_wakers: list[_SimWaker] = []
 
 _ALIGN = 256
 
@@ -74,7 +75,7 @@ class _SimWaker(Waker):
 class _Ticket:
     """One record of an event: complete once the stream reaches it (maybe with an error)."""
 
-    __slots__ = ("done", "error", "armed")
+    __slots__ = ("armed", "done", "error")
 
     def __init__(self) -> None:
         self.done = False
@@ -85,17 +86,17 @@ class _Ticket:
 class _SimEvent:
     """An event: its latest record (a ticket)."""
 
-    __slots__ = ("device", "ticket", "__weakref__")
+    __slots__ = ("__weakref__", "device", "ticket")
 
-    def __init__(self, device: "_SimDevice") -> None:
+    def __init__(self, device: _SimDevice) -> None:
         self.device = device
         self.ticket: _Ticket | None = None  # never recorded: complete
 
 
 class _SimGraph:
-    __slots__ = ("device", "commands")
+    __slots__ = ("commands", "device")
 
-    def __init__(self, device: "_SimDevice", commands: list["_Command"]) -> None:
+    def __init__(self, device: _SimDevice, commands: list[_Command]) -> None:
         self.device = device
         self.commands = commands
 
@@ -103,9 +104,9 @@ class _SimGraph:
 class _Capture:
     """An open capture: the commands of every stream that joined it, in enqueue order."""
 
-    __slots__ = ("origin", "commands", "streams")
+    __slots__ = ("commands", "origin", "streams")
 
-    def __init__(self, origin: "_SimStream") -> None:
+    def __init__(self, origin: _SimStream) -> None:
         self.origin = origin
         self.commands: list[_Command] = []
         self.streams: set[_SimStream] = {origin}
@@ -114,7 +115,7 @@ class _Capture:
 class _Command:
     """A unit of stream work: what it does, and which allocations it reads and writes."""
 
-    __slots__ = ("fn", "what", "reads", "writes", "full", "always")
+    __slots__ = ("always", "fn", "full", "reads", "what", "writes")
 
     def __init__(
         self,
@@ -143,9 +144,9 @@ class _Alloc:
 
 
 class _SimStream:
-    __slots__ = ("device", "generation", "queue", "thread", "capture", "error", "__weakref__")
+    __slots__ = ("__weakref__", "capture", "device", "error", "generation", "queue", "thread")
 
-    def __init__(self, device: "_SimDevice") -> None:
+    def __init__(self, device: _SimDevice) -> None:
         self.device = device
         self.generation = device.generation
         self.queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -254,7 +255,7 @@ class _SimDevice(DeviceDriver):
         if cmd.always:
             try:
                 cmd.fn()
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 self._set_fault(_describe_fault(cmd.what, exc))
             return
         err = stream.error
@@ -275,7 +276,7 @@ class _SimDevice(DeviceDriver):
             cmd.fn()
         except _ForeignFailure as f:
             stream.error = f.fault
-        except BaseException as exc:  # noqa: BLE001 - a fault, whatever raised it
+        except BaseException as exc:
             self._set_fault(_describe_fault(cmd.what, exc))
             return
         if cmd.full:
@@ -366,10 +367,15 @@ class _SimDevice(DeviceDriver):
                         if src is self:
                             raise src._fault
                         raise _ForeignFailure(
-                            DeviceFault(f"waited for work of device {src.ordinal}, which faulted: {src._fault.message}", device=self.ordinal)
+                            DeviceFault(
+                                f"waited for work of device {src.ordinal}, which faulted: {src._fault.message}",
+                                device=self.ordinal,
+                            )
                         )
                     if src.generation != gen_src:
-                        raise _ForeignFailure(DeviceFault(f"waited for work of device {src.ordinal}, which was reset", device=self.ordinal))
+                        raise _ForeignFailure(
+                            DeviceFault(f"waited for work of device {src.ordinal}, which was reset", device=self.ordinal)
+                        )
                     if self.generation != stream.generation:
                         return
                     _cond.wait()
@@ -512,10 +518,14 @@ class _SimDevice(DeviceDriver):
 
         def run() -> None:
             if src_driver._fault is not None or src_driver.generation != gen_src:
-                raise _ForeignFailure(DeviceFault(f"copy from device {src_driver.ordinal}, which faulted or was reset", device=self.ordinal))
+                raise _ForeignFailure(
+                    DeviceFault(f"copy from device {src_driver.ordinal}, which faulted or was reset", device=self.ordinal)
+                )
             a = src_driver._alloc_at(src)
             if a is not None and a.poison is not None:
-                raise _ForeignFailure(DeviceFault(f"copy from device {src_driver.ordinal} of data a failed op did not write", device=self.ordinal))
+                raise _ForeignFailure(
+                    DeviceFault(f"copy from device {src_driver.ordinal} of data a failed op did not write", device=self.ordinal)
+                )
             self._bytes(dst, nbytes)[:] = src_driver._bytes(src, nbytes)
 
         stream.enqueue(_Command(run, f"copy from device {src_driver.ordinal}", (), (dst,), self._whole(dst, nbytes)))
@@ -576,8 +586,8 @@ class _SimDevice(DeviceDriver):
             span = 0
             lo = 0
         else:
-            lo = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s < 0)
-            hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides) if s > 0)
+            lo = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=False) if s < 0)
+            hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=False) if s > 0)
             span = hi - lo + a.dtype.itemsize
         raw = self._bytes(a.ptr + lo, max(span, 0))
         arr = np.ndarray(a.shape, dtype=a.dtype, buffer=raw, offset=-lo, strides=a.strides)
@@ -622,7 +632,7 @@ class _SimDevice(DeviceDriver):
                     c.fn()
                 except _ForeignFailure:
                     raise
-                except BaseException as exc:  # noqa: BLE001
+                except BaseException as exc:
                     raise _describe_fault(f"graph node {c.what}", exc) from exc
 
         stream.enqueue(_Command(run, "graph launch", reads, writes))
@@ -635,7 +645,7 @@ class _SimDevice(DeviceDriver):
 
 
 # Events recorded inside an open capture, and the capture they belong to.
-_capture_events: "weakref.WeakKeyDictionary[_SimEvent, _Capture]" = weakref.WeakKeyDictionary()
+_capture_events: weakref.WeakKeyDictionary[_SimEvent, _Capture] = weakref.WeakKeyDictionary()
 
 
 def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int, int, int], ordinal: int) -> None:

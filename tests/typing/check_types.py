@@ -1,0 +1,50 @@
+"""Static typing checks (mypy, in CI): the combinators keep their output types.
+
+Not a test module: it is type-checked, never run (its functions only build ops).
+"""
+
+from __future__ import annotations
+
+from typing import Any, assert_type
+
+import numpy as np
+
+import trio_cuda
+from trio_cuda import api
+
+
+@trio_cuda.kernel
+def add(z: Any, x: Any, y: Any) -> None:
+    z[0] = x[0] + y[0]
+
+
+def combinators_keep_types(x: trio_cuda.Tensor) -> None:
+    t = api.zeros((4,))
+    assert_type(t, trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(t.then(lambda v: api.dup(v)), trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(t.then(lambda v: v.shape), trio_cuda.DeviceOp[tuple[int, ...]])
+    assert_type(t.map(lambda v: v.ndim), trio_cuda.DeviceOp[int])
+    assert_type(t.partition((2,)), trio_cuda.DeviceOp[trio_cuda.Partition])
+    assert_type(t.partition((2,)).unpartition(), trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(t.reshape(2, 2), trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(t.to_host(), trio_cuda.DeviceOp[np.ndarray])
+    assert_type(t.shared(), trio_cuda.SharedOp[trio_cuda.Tensor])
+    z = trio_cuda.zip(t, api.ones((2,)).to_host(), trio_cuda.value(3))
+    assert_type(z, trio_cuda.DeviceOp[tuple[trio_cuda.Tensor, np.ndarray, int]])
+    assert_type(z.first(), trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(z.last(), trio_cuda.DeviceOp[int])
+    assert_type(z.first().to_host(), trio_cuda.DeviceOp[np.ndarray])
+    launch = add(t.partition((2,)), x, x)
+    assert_type(launch, trio_cuda.DeviceOp[tuple[Any, ...]])
+    assert_type(x.to_host(), trio_cuda.DeviceOp[np.ndarray])
+    assert_type(x.partition((2,)), trio_cuda.Partition)
+
+
+async def awaiting_gives_the_output_type() -> None:
+    t = await api.ones((2,))
+    assert_type(t, trio_cuda.Tensor)
+    host = await t.to_host()
+    assert_type(host, np.ndarray)
+    a, b = await trio_cuda.zip(api.ones((1,)), trio_cuda.value("x"))
+    assert_type(a, trio_cuda.Tensor)
+    assert_type(b, str)
