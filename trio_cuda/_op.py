@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, Unpack, overload
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 
 from ._checks import check_shape
 from ._stream import Stream
@@ -106,7 +106,7 @@ class DeviceOp(Generic[T]):
         return _Map(self, fn)
 
     @overload
-    def first(self: DeviceOp[tuple[A, Unpack[Ts]]]) -> DeviceOp[A]: ...
+    def first(self: DeviceOp[tuple[A, *Ts]]) -> DeviceOp[A]: ...
     @overload
     def first(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
     @overload
@@ -116,7 +116,7 @@ class DeviceOp(Generic[T]):
         return _Select(self, 0, None)
 
     @overload
-    def last(self: DeviceOp[tuple[Unpack[Ts], A]]) -> DeviceOp[A]: ...
+    def last(self: DeviceOp[tuple[*Ts, A]]) -> DeviceOp[A]: ...
     @overload
     def last(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
     @overload
