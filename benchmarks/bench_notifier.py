@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 import trio
-from numba import cuda
 
 import trio_cuda
-from trio_cuda import _notifier, api
-from trio_cuda._execution import submit
+from trio_cuda import _notifier, api, lowlevel
 from trio_cuda.kernels import sleep
+
+from numba import cuda
 
 
 @trio_cuda.kernel(sim=lambda x: None)
@@ -57,7 +57,7 @@ async def measure(reps: int) -> list[tuple[str, dict[str, float]]]:
         for _ in range(n):
             op = make()
             t0 = time.perf_counter_ns()
-            _, ev, _ = submit(op, dev.policy.next_stream())
+            ev = (await lowlevel.submit(op, dev.policy.next_stream())).event
             while ev is not None and not ev.query():
                 pass
             spin.append((time.perf_counter_ns() - t0) / 1e3)

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import trio
-from numba import cuda
 
 import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import sleep
+
+from numba import cuda
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from benchmarks import _peers

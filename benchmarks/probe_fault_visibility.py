@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 from cuda.bindings import driver as cu
+
 from llvmlite import ir
 from numba import cuda, types
 from numba.core.extending import intrinsic

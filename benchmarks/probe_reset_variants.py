@@ -14,6 +14,7 @@ VARIANTS = ["reset_only", "reset_release_retain", "release_all_retain", "ctx_cre
 def child(variant: str) -> None:
     import numpy as np
     from cuda.bindings import driver as cu
+
     from numba import types
     from numba.cuda import compile_ptx
 

@@ -12,10 +12,11 @@ import sys
 import time
 
 import trio
-from numba import cuda
 
 import trio_cuda
 from trio_cuda import api
+
+from numba import cuda
 
 
 @trio_cuda.kernel(sim=lambda x: None)

@@ -10,9 +10,10 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float64
 
 import trio_cuda
+
+from numba import cuda, float64
 
 NORM_THREADS = 256
 MATVEC_ROWS = 8  # rows of y per block: matvec's output partition has tiles of 8

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from numba import cuda
-
 import trio_cuda
+
+from numba import cuda
 
 from ._checks import same_shape
 

@@ -6,9 +6,10 @@ import time
 from typing import Any
 
 import numpy as np
-from numba import cuda
 
 import trio_cuda
+
+from numba import cuda
 
 from ._intrinsics import globaltimer
 

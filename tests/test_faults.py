@@ -7,11 +7,12 @@ import time
 import numpy as np
 import pytest
 import trio
-from numba import cuda
 
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api
 from trio_cuda.kernels import sleep
+
+from numba import cuda
 
 from .conftest import ON_CUDA, counter, needs_devices, started
 

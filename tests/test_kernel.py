@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
-from numba import cuda
 
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api
 from trio_cuda.kernels import add, saxpy
+
+from numba import cuda
 
 from .conftest import needs_devices
 

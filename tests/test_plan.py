@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
-from numba import cuda
 
 import trio_cuda
 from trio_cuda import api
 from trio_cuda._guard import LOCK
 from trio_cuda.kernels import add, saxpy
+
+from numba import cuda
 
 
 def snapshot(dev: trio_cuda.Device) -> tuple[int, ...]:
