@@ -15,7 +15,7 @@ from trio_cuda import api
 from trio_cuda._guard import LOCK
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter
+from .conftest import ON_CUDA, counter, settle
 
 
 def _run_trio(fn: object, seconds: float) -> object:
@@ -111,6 +111,9 @@ def test_many_threads_sync_while_trio_awaits(dev: trio_cuda.Device) -> None:
 def test_finalizers_never_wait_for_the_runtime_lock(dev: trio_cuda.Device) -> None:
     # Garbage of every kind the runtime makes (tensors, streams, events, read-back values,
     # graphs), collected by a thread while another thread holds the runtime lock.
+    settle()
+    tracked_before = dev.memory_in_use()
+    free_before = dev.mem_info()[0]
     x = api.arange(16).sync()
     z = api.zeros((16,)).sync()
     holder_has_lock = threading.Event()
@@ -141,8 +144,14 @@ def test_finalizers_never_wait_for_the_runtime_lock(dev: trio_cuda.Device) -> No
     release.set()
     th.join(10)
     assert elapsed < 5, f"gc.collect() took {elapsed:.1f} s while the lock was held: a finalizer waited"
-    # What the finalizers queued is handled at the next operation.
+    # What the finalizers queued is handled at the next operation: the streams are
+    # destroyed only after the frees that name them, and every byte comes back.
     np.testing.assert_array_equal(api.full((2,), 4.0).to_host().sync(), [4, 4])
+    del x, z
+    settle()
+    assert dev.memory_in_use() == tracked_before
+    if not ON_CUDA:
+        assert dev.mem_info()[0] == free_before
 
 
 async def test_cancelled_read_backs_on_new_streams_do_not_deadlock(dev: trio_cuda.Device) -> None:

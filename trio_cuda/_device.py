@@ -133,8 +133,8 @@ class Device:
     _streams: weakref.WeakSet[Stream]
     _utility: Stream | None
     _policy: SchedulingPolicy | None
-    _dead_streams: collections.deque[tuple[int, Any, collections.deque[tuple[int, Any]]]]
-    _lingering: list[tuple[Any, collections.deque[tuple[int, Any]]]]
+    _dead_streams: collections.deque[Stream]
+    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]]]]
     _event_pool: collections.deque[tuple[int, Any]]
     _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]]]]
     _dead_graphs: collections.deque[tuple[int, Any]]
@@ -226,9 +226,9 @@ class Device:
             self._current_stream(u)
         return u
 
-    def _recycle_stream(self, generation: int, handle: Any, keep: collections.deque[tuple[int, Any]]) -> None:
+    def _recycle_stream(self, stream: Stream) -> None:
         # Called from Stream.__del__ in any thread: no lock, just queue it.
-        self._dead_streams.append((generation, handle, keep))
+        self._dead_streams.append(stream)
 
     def _recycle_event(self, generation: int, handle: Any) -> None:
         # Called from Event.__del__ in any thread: no lock, just queue it.
@@ -255,24 +255,26 @@ class Device:
             return
         dead = self._dead_streams
         while dead:
-            g, handle, keep = dead.popleft()
-            if g == gen:
-                if keep:
-                    # Its last work may still run: hold what it uses until an event says done.
-                    ev = self._event_handle()
-                    self._driver.record(ev, handle)
-                    self._lingering.append((ev, keep))
-                self._driver.destroy_stream(handle)
-                self._stats.streams_destroyed += 1
+            s = dead.popleft()
+            if s.generation != gen or s.handle is None:
+                continue
+            if s.seq > s.done_seq or s._keep:
+                # Its last work may still run: an event after it stands in for the stream
+                # (for waits on it), and holds what that work uses until it is done.
+                s._final = s.event_at(s.seq)
+                if s._keep:
+                    self._lingering.append((s._final, s._keep))
+            self._driver.destroy_stream(s.handle)
+            s.handle = None
+            self._stats.streams_destroyed += 1
         if self._lingering:
             still = []
             for ev, keep in self._lingering:
                 try:
-                    done = self._driver.query(ev)
+                    done = self._driver.query(ev.handle)
                 except DeviceError:
                     done = False  # a fault: kept until the reset drops everything
                 if done:
-                    self._event_pool.append((gen, ev))
                     for _, obj in keep:
                         release = getattr(obj, "stream_done", None)
                         if release is not None:
@@ -427,7 +429,7 @@ class Device:
             # stream; after every pending access (of any stream, any device).
             target = None
             for s, _ in accesses:
-                if s.device is self and s.generation == gen and s.capture is None:
+                if s.device is self and s.generation == gen and s.capture is None and s.handle is not None:
                     target = s
                     break
             if target is None:

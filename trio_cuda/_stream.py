@@ -83,6 +83,7 @@ class Stream:
 
     __slots__ = (
         "__weakref__",
+        "_final",
         "_keep",
         "_last_event",
         "_waited",
@@ -103,6 +104,7 @@ class Stream:
     _last_event: Event | None
     _waited: dict[Stream, int]
     _keep: collections.deque[tuple[int, Any]]
+    _final: Event | None  # after the handle is destroyed: an event after its last work
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
@@ -124,16 +126,18 @@ class Stream:
         self._last_event = None
         self._waited = {}
         self._keep = collections.deque()
+        self._final = None
         self.capture = None
 
     def __repr__(self) -> str:
         return f"<trio_cuda.Stream of device {self.device.ordinal} at {id(self):#x}>"
 
     def __del__(self) -> None:
-        # Work may still be queued (a cancelled await, a dropped policy): the device keeps
-        # what that work uses (staging memory) until it completes, then destroys the stream.
+        # Lock-free: the device destroys the driver stream at its next operation. This
+        # object is kept (resurrected) until then: a finalizer of the same garbage (a
+        # buffer's) may still refer to it, and work may still be queued on it.
         try:
-            self.device._recycle_stream(self.generation, self.handle, self._keep)
+            self.device._recycle_stream(self)
         except Exception:  # interpreter shutdown
             pass
 
@@ -144,7 +148,13 @@ class Stream:
         return self.seq
 
     def event_at(self, seq: int) -> Event:
-        """An event that completes no earlier than point ``seq`` (recorded now if needed)."""
+        """An event that completes no earlier than point ``seq`` (recorded now if needed).
+
+        A destroyed stream answers with the event after its last work.
+        """
+        if self.handle is None:
+            assert self._final is not None
+            return self._final
         last = self._last_event
         if last is not None and last.seq >= seq:
             return last
@@ -162,6 +172,8 @@ class Stream:
         """
         if other is self or other.done_seq >= seq or self._waited.get(other, 0) >= seq:
             return False
+        if other.handle is None and (other._final is None or other._final.done):
+            return False  # destroyed with nothing pending
         ev = other.event_at(seq)
         self.device._driver.wait_event(self.handle, ev.handle)
         self._waited[other] = ev.seq

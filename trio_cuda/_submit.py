@@ -601,8 +601,8 @@ class Plan:
         for dev in self.generations:
             pool_of(dev).drain()
             if cap is None:
+                dev.flush_frees()  # before streams are destroyed: a free may name one
                 dev._housekeeping()
-                dev.flush_frees()
         need = self._take_staging()
         if need is not None:
             return need
