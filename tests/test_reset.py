@@ -127,6 +127,7 @@ def test_resets_from_another_thread_while_trio_tasks_submit(dev: trio_cuda.Devic
     # Submissions race with resets: each task either completes with its own data or
     # gets a DeviceError (reset, unavailable, stale tensor); nothing hangs or crashes.
     stop = threading.Event()
+    progress = threading.Event()
     resets = 0
 
     def resetter() -> None:
@@ -134,7 +135,10 @@ def test_resets_from_another_thread_while_trio_tasks_submit(dev: trio_cuda.Devic
         while not stop.is_set():
             dev.reset()
             resets += 1
-            time.sleep(0.02)  # pacing, so that submissions get through between resets
+            # Pacing: let some submissions through (a CUDA reset also unloads the kernels
+            # and unpins the staging memory, which the next submissions bring back).
+            progress.clear()
+            progress.wait(2.0)
 
     async def main() -> tuple[int, int]:
         ok = failed = 0
@@ -150,6 +154,7 @@ def test_resets_from_another_thread_while_trio_tasks_submit(dev: trio_cuda.Devic
                     continue
                 np.testing.assert_array_equal(out, np.full(16, 2 * v, np.float32))
                 ok += 1
+                progress.set()
 
         async with trio.open_nursery() as n:
             for i in range(8):

@@ -194,19 +194,17 @@ async def wait_event(event: Event) -> None:
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
+    budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
     dev = event.device
     if dev.poll(event):
         _paths[0] += 1
         await trio.lowlevel.cancel_shielded_checkpoint()
         return
-    budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
     deadline = time.perf_counter_ns() + budget
-    while True:
+    while time.perf_counter_ns() < deadline:
         await trio.lowlevel.checkpoint()
         if dev.poll(event):
             _paths[0] += 1
             return
-        if time.perf_counter_ns() > deadline:
-            break
     _paths[1] += 1
     await notifier().wait(event)
