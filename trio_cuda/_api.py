@@ -245,14 +245,14 @@ def _plan_copy(plan: Plan, lane: Lane, dst: Any, src: Any) -> Any:
     if isinstance(dst, np.ndarray):
         _check_host_dst(dst)
         return plan_read_to_host(plan, lane, src, dst)
-    plan.use(dst._buffer, repr(dst))
+    plan.use(dst._buffer, dst)
     if not dst.is_contiguous:
         raise ValueError(f"memcpy() into a non-contiguous view of shape {dst.shape}")
     ln = lane.on(dst.device)
     if isinstance(src, np.ndarray):
         _plan_h2d(plan, ln, dst, src)
     else:
-        plan.use(src._buffer, repr(src))
+        plan.use(src._buffer, src)
         if not src.is_contiguous:
             raise ValueError(f"memcpy() from a non-contiguous view of shape {src.shape}")
         plan.step(ln, _d2d_step, (dst, src))
@@ -303,7 +303,7 @@ class _Dup(DeviceOp[Tensor]):
 
     def _plan(self, plan: Plan, lane: Lane, args: Any) -> Tensor:
         src = _tensor_of(args[0] if args else self._src, "dup()")
-        plan.use(src._buffer, repr(src))
+        plan.use(src._buffer, src)
         if not src.is_contiguous:
             raise ValueError(f"dup() of a non-contiguous view of shape {src.shape}")
         target = self._device or src.device

@@ -88,6 +88,7 @@ class Kernel:
         self.host_impl = sim
         self._validate = validate
         self._configs: dict[tuple[Any, ...], _Config] = {}
+        self._fast: dict[tuple[Any, ...], tuple[Device, int, _Config, Any]] = {}
         self._fp: Any = None
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -196,7 +197,7 @@ def kernel(
 class _Config:
     """A validated launch of one kernel on one argument geometry and device."""
 
-    __slots__ = ("block", "device", "generation", "grid", "loaded", "prepared", "proto", "reads", "signature", "writes")
+    __slots__ = ("block", "device", "generation", "grid", "loaded", "proto", "reads", "signature", "writes")
 
     def __init__(
         self,
@@ -216,7 +217,6 @@ class _Config:
         self.proto = proto  # layout-only arguments, for compiling
         self.signature = signature_of(proto)
         self.loaded: Any = None
-        self.prepared: dict[tuple[Any, ...], Any] = {}
 
 
 _CACHE_SIZE = 512
@@ -313,63 +313,90 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
     return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
 
 
-def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _KernelNeed | None]) -> None:
-    _k, cfg, args, need = arg
-    if cfg.loaded is None:
-        assert need is not None and need.loaded is not None
-        cfg.loaded = need.loaded
-    device = lane.device
-    # The prepared launch (packed parameters) of these exact buffers, cached.
-    kargs: list[Any] = []
-    pkey: list[Any] = []
+def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The identity of a launch's exact arguments, or None if some memory is not allocated yet.
+
+    Tensors contribute their cached descriptors (a new buffer, even at a recycled
+    address, has new ones), so the key holds no device memory alive.
+    """
+    key: list[Any] = []
     for a in args:
         t = type(a)
         if t is Partition:
-            x = a.tensor._arg(True)
-            kargs.append(x)
-            pkey.append(x)
+            k = a._k
+            if k is None:
+                if a.tensor._buffer.ptr is None:
+                    return None
+                k = a._key()
+            key.append(k)
         elif t is Tensor:
-            x = a._arg(False)
-            kargs.append(x)
-            pkey.append(x)
+            d = a._args
+            if d is None:
+                if a._buffer.ptr is None:
+                    return None
+                key.append(a._arg(False))
+            else:
+                key.append(d[0])
         else:
-            kargs.append(a)
-            pkey.append((t, a))
-    key = tuple(pkey)
-    prepared = cfg.prepared.get(key)
+            key.append((t, a))
+    return tuple(key)
+
+
+def _prepare(k: Kernel, cfg: _Config, args: tuple[Any, ...], device: Device) -> Any:
+    """The prepared launch (packed parameters) of these exact arguments (memory allocated)."""
+    kargs = [a.tensor._arg(True) if type(a) is Partition else a._arg(False) if type(a) is Tensor else a for a in args]
+    prepared = device._driver.prepare_launch(cfg.loaded, cfg.grid, cfg.block, kargs)
+    key = _prepared_key(args)
+    if key is not None:
+        fast = k._fast
+        if len(fast) >= _CACHE_SIZE:
+            fast.clear()
+        fast[key] = (device, device.generation, cfg, prepared)
+    return prepared
+
+
+def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _KernelNeed | None, Any]) -> None:
+    k, cfg, args, need, prepared = arg
+    device = lane.device
     if prepared is None:
-        prepared = device._driver.prepare_launch(cfg.loaded, cfg.grid, cfg.block, kargs)
-        if len(cfg.prepared) >= _CACHE_SIZE:
-            cfg.prepared.clear()
-        cfg.prepared[key] = prepared
+        if cfg.loaded is None:
+            assert need is not None and need.loaded is not None
+            cfg.loaded = need.loaded
+        prepared = _prepare(k, cfg, args, device)
     s = lane.stream
-    writes = [args[i].tensor for i in cfg.writes]
-    reads = [args[i] for i in cfg.reads]
+    wpos, rpos = cfg.writes, cfg.reads
     if lane.plan.capture is None:
         # Inline of Lane.write / Lane.read (the hot path of every launch).
-        for t in writes:
+        for i in wpos:
+            t = args[i].tensor
             if t._tracked:
                 b = t._buffer
                 w = b.writer
                 if w is not None and w[0] is not s:
                     s.wait_for(w[0], w[1])
-                for r, rseq in b.readers.items():
-                    if r is not s:
-                        s.wait_for(r, rseq)
-        for t in reads:
+                if b.readers:
+                    for r, rseq in b.readers.items():
+                        if r is not s:
+                            s.wait_for(r, rseq)
+        for i in rpos:
+            t = args[i]
             if t._tracked:
                 w = t._buffer.writer
                 if w is not None and w[0] is not s:
                     s.wait_for(w[0], w[1])
+        device._stats.launches += 1
     else:
-        for t in writes:
+        for i in wpos:
+            t = args[i].tensor
             lane.write(t._buffer, t._tracked)
-        for t in reads:
+        for i in rpos:
+            t = args[i]
             lane.read(t._buffer, t._tracked)
     device._driver.launch(prepared, s.handle)
     s.seq += 1
     seq = s.seq
-    for t in writes:
+    for i in wpos:
+        t = args[i].tensor
         b = t._buffer
         if t._tracked:
             b.writer = (s, seq)
@@ -377,13 +404,12 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
                 b.readers.clear()
         else:
             b.lifetime[s] = seq
-    for t in reads:
+    for i in rpos:
+        t = args[i]
         if t._tracked:
             t._buffer.readers[s] = seq
         else:
             t._buffer.lifetime[s] = seq
-    if lane.plan.capture is None:
-        device._stats.launches += 1
 
 
 class _Launch(DeviceOp[tuple[Any, ...]]):
@@ -411,16 +437,26 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
                     merged[i] = v
                 args = tuple(merged)
         device = lane.device
-        cfg = _config(k, args, device)
+        # The hot path: these exact arguments were launched before on this device.
+        key = _prepared_key(args)
+        hit = k._fast.get(key) if key is not None else None
+        if hit is not None and hit[0] is device and hit[1] == device.generation:
+            cfg, prepared = hit[2], hit[3]
+        else:
+            cfg, prepared = _config(k, args, device), None
         for i in cfg.writes:
             t = args[i].tensor
-            plan.use(t._buffer, repr(t))
+            b = t._buffer
+            if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
+                plan.use(b, t)
         for i in cfg.reads:
             t = args[i]
-            plan.use(t._buffer, repr(t))
+            b = t._buffer
+            if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
+                plan.use(b, t)
         need = None
-        if cfg.loaded is None:
+        if prepared is None and cfg.loaded is None:
             need = plan.need_kernel(k, device, cfg.signature, cfg.proto)
-        plan.step(lane, _launch_step, (k, cfg, args, need))
+        plan.steps.append((_launch_step, lane, (k, cfg, args, need, prepared)))
         plan.ops.append(k.name)
         return args

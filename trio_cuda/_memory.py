@@ -68,8 +68,8 @@ class Buffer:
         self.readers: dict[Stream, int] = {}
         self.lifetime: dict[Stream, int] = {}
         self.capture: Any = None
-        # Kernel argument descriptors of views of this buffer, by geometry: views made
-        # anew (reshape, partition) share them, so prepared launches stay cached.
+        # Kernel argument descriptors of views of this buffer, by geometry (and tracking):
+        # views made anew (reshape, partition) share them, so prepared launches stay cached.
         self.args: dict[tuple[Any, ...], tuple[ArrayArg, ArrayArg]] = {}
         if nbytes == 0:
             self.ptr: int | None = 0

@@ -367,6 +367,8 @@ class SharedOp(DeviceOp[T]):
     def _plan(self, plan: Plan, lane: Lane, args: Any) -> T:
         (v,) = args
         self._state = Claimed(plan, v, contains_pending(v))
+        if not plan.shared:
+            plan.shared = []
         plan.shared.append(self)
         plan.step(lane, _mark_done, self)
         return v  # type: ignore[no-any-return]

@@ -40,7 +40,7 @@ class Event:
 
     def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
         self.device = stream.device
-        self._stream = weakref.ref(stream)  # no cycle with the stream's last event
+        self._stream = stream._wref  # weak: no cycle with the stream's last event
         self.stream_handle = stream.handle
         self.seq = seq
         self.handle = handle
@@ -87,6 +87,7 @@ class Stream:
         "_keep",
         "_last_event",
         "_waited",
+        "_wref",
         "capture",
         "device",
         "done_seq",
@@ -105,6 +106,7 @@ class Stream:
     _waited: dict[Stream, int]
     _keep: collections.deque[tuple[int, Any]]
     _final: Event | None  # after the handle is destroyed: an event after its last work
+    _wref: weakref.ref[Stream]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
@@ -115,6 +117,7 @@ class Stream:
         self = object.__new__(cls)
         self.device = device
         self.capture = None
+        self._wref = weakref.ref(self)
         self._bind(handle)
         return self
 

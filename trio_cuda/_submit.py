@@ -37,7 +37,7 @@ import trio
 
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted
-from ._guard import LOCK, check_blocking_allowed, check_not_nested, set_submitting
+from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested, set_submitting
 from ._memory import Buffer
 from ._notifier import wait_event
 from ._registry import current_device
@@ -187,6 +187,9 @@ EXECUTING = True  # the state of an op being planned (or executed, for single-us
 
 
 # -- lanes ----------------------------------------------------------------------------
+_NO_FORKS: list[Any] = []  # shared by lanes without forks (replaced, never appended to)
+
+
 class Lane:
     """Where a part of a submission enqueues: one stream.
 
@@ -202,7 +205,7 @@ class Lane:
         self.device = stream.device
         self.start = 0
         self.need = 0
-        self.forks: list[Lane] = []
+        self.forks: list[Lane] = _NO_FORKS
 
     # -- plan time -------------------------------------------------------------------
     def fork(self, device: Device | None = None, *, join_at_end: bool = True) -> Lane:
@@ -216,6 +219,8 @@ class Lane:
         stream = plan.capture.fork_stream(dev) if plan.capture is not None else dev.policy.next_stream()
         lane = plan.lane(stream)
         if join_at_end:
+            if self.forks is _NO_FORKS:
+                self.forks = []
             self.forks.append(lane)
         return lane
 
@@ -293,8 +298,9 @@ class Lane:
     def join(self, forks: Iterable[Lane]) -> None:
         """Order the rest of this lane after everything the ``forks`` enqueued."""
         for f in forks:
-            f.join(f.forks)
-            f.forks = []
+            if f.forks:
+                f.join(f.forks)
+                f.forks = _NO_FORKS
             fs = f.stream
             seq = fs.seq if fs.seq > f.start else f.need
             if seq:
@@ -302,8 +308,9 @@ class Lane:
 
     def finish(self) -> Event | None:
         """Join every fork and return the event the caller waits for (None if nothing to wait for)."""
-        self.join(self.forks)
-        self.forks = []
+        if self.forks:
+            self.join(self.forks)
+            self.forks = _NO_FORKS
         s = self.stream
         seq = s.seq if s.seq > self.start else self.need
         if seq == 0 or seq <= s.done_seq:
@@ -389,37 +396,59 @@ def _load_kernels(needs: list[_KernelNeed]) -> None:
 class Plan:
     """One submission: its lanes, its steps, what it allocates, and its state."""
 
+    # Rarely used fields default to the class's values (empty tuples become lists on
+    # first use): a submission of one launch sets only what it needs.
+    capture: Capture | None = None
+    buffers: list[tuple[Lane, Buffer, str]] = ()  # type: ignore[assignment]
+    shared: list[Any] = ()  # type: ignore[assignment]
+    kernels: list[_KernelNeed] = ()  # type: ignore[assignment]
+    staging: list[_StagingSlot] = ()  # type: ignore[assignment]
+    waits: list[Plan] = ()  # type: ignore[assignment]
+    foreign: list[Buffer] = ()  # type: ignore[assignment]
+    dependents = 0
+    error: BaseException | None = None
+    _done: threading.Event | None = None  # made when another thread waits for it
+    pending = 0
+    event: Event | None = None
+    oom_retried = False
+    started = False  # driver calls were made (a failure from here on is partial)
+
     def __init__(self, stream: Stream, capture: Capture | None = None) -> None:
-        self.capture = capture
+        if capture is not None:
+            self.capture = capture
         self.lanes: list[Lane] = []
         self.steps: list[tuple[Callable[[Lane, Any], None], Lane, Any]] = []
-        self.buffers: list[tuple[Lane, Buffer, str]] = []
         self.claimed: list[Any] = []
-        self.shared: list[Any] = []
-        self.kernels: list[_KernelNeed] = []
-        self.staging: list[_StagingSlot] = []
-        self.waits: set[Plan] = set()
-        self.foreign: list[Buffer] = []
-        self.dependents = 0
-        self.state = PLANNING
-        self.error: BaseException | None = None
-        self.done = threading.Event()
         self.ops: list[str] = []
-        self.pending = 0
-        self.event: Event | None = None
-        self.oom_retried = False
-        self.started = False  # driver calls were made (a failure from here on is partial)
+        self.state = PLANNING
         self.generations: dict[Device, int] = {}
         self.root = self.lane(stream)
 
     def lane(self, stream: Stream) -> Lane:
         lane = Lane(self, stream)
         self.lanes.append(lane)
-        dev = stream.device
-        if dev not in self.generations:
-            dev.check_usable()
-            self.generations[dev] = dev.generation
+        dev = lane.device
+        gens = self.generations
+        if dev not in gens:
+            if dev._resetting or dev._driver._fault is not None:
+                dev.check_usable()
+            gens[dev] = dev.generation
         return lane
+
+    @property
+    def done(self) -> threading.Event:
+        """Set once the plan has enqueued, been abandoned, or failed."""
+        with LOCK:
+            ev = self._done
+            if ev is None:
+                ev = self._done = threading.Event()
+                if self.finished:
+                    ev.set()
+            return ev
+
+    def _set_done(self) -> None:
+        if self._done is not None:
+            self._done.set()
 
     # -- used by ops at plan time -----------------------------------------------------------
     def step(self, lane: Lane, fn: Callable[[Lane, Any], None], arg: Any = None) -> None:
@@ -436,31 +465,42 @@ class Plan:
             )
         buf = Buffer(lane.device, nbytes, self)
         if nbytes:
+            if not self.buffers:
+                self.buffers = []
             self.buffers.append((lane, buf, what))
         return buf
 
-    def use(self, buf: Buffer, what: str) -> None:
-        """Check that this submission may use ``buf`` (see Buffer.check)."""
+    def use(self, buf: Buffer, what: object) -> None:
+        """Check that this submission may use ``buf`` (see Buffer.check); ``what`` names it
+        in errors (its repr is taken only then)."""
         if buf.ptr is None or buf.capture is not None or buf.generation != buf.device.generation:
-            buf.check(self, what)
+            buf.check(self, what if isinstance(what, str) else repr(what))
             if buf.owner is not None and buf.owner is not self:
+                if not self.foreign:
+                    self.foreign = []
                 self.foreign.append(buf)
 
     def need_kernel(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
         n = _KernelNeed(source, device, signature, args)
+        if not self.kernels:
+            self.kernels = []
         self.kernels.append(n)
         return n
 
     def need_staging(self, lane: Lane, nbytes: int, host_hold: bool) -> _StagingSlot:
         """Pinned host memory a copy step will use (lent when the submission enqueues)."""
         slot = _StagingSlot(lane.device, nbytes, host_hold)
+        if not self.staging:
+            self.staging = []
         self.staging.append(slot)
         return slot
 
     def wait_for_plan(self, other: Plan) -> None:
         if other.state in (ENQUEUED, ABORTED, FAILED) or other in self.waits:
             return
-        self.waits.add(other)
+        if not self.waits:
+            self.waits = []
+        self.waits.append(other)
         other.dependents += 1
 
     def claim(self, op: Any) -> None:
@@ -473,7 +513,8 @@ class Plan:
         lane = self.root
         if root._state is None and not root._inputs:
             # A lone op (the common `await launch(tensors...)`): no walk needed.
-            self.claim(root)
+            root._state = EXECUTING
+            self.claimed.append(root)
             r = root._plan(self, lane, ())
             if type(r) is not Continue:
                 return r
@@ -536,19 +577,21 @@ class Plan:
 
     def advance(self) -> Need | None:
         """Enqueue if nothing is missing; else say what to wait for (under LOCK)."""
-        for w in list(self.waits):
+        while self.waits:
+            w = self.waits[-1]
             if not w.finished:
                 return Need("plan", w)
-            self.waits.discard(w)
+            self.waits.pop()
             w.dependents -= 1
-        missing = []
-        for n in self.kernels:
-            if n.loaded is None:
-                n.loaded = n.device._driver.loaded_kernel(n.source, n.signature)
+        if self.kernels:
+            missing = []
+            for n in self.kernels:
                 if n.loaded is None:
-                    missing.append(n)
-        if missing:
-            return Need("kernels", missing)
+                    n.loaded = n.device._driver.loaded_kernel(n.source, n.signature)
+                    if n.loaded is None:
+                        missing.append(n)
+            if missing:
+                return Need("kernels", missing)
         try:
             return self._enqueue()
         except BaseException as exc:
@@ -559,6 +602,8 @@ class Plan:
             raise
 
     def _take_staging(self) -> Need | None:
+        for dev in self.generations:
+            pool_of(dev).drain()
         taken: list[_StagingSlot] = []
         missing: dict[Device, list[int]] = {}
         for slot in self.staging:
@@ -580,64 +625,51 @@ class Plan:
         return Need("staging", [(d, pool_of(d).missing(sizes)) for d, sizes in missing.items()])
 
     def _enqueue(self) -> Need | None:
+        cap = self.capture
         for dev, gen in self.generations.items():
             if dev.generation != gen:
                 raise DeviceReset("the device was reset while this submission was being prepared", device=dev.ordinal)
-            dev.check_usable()
+            if dev._resetting or dev._driver._fault is not None:
+                dev.check_usable()
+            if cap is None:
+                if dev._dead_buffers:
+                    dev.flush_frees()  # before streams are destroyed: a free may name one
+                if dev._dead_streams or dev._lingering or dev._dead_graphs:
+                    dev._housekeeping()
         for buf in self.foreign:
             if buf.ptr is None:
                 raise ValueError(
                     "a tensor this submission uses belongs to a submission that failed before it ran; it has no memory"
                 )
-        cap = self.capture
         for lane in self.lanes:
             s = lane.stream
-            lane.device._current_stream(s)
+            if s.generation != lane.device.generation:
+                lane.device._current_stream(s)
             if s.capture is not None and s.capture is not cap:
                 raise GraphCaptureError(
                     "this op's stream is recording a graph capture; use another stream (or finish the capture)",
                     device=lane.device.ordinal,
                 )
-        for dev in self.generations:
-            pool_of(dev).drain()
-            if cap is None:
-                dev.flush_frees()  # before streams are destroyed: a free may name one
-                dev._housekeeping()
-        need = self._take_staging()
-        if need is not None:
-            return need
+        if self.staging:
+            need = self._take_staging()
+            if need is not None:
+                return need
         for lane in self.lanes:
-            lane.start = lane.stream.seq
-            if lane.stream._keep:
-                lane.stream.retire()
-        # Allocations first: running out of memory leaves nothing half-run.
-        made: list[tuple[Lane, Buffer]] = []
-        try:
-            for lane, buf, what in self.buffers:
-                buf.ptr = lane.device._alloc(buf.nbytes, lane.stream, what)
-                buf.generation = lane.device.generation
-                made.append((lane, buf))
-        except DeviceOutOfMemory as err:
-            for lane, buf in made:
-                assert buf.ptr is not None
-                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
-                buf.ptr = None
-            if not self.oom_retried:
-                self.oom_retried = True
-                events = [ev for dev in self.generations for ev in dev.pending_events()]
-                if events:
-                    return Need("memory", events)
-            raise err from None
+            s = lane.stream
+            lane.start = s.seq
+            if s._keep:
+                s.retire()
+        if self.buffers:
+            need = self._allocate()
+            if need is not None:
+                return need
         self.started = True
-        for lane, buf in made:
-            buf.owner = None
-            buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
         if cap is not None:
             if not cap.open:
                 cap.begin()
             for lane in self.lanes:
                 cap.join(lane.stream)
-        set_submitting(True)
+        _tls.submitting = True
         try:
             for fn, lane, arg in self.steps:
                 fn(lane, arg)
@@ -655,17 +687,43 @@ class Plan:
                     cap.broken = True
             raise
         finally:
-            set_submitting(False)
+            _tls.submitting = False
         for dev in self.generations:
             dev._stats.submissions += 1
         self.state = ENQUEUED
         _counts["enqueued"] += 1
-        for op in self.shared:
-            if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
-                st = op._state
-                op._state = Done(st.value, self.root.stream, 0, st.pending)
+        if self.shared:
+            for op in self.shared:
+                if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
+                    st = op._state
+                    op._state = Done(st.value, self.root.stream, 0, st.pending)
         self._release()
-        self.done.set()
+        if self._done is not None:
+            self._done.set()
+        return None
+
+    def _allocate(self) -> Need | None:
+        """Allocate every buffer of the plan first: running out of memory leaves nothing half-run."""
+        made: list[tuple[Lane, Buffer]] = []
+        try:
+            for lane, buf, what in self.buffers:
+                buf.ptr = lane.device._alloc(buf.nbytes, lane.stream, what)
+                buf.generation = lane.device.generation
+                made.append((lane, buf))
+        except DeviceOutOfMemory as err:
+            for lane, buf in made:
+                assert buf.ptr is not None
+                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
+                buf.ptr = None
+            if not self.oom_retried:
+                self.oom_retried = True
+                events = [ev for dev in self.generations for ev in dev.pending_events()]
+                if events:
+                    return Need("memory", events)
+            raise err from None
+        for lane, buf in made:
+            buf.owner = None
+            buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
         return None
 
     def _release(self) -> None:
@@ -673,15 +731,8 @@ class Plan:
         tensors of a finished submission alive)."""
         for lane in self.lanes:
             lane.plan = None  # type: ignore[assignment]
-            lane.forks = []
-        self.lanes = []
-        self.steps = []
-        self.buffers = []
-        self.claimed = []
-        self.shared = []
-        self.kernels = []
-        self.staging = []
-        self.foreign = []
+        self.lanes = self.steps = self.buffers = self.claimed = self.shared = ()  # type: ignore[assignment]
+        self.staging = ()  # type: ignore[assignment]
 
     def _failed(self, exc: BaseException) -> None:
         """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
@@ -695,7 +746,7 @@ class Plan:
             if buf.ptr is None:
                 buf.owner = None
         self._release()
-        self.done.set()
+        self._set_done()
 
     def abort(self, exc: BaseException) -> None:
         """Abandon a submission that did not enqueue (under LOCK).
@@ -707,7 +758,7 @@ class Plan:
             return
         for w in self.waits:
             w.dependents -= 1
-        self.waits.clear()
+        self.waits = ()  # type: ignore[assignment]
         if self.dependents:
             self._failed(exc)
         else:
@@ -723,24 +774,24 @@ class Plan:
             self.state = ABORTED
             _counts["abandoned"] += 1
             self._release()
-            self.done.set()
+            self._set_done()
 
     # -- errors ------------------------------------------------------------------------------------
-    def describe(self) -> str | None:
-        if not self.ops:
-            return None
-        names = list(dict.fromkeys(self.ops))
-        return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-
     def fault(self, err: DeviceError) -> DeviceError:
         """``err`` naming this submission's ops when it names none."""
-        ops = self.describe()
-        if ops is None or err.op is not None or not isinstance(err, DeviceFault):
-            return err
-        device = err.device if err.device is not None else self.root.device.ordinal
-        new = DeviceFault(f"{err.message} (in the work of this submission)", device=device, op=ops)
-        new.__cause__ = err
-        return new
+        return name_fault(err, self.ops, self.root.device.ordinal)
+
+
+def name_fault(err: DeviceError, ops: list[str], ordinal: int) -> DeviceError:
+    """A DeviceFault without an op, renamed after the ops of the submission it failed."""
+    if not ops or err.op is not None or not isinstance(err, DeviceFault):
+        return err
+    names = list(dict.fromkeys(ops))
+    described = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+    device = err.device if err.device is not None else ordinal
+    new = DeviceFault(f"{err.message} (in the work of this submission)", device=device, op=described)
+    new.__cause__ = err
+    return new
 
 
 # -- entry points ---------------------------------------------------------------------------------
@@ -749,17 +800,19 @@ def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan
 
     Returns (plan, output value, what to wait for before enqueueing, or None).
     """
-    check_not_nested("executing a DeviceOp")
+    tls = _tls
+    if tls.submitting:
+        check_not_nested("executing a DeviceOp")
     with LOCK:
         plan = Plan(stream, capture)
-        set_submitting(True)
+        tls.submitting = True
         try:
             value = plan.walk(op)
         except BaseException as exc:
-            set_submitting(False)
+            tls.submitting = False
             plan.abort(exc)
             raise
-        set_submitting(False)
+        tls.submitting = False
         plan.state = PLANNED
         _counts["planned"] += 1
         need = plan.advance()
@@ -796,16 +849,20 @@ async def _finish_shielded(plan: Plan, need: Need | None) -> None:
 class Submitted:
     """A submission that has been enqueued (see :func:`trio_cuda.lowlevel.submit`).
 
+    It keeps only what waiting needs (not the plan, whose steps reference tensors).
+
     Attributes:
         event: The event its work completes at (None if it enqueued no device work).
     """
 
-    __slots__ = ("_taken", "event", "plan", "value")
+    __slots__ = ("_ops", "_ordinal", "_pending", "_taken", "event", "value")
 
     def __init__(self, plan: Plan, value: Any) -> None:
-        self.plan = plan
         self.value = value
         self.event = plan.event
+        self._pending = bool(plan.pending)
+        self._ops = plan.ops
+        self._ordinal = plan.root.device.ordinal
         self._taken = False
 
     async def wait(self) -> Any:
@@ -819,9 +876,10 @@ class Submitted:
             try:
                 await wait_event(ev)
             except DeviceError as err:
-                raise self.plan.fault(err) from err
+                raise name_fault(err, self._ops, self._ordinal) from err
         self._taken = True
-        return resolve(self.value) if self.plan.pending else self.value
+        value, self.value = self.value, None
+        return resolve(value) if self._pending else value
 
 
 async def _enqueue_async(plan: Plan, need: Need | None) -> None:

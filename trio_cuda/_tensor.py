@@ -158,7 +158,7 @@ class Tensor:
         args = self._args
         if args is None:
             cache = self._buffer.args
-            key = (self._offset, self.shape, self._strides, self.dtype.str)
+            key = (self._offset, self.shape, self._strides, self.dtype.str, self._tracked)
             args = cache.get(key)
             if args is None:
                 ptr = self.ptr
@@ -225,11 +225,12 @@ class Partition:
         grid: Tiles along each dimension (``shape[i] // tile_shape[i]``).
     """
 
-    __slots__ = ("grid", "tensor", "tile_shape")
+    __slots__ = ("_k", "grid", "tensor", "tile_shape")
 
     tensor: Tensor
     tile_shape: tuple[int, ...]
     grid: tuple[int, ...]
+    _k: tuple[Any, ...] | None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Partition cannot be constructed directly; use tensor.partition(tile_shape)")
@@ -248,7 +249,16 @@ class Partition:
         self.tensor = tensor
         self.tile_shape = tile
         self.grid = tuple(n // t for n, t in zip(tensor.shape, tile, strict=False))
+        self._k = None
         return self
+
+    def _key(self) -> tuple[Any, ...]:
+        """This partition as a launch argument: its tensor's descriptor and its tiles
+        (needs the memory allocated; cached)."""
+        k = self._k
+        if k is None:
+            k = self._k = (self.tensor._arg(True), self.tile_shape)
+        return k
 
     @property
     def device(self) -> Device:
@@ -342,7 +352,7 @@ def _d2h_step(lane: Lane, arg: tuple[Tensor, _StagingSlot]) -> None:
 
 def plan_read_to_host(plan: Plan, lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
     """Plan a copy of ``t`` into the host array ``out`` (a pending value: ``out`` once done)."""
-    plan.use(t._buffer, repr(t))
+    plan.use(t._buffer, t)
     if not t.is_contiguous:
         raise ValueError(f"reading back a non-contiguous view of shape {t.shape}: copy it to a contiguous tensor first")
     ln = lane.on(t.device)

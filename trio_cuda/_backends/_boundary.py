@@ -153,6 +153,7 @@ class DeviceDriver(abc.ABC):
     name: str
     compute_capability: tuple[int, int]
     total_memory: int
+    _fault: BaseException | None  # what fault() returns (read directly on hot paths)
 
     # -- streams and events -------------------------------------------------
     @abc.abstractmethod
