@@ -37,7 +37,7 @@ import trio
 
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted
-from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested, set_submitting
+from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
 from ._notifier import wait_event
 from ._registry import current_device
