@@ -105,14 +105,21 @@ def _fill_value(fill: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.n
         with warnings.catch_warnings():
             warnings.simplefilter("error", np.exceptions.ComplexWarning)
             warnings.simplefilter("error", RuntimeWarning)
+            if isinstance(fill, int) and not isinstance(fill, bool) and dtype.kind in "iu":
+                info = np.iinfo(dtype)
+                if not info.min <= fill <= info.max:
+                    raise OverflowError(f"out of range of {dtype}")
             arr = np.asarray(fill)
             if arr.dtype == object:
                 raise TypeError(f"not a number: {fill!r}")
             cast = arr.astype(dtype, casting="unsafe")
     except (TypeError, ValueError, OverflowError, np.exceptions.ComplexWarning, RuntimeWarning) as err:
         raise ValueError(f"cannot fill a {dtype} tensor with {fill!r}: {err}") from None
-    if dtype.kind in "iub" and arr.dtype.kind in "iu" and arr.size and not np.array_equal(cast.astype(arr.dtype), arr):
-        raise ValueError(f"cannot fill a {dtype} tensor with {fill!r}: out of range of {dtype}")
+    if dtype.kind in "iu" and arr.dtype.kind in "iu" and arr.size:
+        info = np.iinfo(dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise ValueError(f"cannot fill a {dtype} tensor with {fill!r}: out of range of {dtype}")
     try:
         np.broadcast_shapes(cast.shape, shape)
     except ValueError:
@@ -180,10 +187,12 @@ def arange(
     n = max(0, math.ceil((float(stop) - float(start)) / float(step)))
     nbytes_of((n,), dt)
     try:
-        host = np.arange(start, stop, step, dtype=dt)
+        probe = np.arange(start, start + 2 * step, step, dtype=dt)  # refuses what numpy refuses
     except (TypeError, ValueError) as err:
         raise TypeError(f"arange() cannot make {dt} values: {err}") from None
-    return _Alloc(host.shape, dt, None, host, _explicit_device(device))
+    del probe
+    # The host values are made when the op enqueues, after its allocation succeeded.
+    return _Alloc((n,), dt, None, lambda: np.arange(start, stop, step, dtype=dt)[:n], _explicit_device(device))
 
 
 def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import GraphCaptureError
+from ._errors import DeviceReset, GraphCaptureError
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -43,8 +43,14 @@ class Capture:
     def __init__(self, device: Device, stream: Stream) -> None:
         self.device = device
         self.stream = stream
+        self.generation = device.generation
         self.start: dict[Stream, int] = {}  # joined streams -> their seq when they joined
-        self.saved_streams: dict[Stream, tuple[Any, dict[Stream, int]]] = {}
+        # Per joined stream: its point when it joined and an event recorded before it
+        # entered the capture (None if nothing was pending then). Work outside the
+        # capture that waits for those points uses it: events recorded inside a capture
+        # never complete.
+        self.pre: dict[Stream, tuple[int, Any]] = {}
+        self.saved_streams: dict[Stream, tuple[Any, dict[Any, int]]] = {}
         self.saved_buffers: dict[Buffer, tuple[Any, dict[Stream, int], dict[Stream, int]]] = {}
         self.accesses: dict[Buffer, bool] = {}
         self.keep: list[Any] = []
@@ -59,6 +65,21 @@ class Capture:
         """True if point ``seq`` of ``stream`` was made inside this capture."""
         start = self.start.get(stream)
         return start is not None and seq > start
+
+    def outside_event(self, s: Stream, seq: int) -> Any:
+        """For work outside the capture: the event that covers point ``seq`` of capturing
+        stream ``s`` (None if nothing from before the capture is pending).
+
+        Raises:
+            GraphCaptureError: ``seq`` is a point recorded inside the capture (not run).
+        """
+        point, ev = self.pre.get(s, (0, None))
+        if seq > point:
+            raise GraphCaptureError(
+                "this op waits for work recorded into a graph capture that is still open (it has not run)",
+                device=self.device.ordinal,
+            )
+        return ev
 
     def touch(self, buf: Buffer, write: bool) -> None:
         """Record an access of the graph to ``buf`` (saving its state the first time)."""
@@ -88,39 +109,49 @@ class Capture:
         self.forks.append(s)
         return s
 
+    def _pre(self, s: Stream) -> None:
+        ev = s.event_at(s.seq) if s.seq > s.done_seq else None
+        self.pre[s] = (s.seq, ev)
+
     def join(self, s: Stream) -> None:
         """Bring stream ``s`` into the capture, ordered after the origin's current point."""
         if s in self.start:
             return
+        if s not in self.pre:
+            self._pre(s)  # before it enters capture mode
         self.saved_streams[s] = (s._last_event, dict(s._waited))
         s.capture = self
         if s is not self.stream:
             origin = self.stream
             ev = origin.event_at(origin.mark())  # recorded inside the capture: a fork point
             self.device._driver.wait_event(s.handle, ev.handle)
-            s._waited[origin] = ev.seq
+            s._waited[origin._token] = ev.seq
         self.start[s] = s.mark()
 
     # -- begin / end --------------------------------------------------------------------
     def begin(self) -> None:
         """Put the origin stream in capture mode."""
         cs = self.stream
-        if cs.capture is not None:
+        if cs.capture is not None and cs.capture is not self:
             raise GraphCaptureError("the stream is recording another capture; finish it first", device=self.device.ordinal)
-        # An event before the capture covers every earlier point of the stream, so other
-        # streams waiting for those points never record an event into the capture.
-        if cs.seq > cs.done_seq:
-            cs.event_at(cs.seq)
+        self.generation = self.device.generation
+        self._pre(cs)
         self.device._driver.begin_capture(cs.handle)
         self.open = True
         self.join(cs)
 
     def end(self, keep_graph: bool) -> Any:
         """End the capture; returns the graph handle (None if not kept). Restores the
-        bookkeeping: nothing ran, the graph will."""
+        bookkeeping: nothing ran, the graph will.
+
+        Raises:
+            DeviceReset: The device was reset while the capture was open.
+        """
         drv = self.device._driver
         self.open = False
         try:
+            if self.generation != self.device.generation:
+                raise DeviceReset("the device was reset while the graph capture was open", device=self.device.ordinal)
             if keep_graph:
                 return drv.end_capture(self.stream.handle)
             drv.abort_capture(self.stream.handle)
@@ -129,13 +160,16 @@ class Capture:
             self.restore()
 
     def restore(self) -> None:
+        current = self.generation == self.device.generation
         for s, (last, waited) in self.saved_streams.items():
-            s._last_event = last
-            s._waited = waited
+            if current and s.generation == self.generation:
+                s._last_event = last
+                s._waited = waited
             s.capture = None
         for s in self.forks:
             s.capture = None
-            _spare.setdefault(self.device.ordinal, []).append(s)
+            if current:
+                _spare.setdefault(self.device.ordinal, []).append(s)
         self.forks = []
         for buf, (writer, readers, lifetime) in self.saved_buffers.items():
             buf.writer = writer

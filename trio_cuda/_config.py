@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 __all__ = ["env_choice", "env_flag", "env_float", "env_int"]
@@ -30,8 +31,9 @@ def env_float(name: str, default: float, *, minimum: float | None = None) -> flo
         value = float(raw)
     except ValueError:
         raise ValueError(f"environment variable {name} must be a number, not {raw!r}") from None
-    if value != value or (minimum is not None and value < minimum):
-        raise ValueError(f"environment variable {name} must be a number >= {minimum}, not {raw!r}")
+    if not math.isfinite(value) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"environment variable {name} must be a finite number{bound}, not {raw!r}")
     return value
 
 

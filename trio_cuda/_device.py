@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._backends._boundary import DeviceDriver, Waker
-from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable
+from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed
 from ._stream import Event, Stream
 
@@ -439,7 +439,7 @@ class Device:
                 if s.generation != other.generation or other._resetting:
                     continue
                 try:
-                    target.wait_for(s, seq)
+                    target.wait_for(s, seq, ordering_only=True)
                 except DeviceError:
                     pass  # the other device faulted: its work will never touch this memory
             self._driver.free(ptr, target.handle)
@@ -465,6 +465,8 @@ class Device:
             DeviceFault: The work before the event failed, or the device faulted.
         """
         if ev.done:
+            if ev.error is not None:
+                raise fresh(ev.error)
             return True
         with LOCK:
             if ev.generation != self.generation:
@@ -472,7 +474,19 @@ class Device:
                     "the device was reset while this work was pending; its results are gone",
                     device=self.ordinal,
                 )
-            if self._driver.query(ev.handle):
+            try:
+                done = self._driver.query(ev.handle)
+            except DeviceError as err:
+                if self._driver._fault is None:
+                    # The work before the event failed (it waited for another device that
+                    # faulted), not the device: the event is done, with this error.
+                    ev.error = fresh(err)
+                    ev.done = True
+                    s = ev._stream()
+                    if s is not None:
+                        s.observe(ev.seq)
+                raise fresh(err) from None
+            if done:
                 ev.done = True
                 s = ev._stream()
                 if s is not None:
@@ -532,19 +546,30 @@ class Device:
             self._housekeeping()
             events = self.pending_events()
         for ev in events:
-            self.wait_blocking(ev)
+            try:
+                self.wait_blocking(ev)
+            except DeviceFault:
+                if self.is_faulted:
+                    raise
+                # One op's failure (reported to whoever awaited it): that work is over.
         with LOCK:
             for s in list(self._streams):
                 if s.generation == self.generation:
                     s.retire()
 
     def pending_events(self) -> list[Event]:
-        """An event at the current point of each stream with unfinished work (under LOCK)."""
-        return [
-            s.event_at(s.seq)
-            for s in list(self._streams)
-            if s.generation == self.generation and s.seq > s.done_seq and s.capture is None
-        ]
+        """An event at the current point of each stream with unfinished work (under LOCK).
+
+        For a stream recording a graph capture, the work from before the capture.
+        """
+        out = []
+        for s in list(self._streams):
+            if s.generation != self.generation or s.seq <= s.done_seq or s.handle is None:
+                continue
+            ev = s.event_at(s.seq) if s.capture is None else s.capture.outside_event(s, 0)
+            if ev is not None and not ev.done:
+                out.append(ev)
+        return out
 
     def statistics(self) -> DeviceStatistics:
         """A frozen snapshot of this device's counters."""

@@ -8,6 +8,8 @@ never caught or wrapped.
 
 from __future__ import annotations
 
+import copy
+
 __all__ = [
     "DeviceError",
     "DeviceFault",
@@ -18,6 +20,7 @@ __all__ = [
     "LaunchError",
     "NestedExecutionError",
     "OpAlreadyExecuted",
+    "fresh",
 ]
 
 
@@ -92,3 +95,21 @@ class OpAlreadyExecuted(RuntimeError):
     Ops describe work that happens once. Use ``op.shared()`` for an op with several
     consumers.
     """
+
+
+def fresh(err: BaseException) -> BaseException:
+    """A new exception like ``err`` (same type and message), without its traceback.
+
+    A stored error (a sticky fault, a failed shared op) raised again and again would grow
+    its traceback with the frames of every waiter, and keep their objects alive.
+    """
+    if isinstance(err, DeviceError):
+        new: BaseException = type(err)(err.message, device=err.device, op=err.op)
+    else:
+        try:
+            new = copy.copy(err)
+        except Exception:  # an exception type that cannot be copied: raise it as it is
+            return err.with_traceback(None)
+    new.__traceback__ = None
+    new.__cause__ = err.__cause__
+    return new

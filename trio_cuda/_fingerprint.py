@@ -22,7 +22,9 @@ such kernels are not cached on disk.
 from __future__ import annotations
 
 import builtins
+import enum
 import hashlib
+import sys
 import types
 from typing import Any
 
@@ -53,6 +55,7 @@ class Fingerprint:
 
 class _Hasher:
     def __init__(self) -> None:
+        self.names: list[str] = []  # names the code looks up (for module attributes)
         self.h = hashlib.sha256()
         self.stable = True
         self.pins: list[Any] = []
@@ -88,12 +91,29 @@ class _Hasher:
             self.put("dtype", v.str.encode())
         elif isinstance(v, types.ModuleType):
             self.put("module", v.__name__.encode())
+            # numba freezes the module attributes a kernel reads (mod.CONST) into the code.
+            for name in self.names:
+                attr = getattr(v, name, None)
+                if _plain(attr):
+                    self.put("attr", name.encode())
+                    self.value(attr, depth + 1)
         elif isinstance(v, types.CodeType):
             self.code(v, depth + 1)
         elif isinstance(v, types.FunctionType):
             self.function(v, depth + 1)
+        elif isinstance(v, enum.Enum):
+            self.value(type(v), depth + 1)
+            self.put("member", v.name.encode())
         elif isinstance(v, type):
-            self.put("type", f"{v.__module__}.{v.__qualname__}".encode())
+            if _importable(v):
+                self.put("type", f"{v.__module__}.{v.__qualname__}".encode())
+            elif issubclass(v, enum.Enum):  # a local enum: by its members (numba freezes them)
+                self.put("enum", v.__qualname__.encode())
+                for m in v:
+                    self.put("member", m.name.encode())
+                    self.value(m.value, depth + 1)
+            else:  # a local class: two of them may share a name but not a meaning
+                self.unstable(v)
         elif type(v).__module__.startswith("numba.") and hasattr(v, "mangling_args"):
             # numba types (float64, int32[:], ...) are immutable and named by their repr.
             self.put("numbatype", repr(v).encode())
@@ -139,12 +159,29 @@ class _Hasher:
                 continue
             self.value(contents, depth + 1)
         g = fn.__globals__
-        for name in _global_names(fn.__code__):
+        names = _global_names(fn.__code__)
+        self.names = sorted(set(self.names) | set(names))
+        for name in names:
             if name in g:
                 self.put("global", name.encode())
                 self.value(g[name], depth + 1)
             else:
                 self.put("builtin" if hasattr(builtins, name) else "unbound", name.encode())
+
+
+def _importable(cls: type) -> bool:
+    """True if ``cls`` is what its module and qualified name find (not a local class)."""
+    obj: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is cls
+
+
+def _plain(v: Any) -> bool:
+    """Plain data a module may hold for kernels to read (a constant, not code)."""
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes, np.generic, np.ndarray, np.dtype, enum.Enum)):
+        return True
+    return isinstance(v, tuple) and all(_plain(x) for x in v)
 
 
 def _global_names(code: types.CodeType) -> list[str]:

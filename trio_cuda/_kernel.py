@@ -28,6 +28,7 @@ happens in a worker thread, with the runtime lock released.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -35,6 +36,7 @@ import numpy as np
 
 from ._backends._boundary import signature_of
 from ._checks import as_int, is_scalar
+from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, check_blocking_allowed
 from ._op import DeviceOp
@@ -194,6 +196,21 @@ def kernel(
     return wrap(fn) if fn is not None else wrap
 
 
+def _check_launch_config(name: str, grid: tuple[int, ...], block: tuple[int, ...], ordinal: int) -> None:
+    """CUDA's limits on a launch, checked when the submission is planned (before any work)."""
+    bx, by, bz = block
+    gx, gy, gz = grid
+    if bx > 1024 or by > 1024 or bz > 64 or bx * by * bz > 1024:
+        raise LaunchError(
+            f"too many threads per block: block={block} ({bx * by * bz} threads; at most 1024, and at most "
+            "1024 x 1024 x 64 per dimension); pass a smaller tile or block= to @kernel",
+            device=ordinal,
+            op=f"kernel {name}",
+        )
+    if gx > 2**31 - 1 or gy > 65535 or gz > 65535:
+        raise LaunchError(f"grid too large: {grid} (at most 2**31-1 x 65535 x 65535 blocks)", device=ordinal, op=f"kernel {name}")
+
+
 class _Config:
     """A validated launch of one kernel on one argument geometry and device."""
 
@@ -222,6 +239,18 @@ class _Config:
 _CACHE_SIZE = 512
 
 
+def _scalar_key(a: Any) -> tuple[Any, ...]:
+    """A scalar as a cache key: equal keys pass the same bits (-0.0 is not 0.0, 1 is not 1.0)."""
+    t = type(a)
+    if t is float:
+        return (t, a, math.copysign(1.0, a))
+    if t is complex:
+        return (t, a, math.copysign(1.0, a.real), math.copysign(1.0, a.imag))
+    if isinstance(a, np.generic):
+        return (t, a.tobytes())
+    return (t, a)
+
+
 def _geometry(args: Sequence[Any]) -> tuple[Any, ...]:
     """What a launch's validity depends on: each argument's layout, device, and value (scalars)."""
     key: list[Any] = []
@@ -233,7 +262,7 @@ def _geometry(args: Sequence[Any]) -> tuple[Any, ...]:
         elif t is Tensor:
             key.append(("T", a.shape, a._strides, a.dtype.str, a._tracked, a._buffer.device.ordinal))
         else:
-            key.append((t, a))
+            key.append(_scalar_key(a))
     return tuple(key)
 
 
@@ -310,6 +339,7 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
         k._validate(*args)
     grid3 = ((*tuple(grid), 1, 1, 1))[:3]
     block3 = ((*tuple(block), 1, 1, 1))[:3]
+    _check_launch_config(name, grid3, block3, device.ordinal)
     return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
 
 
@@ -338,7 +368,7 @@ def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             else:
                 key.append(d[0])
         else:
-            key.append((t, a))
+            key.append(_scalar_key(a))
     return tuple(key)
 
 
@@ -392,7 +422,8 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
         for i in rpos:
             t = args[i]
             lane.read(t._buffer, t._tracked)
-    device._driver.launch(prepared, s.handle)
+    if 0 not in cfg.grid:  # a launch over an empty tensor has nothing to run
+        device._driver.launch(prepared, s.handle)
     s.seq += 1
     seq = s.seq
     for i in wpos:

@@ -145,31 +145,36 @@ class Notifier:
                 busy = bool(self._waiters)
             waker.wait(_FAULT_POLL_S if busy else None)
             self.wakeups += 1
-            with self._lock:
-                waiters = self._waiters
-                self._waiters = []
-            keep: list[_Waiter] = []
-            batches: dict[trio.lowlevel.TrioToken, list[tuple[_Waiter, BaseException | None]]] = {}
-            for w in waiters:
-                if not w.active:
+            # One pass in a function of its own: nothing of it stays referenced while the
+            # helper sleeps (an error raised in a task gathers that task's frames).
+            self._pass()
+
+    def _pass(self) -> None:
+        with self._lock:
+            waiters = self._waiters
+            self._waiters = []
+        keep: list[_Waiter] = []
+        batches: dict[trio.lowlevel.TrioToken, list[tuple[_Waiter, BaseException | None]]] = {}
+        for w in waiters:
+            if not w.active:
+                continue
+            exc: BaseException | None = None
+            try:
+                if not w.device.poll(w.event):
+                    keep.append(w)
                     continue
-                exc: BaseException | None = None
-                try:
-                    if not w.device.poll(w.event):
-                        keep.append(w)
-                        continue
-                except DeviceError as err:  # a fault, a failed op, or a reset
-                    exc = err
-                batches.setdefault(w.token, []).append((w, exc))
-            if keep:
-                with self._lock:
-                    self._waiters.extend(keep)
-            for token, batch in batches.items():
-                self.batches += 1
-                try:
-                    token.run_sync_soon(_wake, batch)
-                except trio.RunFinishedError:
-                    pass
+            except DeviceError as err:  # a fault, a failed op, or a reset
+                exc = err
+            batches.setdefault(w.token, []).append((w, exc))
+        if keep:
+            with self._lock:
+                self._waiters.extend(keep)
+        for token, batch in batches.items():
+            self.batches += 1
+            try:
+                token.run_sync_soon(_wake, batch)
+            except trio.RunFinishedError:
+                pass
 
 
 _notifier: Notifier | None = None

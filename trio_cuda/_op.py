@@ -25,7 +25,8 @@ import inspect
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 
-from ._checks import check_shape
+from ._checks import as_int, check_shape
+from ._errors import fresh
 from ._stream import Stream
 from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, contains_pending, resolve, run_async, run_sync
 
@@ -136,9 +137,9 @@ class DeviceOp(Generic[T]):
             if arity is None:
                 raise TypeError(f"unzip() needs n: the number of outputs of {self!r} is not known")
             n = arity
-        elif not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"unzip(n) needs a positive int, got {n!r}")
-        elif arity is not None and n != arity:
+        else:
+            n = as_int(n, "unzip(n)", minimum=1)
+        if arity is not None and n != arity:
             raise ValueError(f"unzip({n}) of an op with {arity} outputs")
         src = self.shared()
         return tuple(SharedOp(_Select(src, i, n)) for i in range(n))
@@ -347,7 +348,7 @@ def _depend_shared(lane: Lane, op: SharedOp[Any]) -> None:
         if st.seq:
             lane.depend(st.stream, st.seq)
     elif st.__class__ is Failed:
-        raise st.exc
+        raise fresh(st.exc)
     else:  # cannot happen: the producing steps come first in every plan
         raise AssertionError(f"shared op in state {st!r} at enqueue")
 
@@ -377,10 +378,11 @@ class SharedOp(DeviceOp[T]):
         st = self._state
         cls = st.__class__
         if cls is Failed:
-            raise st.exc
+            raise fresh(st.exc)
         if cls is Claimed:
             if st.plan is not plan:
                 plan.wait_for_plan(st.plan)
+                plan.reuse(self)
             plan.step(lane, _depend_shared, self)
         elif st.seq:
             plan.step(lane, _depend_shared, self)

@@ -36,7 +36,7 @@ class Event:
         generation: The device generation it belongs to (a reset ends it).
     """
 
-    __slots__ = ("__weakref__", "_stream", "device", "done", "generation", "handle", "seq", "stream_handle")
+    __slots__ = ("__weakref__", "_stream", "device", "done", "error", "generation", "handle", "seq", "stream_handle")
 
     def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
         self.device = stream.device
@@ -45,6 +45,7 @@ class Event:
         self.seq = seq
         self.handle = handle
         self.done = False
+        self.error: BaseException | None = None  # the work before it failed (it is done)
         self.generation = stream.generation
 
     @property
@@ -72,6 +73,15 @@ class Event:
             pass
 
 
+class _Token:
+    """Names one binding of a stream to a driver stream (a reset rebinds it), weakly."""
+
+    __slots__ = ("wref",)
+
+    def __init__(self, wref: weakref.ref[Stream] | None) -> None:
+        self.wref = wref
+
+
 class Stream:
     """An ordered queue of device work. Create streams with :meth:`Device.create_stream`.
 
@@ -86,6 +96,7 @@ class Stream:
         "_final",
         "_keep",
         "_last_event",
+        "_token",
         "_waited",
         "_wref",
         "capture",
@@ -103,7 +114,8 @@ class Stream:
     generation: int
     capture: Any  # the graph capture recording this stream, if any
     _last_event: Event | None
-    _waited: dict[Stream, int]
+    _waited: dict[_Token, int]
+    _token: _Token
     _keep: collections.deque[tuple[int, Any]]
     _final: Event | None  # after the handle is destroyed: an event after its last work
     _wref: weakref.ref[Stream]
@@ -122,6 +134,10 @@ class Stream:
         return self
 
     def _bind(self, handle: Any) -> None:
+        old = getattr(self, "_token", None)
+        if old is not None:
+            old.wref = None  # waits recorded against the old driver stream are void
+        self._token = _Token(self._wref)
         self.handle = handle
         self.generation = self.device.generation
         self.seq = 0
@@ -168,18 +184,36 @@ class Stream:
         self._last_event = ev
         return ev
 
-    def wait_for(self, other: Stream, seq: int) -> bool:
+    def wait_for(self, other: Stream, seq: int, *, ordering_only: bool = False) -> bool:
         """Order future work on this stream after point ``seq`` of ``other``.
 
+        With ``ordering_only`` (a free waiting for the last accesses of its memory), a
+        failure of the work waited for does not fail this stream's later work.
         Returns True if a driver wait was enqueued.
         """
-        if other is self or other.done_seq >= seq or self._waited.get(other, 0) >= seq:
+        if other is self or other.done_seq >= seq:
             return False
+        token = other._token
+        waited = self._waited
+        if waited.get(token, 0) >= seq:
+            return False
+        if other.generation != other.device.generation:
+            return False  # the other device was reset: nothing of that stream is pending
         if other.handle is None and (other._final is None or other._final.done):
             return False  # destroyed with nothing pending
-        ev = other.event_at(seq)
-        self.device._driver.wait_event(self.handle, ev.handle)
-        self._waited[other] = ev.seq
+        cap = other.capture
+        if cap is not None and cap is not self.capture:
+            ev = cap.outside_event(other, seq)  # work from before the capture, or refused
+            if ev is None:
+                return False
+        else:
+            ev = other.event_at(seq)
+        if ev.done:
+            return False
+        self.device._driver.wait_event(self.handle, ev.handle, ordering_only=ordering_only)
+        if len(waited) > 32:
+            self._waited = waited = {t: v for t, v in waited.items() if t.wref is not None and t.wref() is not None}
+        waited[token] = ev.seq
         self.device._stats.stream_waits += 1
         return True
 
@@ -224,7 +258,13 @@ class Stream:
         with LOCK:
             if self.generation != device.generation or self.seq <= self.done_seq:
                 return
-            ev = self.event_at(self.seq)
+            cap = self.capture
+            if cap is not None:  # recording a graph: what ran is what came before the capture
+                ev = cap.outside_event(self, 0)
+                if ev is None:
+                    return
+            else:
+                ev = self.event_at(self.seq)
         device.wait_blocking(ev)
         with LOCK:
             self.retire()

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ._capture import Capture
-from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted
+from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
 from ._notifier import wait_event
@@ -103,21 +103,41 @@ def statistics() -> SubmissionStatistics:
 
 # -- pending host values ------------------------------------------------------------
 class Pending:
-    """A host value that exists once the submission's work has completed."""
+    """A host value that exists once the submission's work has completed.
 
-    __slots__ = ("_done", "_fn", "_value")
+    Resolving is thread-safe and happens once: a shared op's pending value may be
+    resolved by several consumers at the same time; a failure is remembered and raised
+    to each of them.
+    """
+
+    __slots__ = ("_done", "_error", "_fn", "_lock", "_value")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn = fn
         self._done = False
+        self._error: BaseException | None = None
         self._value: Any = None
+        self._lock = threading.Lock()
 
     def resolve(self) -> Any:
         if not self._done:
-            self._value = self._fn()
-            self._done = True
-            self._fn = None  # type: ignore[assignment]
+            with self._lock:
+                if not self._done:
+                    try:
+                        self._value = self._compute()
+                    except BaseException as exc:
+                        self._error = exc
+                        raise
+                    finally:
+                        self._done = True
+                        self._fn = None  # type: ignore[assignment]
+                    return self._value
+        if self._error is not None:
+            raise fresh(self._error)
         return self._value
+
+    def _compute(self) -> Any:
+        return self._fn()
 
 
 def contains_pending(v: Any) -> bool:
@@ -231,8 +251,8 @@ class Lane:
     # -- enqueue time ---------------------------------------------------------------------
     def depend(self, stream: Stream, seq: int) -> None:
         """Order the rest of this lane after point ``seq`` of ``stream``, and wait for it at the end."""
-        if seq <= stream.done_seq:
-            return
+        if seq <= stream.done_seq or stream.generation != stream.device.generation:
+            return  # done, or gone with a reset
         cap = self.plan.capture
         if cap is not None and not cap.inside(stream, seq):
             return  # work from before the capture: the graph's launches are ordered after it
@@ -405,6 +425,7 @@ class Plan:
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
+    reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
     dependents = 0
     error: BaseException | None = None
     _done: threading.Event | None = None  # made when another thread waits for it
@@ -495,6 +516,12 @@ class Plan:
         self.staging.append(slot)
         return slot
 
+    def reuse(self, op: Any) -> None:
+        """Note a shared op another plan produces (checked again before enqueueing)."""
+        if not self.reused:
+            self.reused = []
+        self.reused.append(op)
+
     def wait_for_plan(self, other: Plan) -> None:
         if other.state in (ENQUEUED, ABORTED, FAILED) or other in self.waits:
             return
@@ -583,6 +610,10 @@ class Plan:
                 return Need("plan", w)
             self.waits.pop()
             w.dependents -= 1
+        for op in self.reused:
+            st = op._state
+            if st.__class__ is Failed:  # its producer failed while this plan waited for it
+                raise fresh(st.exc)
         if self.kernels:
             missing = []
             for n in self.kernels:
@@ -636,6 +667,8 @@ class Plan:
                     dev.flush_frees()  # before streams are destroyed: a free may name one
                 if dev._dead_streams or dev._lingering or dev._dead_graphs:
                     dev._housekeeping()
+        if cap is not None and cap.generation != cap.device.generation:
+            raise DeviceReset("the device was reset while the graph capture was open", device=cap.device.ordinal)
         for buf in self.foreign:
             if buf.ptr is None:
                 raise ValueError(
@@ -741,7 +774,7 @@ class Plan:
         _counts["failed"] += 1
         for op in self.shared:
             if op._state.__class__ is not Done:
-                op._state = Failed(exc)
+                op._state = Failed(fresh(exc))
         for _, buf, _ in self.buffers:
             if buf.ptr is None:
                 buf.owner = None

@@ -304,16 +304,16 @@ class _HostResult(Pending):
         self._out = out
         self._nbytes = nbytes
 
-    def resolve(self) -> Any:
+    def _compute(self) -> Any:
         slot = self._slot
-        if slot is not None:
-            self._slot = None
-            st = slot.staging
-            assert st is not None
-            try:
-                _copy_out(st, self._out, self._nbytes)
-            finally:
-                st.host_done()
+        assert slot is not None
+        self._slot = None
+        st = slot.staging
+        assert st is not None
+        try:
+            _copy_out(st, self._out, self._nbytes)
+        finally:
+            st.host_done()
         return self._out
 
     def __del__(self) -> None:

@@ -171,8 +171,10 @@ class DeviceDriver(abc.ABC):
         """Record ``event`` on ``stream``: it completes when the work enqueued so far does."""
 
     @abc.abstractmethod
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make future work on ``stream`` wait until ``event`` (possibly of another device) completes."""
+    def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
+        """Make future work on ``stream`` wait until ``event`` (possibly of another device)
+        completes. Where a backend fails the waiting work when the work before ``event``
+        failed (the simulated device), ``ordering_only`` waits without that."""
 
     @abc.abstractmethod
     def query(self, event: Any) -> bool:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError
+from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker, scalar_dtype
 
 __all__ = ["CudaBackend", "check"]
@@ -96,7 +96,7 @@ def error(err: Any, what: str, device: CudaDevice | None, *, launch: bool = Fals
         fault = DeviceFault(msg, device=ordinal, op=op)
         if device is not None:
             device._set_fault(fault)
-            return device._fault or fault
+            return fresh(device._fault) if device._fault is not None else fault  # type: ignore[return-value]
         return fault
     if err in _CAPTURE:
         return GraphCaptureError(msg, device=ordinal, op=op)
@@ -399,7 +399,7 @@ class CudaDevice(DeviceDriver):
                 device=self.ordinal,
                 op=getattr(fault, "op", None),
             )
-            raise self._fault from err
+            raise fresh(self._fault) from err
 
     # -- streams and events ---------------------------------------------------------
     def create_stream(self) -> Any:
@@ -426,7 +426,7 @@ class CudaDevice(DeviceDriver):
         if err != _SUCCESS:
             raise error(err, "cuEventRecord", self, launch=True)
 
-    def wait_event(self, stream: Any, event: Any) -> None:
+    def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
         self._current()
         err = cu.cuStreamWaitEvent(stream, event, 0)[0]
         if err != _SUCCESS:
@@ -440,7 +440,7 @@ class CudaDevice(DeviceDriver):
             return True
         if err == _NOT_READY:
             if self._fault is not None:
-                raise self._fault
+                raise fresh(self._fault)
             return False
         raise error(err, "cuEventQuery", self)
 

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from .._config import env_int
-from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError
+from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker
 
 __all__ = ["SimBackend"]
@@ -233,7 +233,7 @@ class _SimDevice(DeviceDriver):
 
     def _check(self) -> None:
         if self._fault is not None:
-            raise self._fault
+            raise fresh(self._fault)
 
     def reset(self) -> None:
         with _cond:
@@ -327,6 +327,7 @@ class _SimDevice(DeviceDriver):
             # of the capture to depend on; it adds no node.
             _capture_events[event] = stream.capture
             return
+        _capture_events.pop(event, None)  # a handle recycled from a capture is an ordinary event again
 
         def complete() -> None:
             err = stream.error
@@ -343,7 +344,7 @@ class _SimDevice(DeviceDriver):
         # A record runs even after a failed wait: it carries the failure to the waiters.
         stream.enqueue(_Command(complete, "event record", always=True))
 
-    def wait_event(self, stream: _SimStream, event: _SimEvent) -> None:
+    def wait_event(self, stream: _SimStream, event: _SimEvent, *, ordering_only: bool = False) -> None:
         self._check()
         self._live(stream)
         ticket = event.ticket
@@ -355,7 +356,7 @@ class _SimDevice(DeviceDriver):
                 stream.capture = cap
                 cap.streams.add(stream)
             return
-        if ticket is None or (ticket.done and ticket.error is None):
+        if ticket is None or (ticket.done and (ticket.error is None or ordering_only)):
             return
         src = event.device
         gen_src = src.generation
@@ -365,7 +366,9 @@ class _SimDevice(DeviceDriver):
                 while not ticket.done:
                     if src._fault is not None:
                         if src is self:
-                            raise src._fault
+                            raise fresh(src._fault)
+                        if ordering_only:
+                            return
                         raise _ForeignFailure(
                             DeviceFault(
                                 f"waited for work of device {src.ordinal}, which faulted: {src._fault.message}",
@@ -373,13 +376,15 @@ class _SimDevice(DeviceDriver):
                             )
                         )
                     if src.generation != gen_src:
+                        if ordering_only:
+                            return
                         raise _ForeignFailure(
                             DeviceFault(f"waited for work of device {src.ordinal}, which was reset", device=self.ordinal)
                         )
                     if self.generation != stream.generation:
                         return
                     _cond.wait()
-            if ticket.error is not None:
+            if ticket.error is not None and not ordering_only:
                 raise _ForeignFailure(ticket.error)
 
         stream.enqueue(_Command(wait, f"wait for device {src.ordinal}" if src is not self else "stream wait"))
@@ -387,12 +392,12 @@ class _SimDevice(DeviceDriver):
     def query(self, event: _SimEvent) -> bool:
         dev = event.device
         if dev._fault is not None:
-            raise dev._fault
+            raise fresh(dev._fault)
         t = event.ticket
         if t is None:
             return True
         if t.done and t.error is not None:
-            raise t.error
+            raise fresh(t.error)
         return t.done
 
     def arm(self, event: _SimEvent, stream: _SimStream, waker: Waker) -> None:
