@@ -437,13 +437,16 @@ class Plan:
     def __init__(self, stream: Stream, capture: Capture | None = None) -> None:
         if capture is not None:
             self.capture = capture
-        self.lanes: list[Lane] = []
+        dev = stream.device
+        if dev._resetting or dev._driver._fault is not None:
+            dev.check_usable()
+        self.root = root = Lane(self, stream)
+        self.lanes: list[Lane] = [root]
         self.steps: list[tuple[Callable[[Lane, Any], None], Lane, Any]] = []
         self.claimed: list[Any] = []
         self.ops: list[str] = []
         self.state = PLANNING
-        self.generations: dict[Device, int] = {}
-        self.root = self.lane(stream)
+        self.generations: dict[Device, int] = {dev: dev.generation}
 
     def lane(self, stream: Stream) -> Lane:
         lane = Lane(self, stream)
@@ -760,12 +763,14 @@ class Plan:
         return None
 
     def _release(self) -> None:
-        """Drop what only planning and enqueueing needed (no reference cycle keeps the
-        tensors of a finished submission alive)."""
-        for lane in self.lanes:
-            lane.plan = None  # type: ignore[assignment]
-        self.lanes = self.steps = self.buffers = self.claimed = self.shared = ()  # type: ignore[assignment]
-        self.staging = ()  # type: ignore[assignment]
+        """Break the plan <-> lane cycle: the tensors of a finished submission are freed as
+        soon as nothing else references its plan."""
+        lanes = self.lanes
+        if len(lanes) == 1:
+            lanes[0].plan = None  # type: ignore[assignment]
+        else:
+            for lane in lanes:
+                lane.plan = None  # type: ignore[assignment]
 
     def _failed(self, exc: BaseException) -> None:
         """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
