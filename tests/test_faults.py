@@ -84,7 +84,8 @@ async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Dev
 
     async def waiter(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            await started(sleep(counter(), 3_000_000_000), task_status=task_status)
+            # Each on a stream of its own, so that the faulting launch is not queued behind it.
+            await started(sleep(counter(), 3_000_000_000), trio_cuda.SingleStream(dev), task_status=task_status)
             outcomes.append("completed")
         except trio_cuda.DeviceFault:
             outcomes.append("fault")
@@ -94,7 +95,7 @@ async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Dev
         for _ in range(3):
             await n.start(waiter)
         with pytest.raises(trio_cuda.DeviceFault):
-            await scribble(target.partition((32,)))
+            await scribble(target.partition((32,))).schedule(trio_cuda.SingleStream(dev))
     assert outcomes == ["fault"] * 3
     assert time.perf_counter() - start < 2.0, "the waiters were not woken by the fault"
 

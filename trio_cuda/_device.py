@@ -487,10 +487,7 @@ class Device:
                         s.observe(ev.seq)
                 raise fresh(err) from None
             if done:
-                ev.done = True
-                s = ev._stream()
-                if s is not None:
-                    s.observe(ev.seq)
+                ev.done = True  # (its stream learns it when it next looks at its last event)
                 return True
         return False
 

@@ -38,13 +38,14 @@ from ._backends._boundary import signature_of
 from ._checks import as_int, is_scalar
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
-from ._guard import LOCK, check_blocking_allowed
+from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
-from ._submit import Lane, Plan, _KernelNeed, _load_kernels
+from ._submit import EXECUTING, Lane, Plan, _KernelNeed, _load_kernels, count_submission
 from ._tensor import Partition, Tensor
 
 if TYPE_CHECKING:
     from ._device import Device
+    from ._stream import Event, Stream
 
 __all__ = ["Kernel", "kernel"]
 
@@ -393,35 +394,49 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
             assert need is not None and need.loaded is not None
             cfg.loaded = need.loaded
         prepared = _prepare(k, cfg, args, device)
-    s = lane.stream
-    wpos, rpos = cfg.writes, cfg.reads
     if lane.plan.capture is None:
-        # Inline of Lane.write / Lane.read (the hot path of every launch).
-        for i in wpos:
-            t = args[i].tensor
-            if t._tracked:
-                b = t._buffer
-                w = b.writer
-                if w is not None and w[0] is not s:
-                    s.wait_for(w[0], w[1])
-                if b.readers:
-                    for r, rseq in b.readers.items():
-                        if r is not s:
-                            s.wait_for(r, rseq)
-        for i in rpos:
-            t = args[i]
-            if t._tracked:
-                w = t._buffer.writer
-                if w is not None and w[0] is not s:
-                    s.wait_for(w[0], w[1])
-        device._stats.launches += 1
-    else:
-        for i in wpos:
-            t = args[i].tensor
-            lane.write(t._buffer, t._tracked)
-        for i in rpos:
-            t = args[i]
-            lane.read(t._buffer, t._tracked)
+        _enqueue_launch(lane.stream, device, cfg, args, prepared)
+        return
+    s = lane.stream
+    for i in cfg.writes:
+        t = args[i].tensor
+        lane.write(t._buffer, t._tracked)
+    for i in cfg.reads:
+        t = args[i]
+        lane.read(t._buffer, t._tracked)
+    if 0 not in cfg.grid:
+        device._driver.launch(prepared, s.handle)
+    seq = s.mark()
+    for i in cfg.writes:
+        t = args[i].tensor
+        lane.wrote(t._buffer, seq, t._tracked)
+    for i in cfg.reads:
+        t = args[i]
+        lane.was_read(t._buffer, seq, t._tracked)
+
+
+def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
+    """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
+    of the buffers it uses on other streams, and registered as their writer or reader.
+    The hot path of every launch: Lane.write / Lane.read inlined. Under LOCK."""
+    wpos, rpos = cfg.writes, cfg.reads
+    for i in wpos:
+        t = args[i].tensor
+        if t._tracked:
+            b = t._buffer
+            w = b.writer
+            if w is not None and w[0] is not s:
+                s.wait_for(w[0], w[1])
+            if b.readers:
+                for r, rseq in b.readers.items():
+                    if r is not s:
+                        s.wait_for(r, rseq)
+    for i in rpos:
+        t = args[i]
+        if t._tracked:
+            w = t._buffer.writer
+            if w is not None and w[0] is not s:
+                s.wait_for(w[0], w[1])
     if 0 not in cfg.grid:  # a launch over an empty tensor has nothing to run
         device._driver.launch(prepared, s.handle)
     s.seq += 1
@@ -441,6 +456,7 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
             t._buffer.readers[s] = seq
         else:
             t._buffer.lifetime[s] = seq
+    device._stats.launches += 1
 
 
 class _Launch(DeviceOp[tuple[Any, ...]]):
@@ -453,6 +469,62 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         self._kernel = k
         self._args = args
         self._inputs_at = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp)) if ops else ()
+
+    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, str] | None:
+        """Plan and enqueue this launch in one step when nothing about it is new: no op
+        inputs, launched before with these exact arguments on this device, memory
+        allocated, nothing to wait for, nothing to tidy up first. The same checks and the
+        same effects as the general path, without building a plan (the common
+        ``await kernel(tensors...)``). None: take the general path."""
+        if self._inputs or _tls.submitting:
+            return None
+        args = self._args
+        k = self._kernel
+        device = s.device
+        key = _prepared_key(args)
+        if key is None:
+            return None
+        hit = k._fast.get(key)
+        if hit is None or hit[0] is not device:
+            return None
+        _, generation, cfg, prepared = hit
+        with LOCK:
+            if (
+                self._state is not None
+                or generation != device.generation
+                or device._resetting
+                or device._driver._fault is not None
+                or device._dead_buffers
+                or device._dead_streams
+                or device._lingering
+                or device._dead_graphs
+                or s.generation != generation
+                or s.capture is not None
+            ):
+                return None
+            for i in cfg.writes:
+                b = args[i].tensor._buffer
+                if b.capture is not None:
+                    return None
+            for i in cfg.reads:
+                b = args[i]._buffer
+                if b.capture is not None:
+                    return None
+            self._state = EXECUTING
+            start = s.seq
+            if s._keep:
+                s.retire()
+            tls = _tls
+            tls.submitting = True
+            try:
+                _enqueue_launch(s, device, cfg, args, prepared)
+            finally:
+                tls.submitting = False
+            seq = s.seq
+            ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
+            device._stats.submissions += 1
+            count_submission()
+        return args, ev, k.name
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
         k = self._kernel

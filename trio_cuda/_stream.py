@@ -193,6 +193,10 @@ class Stream:
         """
         if other is self or other.done_seq >= seq:
             return False
+        last = other._last_event
+        if last is not None and last.done and last.seq >= seq:
+            other.done_seq = last.seq  # known complete: nothing to wait for
+            return False
         token = other._token
         waited = self._waited
         if waited.get(token, 0) >= seq:
@@ -233,9 +237,11 @@ class Stream:
         keep = self._keep
         if not keep:
             return
-        if keep[0][0] > self.done_seq and self._last_event is not None:
+        last = self._last_event
+        if keep[0][0] > self.done_seq and last is not None:
             try:
-                self._last_event.query()
+                if last.query():
+                    self.observe(last.seq)
             except Exception:  # a fault or a reset: the keeps stay until the reset clears them
                 return
         done = self.done_seq

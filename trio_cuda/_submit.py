@@ -94,6 +94,12 @@ class SubmissionStatistics:
     waited_for_memory: int
 
 
+def count_submission() -> None:
+    """Count a submission planned and enqueued in one step (an op's fast path; under LOCK)."""
+    _counts["planned"] += 1
+    _counts["enqueued"] += 1
+
+
 def statistics() -> SubmissionStatistics:
     c = _counts
     return SubmissionStatistics(
@@ -659,6 +665,10 @@ class Plan:
         return Need("staging", [(d, pool_of(d).missing(sizes)) for d, sizes in missing.items()])
 
     def _enqueue(self) -> Need | None:
+        lanes = self.lanes
+        if len(lanes) == 1 and self.capture is None and not (self.staging or self.buffers or self.foreign):
+            self._enqueue_one(lanes[0])  # the common case, kept lean
+            return None
         cap = self.capture
         for dev, gen in self.generations.items():
             if dev.generation != gen:
@@ -737,6 +747,48 @@ class Plan:
         if self._done is not None:
             self._done.set()
         return None
+
+    def _enqueue_one(self, lane: Lane) -> None:
+        """_enqueue for a plan of one lane that allocates and copies nothing from the host."""
+        s = lane.stream
+        dev = lane.device
+        if dev.generation != self.generations[dev]:
+            raise DeviceReset("the device was reset while this submission was being prepared", device=dev.ordinal)
+        if dev._resetting or dev._driver._fault is not None:
+            dev.check_usable()
+        if dev._dead_buffers:
+            dev.flush_frees()  # before streams are destroyed: a free may name one
+        if dev._dead_streams or dev._lingering or dev._dead_graphs:
+            dev._housekeeping()
+        if s.generation != dev.generation:
+            dev._current_stream(s)
+        if s.capture is not None:
+            raise GraphCaptureError(
+                "this op's stream is recording a graph capture; use another stream (or finish the capture)", device=dev.ordinal
+            )
+        lane.start = s.seq
+        if s._keep:
+            s.retire()
+        self.started = True
+        tls = _tls
+        tls.submitting = True
+        try:
+            for fn, ln, arg in self.steps:
+                fn(ln, arg)
+            self.event = lane.finish()
+        finally:
+            tls.submitting = False
+        dev._stats.submissions += 1
+        self.state = ENQUEUED
+        _counts["enqueued"] += 1
+        if self.shared:
+            for op in self.shared:
+                if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
+                    st = op._state
+                    op._state = Done(st.value, s, 0, st.pending)
+        lane.plan = None  # type: ignore[assignment]
+        if self._done is not None:
+            self._done.set()
 
     def _allocate(self) -> Need | None:
         """Allocate every buffer of the plan first: running out of memory leaves nothing half-run."""
@@ -955,6 +1007,19 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
         stream = current_device().policy.next_stream()
+    submit_now = op._submit_now
+    if submit_now is not None:
+        done = submit_now(stream)
+        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
+            value, ev, name = done
+            if ev is None:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            else:
+                try:
+                    await wait_event(ev)
+                except DeviceError as err:
+                    raise name_fault(err, [name], stream.device.ordinal) from err
+            return value
     plan, value, need = begin(op, stream)
     if need is not None:
         await _enqueue_async(plan, need)
@@ -974,6 +1039,17 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
     check_blocking_allowed("op.sync()")
     if stream is None:
         stream = current_device().policy.next_stream()
+    submit_now = op._submit_now
+    if submit_now is not None:
+        done = submit_now(stream)
+        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
+            value, ev, name = done
+            if ev is not None:
+                try:
+                    ev.device.wait_blocking(ev)
+                except DeviceError as err:
+                    raise name_fault(err, [name], stream.device.ordinal) from err
+            return value
     plan, value = submit_blocking(op, stream)
     ev = plan.event
     if ev is not None:
