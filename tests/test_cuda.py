@@ -104,3 +104,53 @@ def test_kernels_are_cached_on_disk(tmp_path: os.PathLike[str]) -> None:
     assert cached == [".cubin", ".name"]
     second = subprocess.run([sys.executable, script, "forbid"], env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
+
+
+async def test_a_kernel_writing_an_input_tensor_is_refused_before_it_runs(dev: trio_cuda.Device) -> None:
+    from numba import cuda
+
+    @trio_cuda.kernel
+    def writes_input(out, x):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        x[i] = 1.0  # x is a tensor argument: read-only
+        out[i] = 2.0
+
+    x = await api.zeros((4,))
+    launches = dev.statistics().launches
+    with pytest.raises(trio_cuda.LaunchError, match="writes_input"):
+        await writes_input(api.zeros((4,)).partition((4,)), x)
+    assert dev.statistics().launches == launches and not dev.is_faulted
+    np.testing.assert_array_equal(await x.to_host(), np.zeros(4))
+
+
+def test_the_disk_cache_is_keyed_by_content(tmp_path: os.PathLike[str]) -> None:
+    # Factory kernels share file, name and line but differ in a closure value; each
+    # process must run its own kernel's code, cached or not.
+    prog = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import trio_cuda
+        from numba import cuda
+        from trio_cuda import api
+        def make(k):
+            @trio_cuda.kernel
+            def scale(y, x):
+                i = cuda.grid(1)
+                if i < y.shape[0]:
+                    y[i] = k * x[i]
+            return scale
+        k = float(sys.argv[1])
+        out = make(k)(api.zeros((8,)).partition((8,)), api.arange(8)).first().to_host().sync()
+        assert np.array_equal(out, k * np.arange(8)), (k, out)
+        print("ok")
+        """
+    )
+    script = os.path.join(str(tmp_path), "scale.py")
+    with open(script, "w") as f:
+        f.write(prog)
+    env = dict(os.environ, TRIO_CUDA_CACHE_DIR=str(tmp_path / "cache"), TRIO_CUDA_QUIET="1")
+    for k in ("2", "3", "2"):
+        r = subprocess.run([sys.executable, script, k], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == 2
