@@ -38,8 +38,15 @@ _MIN_SIZE = 1 << 12
 _PREFILL = ((1 << 12, 32), (1 << 16, 8), (1 << 20, 4), (1 << 22, 1))
 
 
+_LARGE = 64 << 20
+_LARGE_STEP = 16 << 20
+
+
 def bucket(nbytes: int) -> int:
-    """The pool size class of a copy of ``nbytes`` (a power of two, at least 4 KiB)."""
+    """The pool size class of a copy of ``nbytes``: a power of two (at least 4 KiB) up to
+    64 MiB, a multiple of 16 MiB above (a 65 GiB copy pins 65 GiB, not 128)."""
+    if nbytes > _LARGE:
+        return -(-nbytes // _LARGE_STEP) * _LARGE_STEP
     return max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
 
 

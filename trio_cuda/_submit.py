@@ -696,10 +696,6 @@ class Plan:
                     "this op's stream is recording a graph capture; use another stream (or finish the capture)",
                     device=lane.device.ordinal,
                 )
-        if self.staging:
-            need = self._take_staging()
-            if need is not None:
-                return need
         for lane in self.lanes:
             s = lane.stream
             lane.start = s.seq
@@ -709,7 +705,14 @@ class Plan:
             need = self._allocate()
             if need is not None:
                 return need
+        if self.staging:
+            need = self._take_staging()
+            if need is not None:
+                self._unallocate()  # nothing used them: given back, made again on the retry
+                return need
         self.started = True
+        for _, buf, _ in self.buffers:
+            buf.owner = None
         if cap is not None:
             if not cap.open:
                 cap.begin()
@@ -810,9 +813,16 @@ class Plan:
                     return Need("memory", events)
             raise err from None
         for lane, buf in made:
-            buf.owner = None
             buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
         return None
+
+    def _unallocate(self) -> None:
+        """Free the buffers _allocate made (no work used them yet)."""
+        for lane, buf, _ in self.buffers:
+            if buf.ptr is not None:
+                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
+                buf.ptr = None
+                buf.writer = None
 
     def _release(self) -> None:
         """Break the plan <-> lane cycle: the tensors of a finished submission are freed as
