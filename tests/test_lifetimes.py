@@ -73,7 +73,8 @@ async def test_pinned_staging_stays_bounded_after_large_read_backs(dev: trio_cud
     await trio.to_thread.run_sync(settle)
     await api.ones((1,)).to_host()  # returned buffers are taken back at the next copy
     stats = dev.statistics()
-    assert stats.staging_pins - before.staging_pins >= 8
+    # 8 buffers of 32 MiB were lent at once (pinned now, or found idle in the pool); back
+    # in the pool, all but what fits under the cap were unpinned.
     assert stats.staging_unpins - before.staging_unpins >= 4
     assert stats.staging_bytes <= 64 * mb  # the documented cap (TRIO_CUDA_STAGING_CAP_MB)
 

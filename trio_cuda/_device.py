@@ -487,7 +487,10 @@ class Device:
                         s.observe(ev.seq)
                 raise fresh(err) from None
             if done:
-                ev.done = True  # (its stream learns it when it next looks at its last event)
+                ev.done = True
+                s = ev._stream()
+                if s is not None:  # the stream learns how far it is known complete
+                    s.observe(ev.seq)
                 return True
         return False
 

@@ -882,6 +882,14 @@ class Plan:
         return name_fault(err, self.ops, self.root.device.ordinal)
 
 
+def check_generations(generations: dict[Device, int]) -> None:
+    """After waiting for a submission that spanned devices: raise DeviceReset if one of
+    them was reset meanwhile (its part of the work, and its outputs, are gone)."""
+    for dev, gen in generations.items():
+        if dev.generation != gen:
+            raise DeviceReset("the device was reset while this work was pending; its results are gone", device=dev.ordinal)
+
+
 def name_fault(err: DeviceError, ops: list[str], ordinal: int) -> DeviceError:
     """A DeviceFault without an op, renamed after the ops of the submission it failed."""
     if not ops or err.op is not None or not isinstance(err, DeviceFault):
@@ -955,11 +963,12 @@ class Submitted:
         event: The event its work completes at (None if it enqueued no device work).
     """
 
-    __slots__ = ("_ops", "_ordinal", "_pending", "_taken", "event", "value")
+    __slots__ = ("_generations", "_ops", "_ordinal", "_pending", "_taken", "event", "value")
 
     def __init__(self, plan: Plan, value: Any) -> None:
         self.value = value
         self.event = plan.event
+        self._generations = plan.generations
         self._pending = bool(plan.pending)
         self._ops = plan.ops
         self._ordinal = plan.root.device.ordinal
@@ -977,6 +986,8 @@ class Submitted:
                 await wait_event(ev)
             except DeviceError as err:
                 raise name_fault(err, self._ops, self._ordinal) from err
+        if len(self._generations) > 1:
+            check_generations(self._generations)
         self._taken = True
         value, self.value = self.value, None
         return resolve(value) if self._pending else value
@@ -1041,6 +1052,8 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
             await wait_event(ev)
         except DeviceError as err:
             raise plan.fault(err) from err
+    if len(plan.generations) > 1:
+        check_generations(plan.generations)
     return resolve(value) if plan.pending else value
 
 
@@ -1067,4 +1080,6 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
             ev.device.wait_blocking(ev)
         except DeviceError as err:
             raise plan.fault(err) from err
+    if len(plan.generations) > 1:
+        check_generations(plan.generations)
     return resolve(value) if plan.pending else value
