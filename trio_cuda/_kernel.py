@@ -415,6 +415,11 @@ def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _Kerne
         lane.was_read(t._buffer, seq, t._tracked)
 
 
+def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> None:
+    cfg, args, prepared = arg
+    _enqueue_launch(lane.stream, lane.device, cfg, args, prepared)
+
+
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
     """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
     of the buffers it uses on other streams, and registered as their writer or reader.
@@ -557,9 +562,12 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             b = t._buffer
             if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
                 plan.use(b, t)
-        need = None
-        if prepared is None and cfg.loaded is None:
-            need = plan.need_kernel(k, device, cfg.signature, cfg.proto)
-        plan.steps.append((_launch_step, lane, (k, cfg, args, need, prepared)))
+        if prepared is not None and plan.capture is None:
+            plan.steps.append((_prepared_step, lane, (cfg, args, prepared)))  # the hot path
+        else:
+            need = None
+            if prepared is None and cfg.loaded is None:
+                need = plan.need_kernel(k, device, cfg.signature, cfg.proto)
+            plan.steps.append((_launch_step, lane, (k, cfg, args, need, prepared)))
         plan.ops.append(k.name)
         return args

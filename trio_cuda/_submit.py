@@ -566,6 +566,7 @@ class Plan:
         pop = work.pop
         push = work.append
         vpush = values.append
+        claim = self.claimed.append
         while work:
             op, ln, n = pop()
             if n < 0:
@@ -578,7 +579,8 @@ class Plan:
                         )
                     vpush(op._reuse(self, ln))  # only shared ops have other states
                     continue
-                self.claim(op)
+                op._state = EXECUTING
+                claim(op)
                 inputs = op._inputs
                 k = len(inputs)
                 if k:
