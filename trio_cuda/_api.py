@@ -264,6 +264,8 @@ def _plan_copy(plan: Plan, lane: Lane, dst: Any, src: Any) -> Any:
         plan.use(src._buffer, src)
         if not src.is_contiguous:
             raise ValueError(f"memcpy() from a non-contiguous view of shape {src.shape}")
+        if src.device is not dst.device:
+            plan.read_from(src.device, src._buffer.generation)
         plan.step(ln, _d2d_step, (dst, src))
     return dst
 
@@ -316,6 +318,8 @@ class _Dup(DeviceOp[Tensor]):
         if not src.is_contiguous:
             raise ValueError(f"dup() of a non-contiguous view of shape {src.shape}")
         target = self._device or src.device
+        if target is not src.device:
+            plan.read_from(src.device, src._buffer.generation)
         ln = lane.on(target)
         t = Tensor._new(
             plan.new_buffer(ln, src.nbytes, f"copying a {src.dtype} tensor of shape {src.shape}"), src.shape, src.dtype

@@ -53,6 +53,7 @@ class Capture:
         self.saved_streams: dict[Stream, tuple[Any, dict[Any, int]]] = {}
         self.saved_buffers: dict[Buffer, tuple[Any, dict[Stream, int], dict[Stream, int]]] = {}
         self.accesses: dict[Buffer, bool] = {}
+        self.shared: list[Any] = []  # shared ops executed inside (their output is the graph's)
         self.keep: list[Any] = []
         self.forks: list[Stream] = []
         self.open = False
@@ -161,6 +162,17 @@ class Capture:
 
     def restore(self) -> None:
         current = self.generation == self.device.generation
+        if self.shared:
+            # Its upstream was consumed by the capture and its output is what launching
+            # the graph produces: a later consumer outside the graph gets this error.
+            err = GraphCaptureError(
+                "this shared op was captured into a graph: it has not run; its output is produced by "
+                "launching the graph (use the graph's output)",
+                device=self.device.ordinal,
+            )
+            for op in self.shared:
+                op._captured(err)
+            self.shared = []
         for s, (last, waited) in self.saved_streams.items():
             if current and s.generation == self.generation:
                 s._last_event = last

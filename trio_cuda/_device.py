@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed
-from ._stream import Event, Stream
+from ._stream import Event, Stream, dropped_stream
 
 if TYPE_CHECKING:
     from ._scheduling import SchedulingPolicy
@@ -212,7 +212,13 @@ class Device:
             return s
 
     def _current_stream(self, s: Stream) -> None:
-        """Give ``s`` a driver stream of the current generation (after a reset). Under LOCK."""
+        """Give ``s`` a driver stream of the current generation (after a reset). Under LOCK.
+
+        Raises:
+            ValueError: ``s`` was dropped (reached again through a weak reference).
+        """
+        if s._dropped:
+            raise dropped_stream(s)
         if s.generation != self.generation:
             s._bind(self._driver.create_stream())
 
@@ -260,10 +266,10 @@ class Device:
                 continue
             if s.seq > s.done_seq or s._keep:
                 # Its last work may still run: an event after it stands in for the stream
-                # (for waits on it), and holds what that work uses until it is done.
+                # (for waits on it, synchronize() and out-of-memory retries), and holds
+                # what that work uses until it is done.
                 s._final = s.event_at(s.seq)
-                if s._keep:
-                    self._lingering.append((s._final, s._keep))
+                self._lingering.append((s._final, s._keep))
             self._driver.destroy_stream(s.handle)
             s.handle = None
             self._stats.streams_destroyed += 1
@@ -477,9 +483,10 @@ class Device:
             try:
                 done = self._driver.query(ev.handle)
             except DeviceError as err:
-                if self._driver._fault is None:
+                if isinstance(err, DeviceFault) and self._driver._fault is None:
                     # The work before the event failed (it waited for another device that
-                    # faulted), not the device: the event is done, with this error.
+                    # faulted), not the device: the event is done, with this error. Any
+                    # other error (a query the driver refused) says nothing about the work.
                     ev.error = fresh(err)
                     ev.done = True
                     s = ev._stream()
@@ -560,7 +567,8 @@ class Device:
     def pending_events(self) -> list[Event]:
         """An event at the current point of each stream with unfinished work (under LOCK).
 
-        For a stream recording a graph capture, the work from before the capture.
+        For a stream recording a graph capture, the work from before the capture; for a
+        destroyed stream whose last work may still run, the event after that work.
         """
         out = []
         for s in list(self._streams):
@@ -568,6 +576,9 @@ class Device:
                 continue
             ev = s.event_at(s.seq) if s.capture is None else s.capture.outside_event(s, 0)
             if ev is not None and not ev.done:
+                out.append(ev)
+        for ev, _ in self._lingering:  # the last work of destroyed streams
+            if not ev.done:
                 out.append(ev)
         return out
 

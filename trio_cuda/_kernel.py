@@ -505,6 +505,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
                 or device._dead_graphs
                 or s.generation != generation
                 or s.capture is not None
+                or s._dropped
             ):
                 return None
             for i in cfg.writes:

@@ -374,6 +374,8 @@ class SharedOp(DeviceOp[T]):
         if not plan.shared:
             plan.shared = []
         plan.shared.append(self)
+        if plan.capture is not None:
+            plan.capture.shared.append(self)
         plan.step(lane, _mark_done, self)
         return v  # type: ignore[no-any-return]
 
@@ -392,6 +394,10 @@ class SharedOp(DeviceOp[T]):
         if st.pending:
             plan.pending += 1
         return st.value  # type: ignore[no-any-return]
+
+    def _captured(self, err: BaseException) -> None:
+        # Called when the graph capture that executed it ends (see Capture.restore).
+        self._state = Failed(err)
 
     @property
     def is_executed(self) -> bool:

@@ -136,14 +136,24 @@ class StagingPool:
 
     def _put(self, size: int, buf: np.ndarray) -> None:
         if self._idle + size > self.cap:
-            self._pinned -= size
-            stats = self.device._stats
-            stats.staging_bytes = self._pinned
-            stats.staging_unpins += 1
-            _janitor.free(self.device, self._generation, buf)
+            self._unpin(size, buf)
+            # Idle buffers pinned for a submission that did not take them (it was
+            # cancelled) may exceed the cap too: trim them now.
+            free = self._free
+            while self._idle > self.cap:
+                big = max(k for k, v in free.items() if v)
+                self._idle -= big
+                self._unpin(big, free[big].pop())
             return
         self._free[size].append(buf)
         self._idle += size
+
+    def _unpin(self, size: int, buf: np.ndarray) -> None:
+        self._pinned -= size
+        stats = self.device._stats
+        stats.staging_bytes = self._pinned
+        stats.staging_unpins += 1
+        _janitor.free(self.device, self._generation, buf)
 
     def take(self, nbytes: int, host_hold: bool) -> Staging | None:
         """An idle buffer for a copy of ``nbytes`` (> 0), or None if the pool has none."""
@@ -177,7 +187,12 @@ class StagingPool:
                 out.append(n)
         if out and not self._prefilled:
             self._prefilled = True  # once, even if several submissions pin at the same time
-            out.extend(size for size, count in _PREFILL for _ in range(count))
+            room = self.cap - self._idle  # idle pinned memory stays within the cap
+            for size, count in _PREFILL:
+                for _ in range(count):
+                    if size <= room:
+                        out.append(size)
+                        room -= size
         return out
 
     def add(self, generation: int, bufs: list[tuple[int, np.ndarray]]) -> None:

@@ -51,7 +51,8 @@ class Event:
     @property
     def stream(self) -> Stream | None:
         """The stream it was recorded on (None once that stream is gone)."""
-        return self._stream()
+        s = self._stream()
+        return None if s is None or s._dropped else s
 
     def query(self) -> bool:
         """True once the work before this event has completed (non-blocking).
@@ -71,6 +72,14 @@ class Event:
             self.device._recycle_event(self.generation, self.handle)
         except Exception:  # interpreter shutdown
             pass
+
+
+def dropped_stream(stream: Stream) -> ValueError:
+    """The error for using a stream after its last (strong) reference went away."""
+    return ValueError(
+        f"this stream of device {stream.device.ordinal} was dropped (its last reference went away) "
+        "and is destroyed; a weak reference to it cannot bring it back: keep a reference to streams you use"
+    )
 
 
 class _Token:
@@ -93,6 +102,7 @@ class Stream:
 
     __slots__ = (
         "__weakref__",
+        "_dropped",
         "_final",
         "_keep",
         "_last_event",
@@ -118,6 +128,7 @@ class Stream:
     _token: _Token
     _keep: collections.deque[tuple[int, Any]]
     _final: Event | None  # after the handle is destroyed: an event after its last work
+    _dropped: bool  # its last reference went away: it is (being) destroyed
     _wref: weakref.ref[Stream]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -129,6 +140,7 @@ class Stream:
         self = object.__new__(cls)
         self.device = device
         self.capture = None
+        self._dropped = False
         self._wref = weakref.ref(self)
         self._bind(handle)
         return self
@@ -154,7 +166,10 @@ class Stream:
     def __del__(self) -> None:
         # Lock-free: the device destroys the driver stream at its next operation. This
         # object is kept (resurrected) until then: a finalizer of the same garbage (a
-        # buffer's) may still refer to it, and work may still be queued on it.
+        # buffer's) may still refer to it, and work may still be queued on it. A weak
+        # reference can still reach it (CPython clears weak references after finalizers):
+        # it is marked dropped, and using it again is refused (see Device._current_stream).
+        self._dropped = True
         try:
             self.device._recycle_stream(self)
         except Exception:  # interpreter shutdown
@@ -238,6 +253,10 @@ class Stream:
         if not keep:
             return
         last = self._last_event
+        if self.capture is not None:
+            # Recording a graph: its last event may be a node of the capture (querying it
+            # would invalidate the capture); what completed before it began is known.
+            last = None
         if keep[0][0] > self.done_seq and last is not None:
             try:
                 if last.query():
@@ -261,6 +280,8 @@ class Stream:
         """
         check_blocking_allowed("Stream.synchronize()")
         device = self.device
+        if self._dropped:
+            raise dropped_stream(self)
         with LOCK:
             if self.generation != device.generation or self.seq <= self.done_seq:
                 return

@@ -42,6 +42,7 @@ from ._memory import Buffer
 from ._notifier import wait_event
 from ._registry import current_device
 from ._staging import Staging, pin, pool_of
+from ._stream import dropped_stream
 
 if TYPE_CHECKING:
     from ._backends._boundary import KernelSource
@@ -132,7 +133,9 @@ class Pending:
                     try:
                         self._value = self._compute()
                     except BaseException as exc:
-                        self._error = exc
+                        # A copy: the raised one collects the frames of the consumer it
+                        # reaches (and keeps their locals alive while it is stored).
+                        self._error = fresh(exc)
                         raise
                     finally:
                         self._done = True
@@ -143,7 +146,15 @@ class Pending:
         return self._value
 
     def _compute(self) -> Any:
-        return self._fn()
+        # Map callbacks over read-backs run here, after the wait; like every then/map
+        # callback they must not execute ops (NestedExecutionError).
+        tls = _tls
+        was = tls.submitting
+        tls.submitting = True
+        try:
+            return self._fn()
+        finally:
+            tls.submitting = was
 
 
 def contains_pending(v: Any) -> bool:
@@ -431,6 +442,7 @@ class Plan:
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
+    sources: dict[Device, int] = {}  # noqa: RUF012  # devices read without a lane (never mutated here)
     reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
     dependents = 0
     error: BaseException | None = None
@@ -446,6 +458,8 @@ class Plan:
         dev = stream.device
         if dev._resetting or dev._driver._fault is not None:
             dev.check_usable()
+        if stream._dropped:
+            raise dropped_stream(stream)
         self.root = root = Lane(self, stream)
         self.lanes: list[Lane] = [root]
         self.steps: list[tuple[Callable[[Lane, Any], None], Lane, Any]] = []
@@ -455,6 +469,8 @@ class Plan:
         self.generations: dict[Device, int] = {dev: dev.generation}
 
     def lane(self, stream: Stream) -> Lane:
+        if stream._dropped:
+            raise dropped_stream(stream)
         lane = Lane(self, stream)
         self.lanes.append(lane)
         dev = lane.device
@@ -509,6 +525,14 @@ class Plan:
                 if not self.foreign:
                     self.foreign = []
                 self.foreign.append(buf)
+
+    def read_from(self, device: Device, generation: int) -> None:
+        """Note a device this submission reads from without running work on it (the
+        source of a peer copy): if it is reset before the submission enqueues, the
+        submission raises DeviceReset instead of reading released memory."""
+        if not self.sources:
+            self.sources = {}
+        self.sources[device] = generation
 
     def need_kernel(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
         n = _KernelNeed(source, device, signature, args)
@@ -668,7 +692,7 @@ class Plan:
 
     def _enqueue(self) -> Need | None:
         lanes = self.lanes
-        if len(lanes) == 1 and self.capture is None and not (self.staging or self.buffers or self.foreign):
+        if len(lanes) == 1 and self.capture is None and not (self.staging or self.buffers or self.foreign or self.sources):
             self._enqueue_one(lanes[0])  # the common case, kept lean
             return None
         cap = self.capture
@@ -682,6 +706,12 @@ class Plan:
                     dev.flush_frees()  # before streams are destroyed: a free may name one
                 if dev._dead_streams or dev._lingering or dev._dead_graphs:
                     dev._housekeeping()
+        for dev, gen in self.sources.items():
+            if dev.generation != gen:
+                raise DeviceReset(
+                    "the device this submission copies from was reset while the submission was being prepared",
+                    device=dev.ordinal,
+                )
         if cap is not None and cap.generation != cap.device.generation:
             raise DeviceReset("the device was reset while the graph capture was open", device=cap.device.ordinal)
         for buf in self.foreign:
@@ -884,22 +914,24 @@ class Plan:
         return name_fault(err, self.ops, self.root.device.ordinal)
 
 
-def check_generations(generations: dict[Device, int]) -> None:
-    """After waiting for a submission that spanned devices: raise DeviceReset if one of
-    them was reset meanwhile (its part of the work, and its outputs, are gone)."""
+def check_generations(generations: dict[Device, int], ops: list[str]) -> None:
+    """After waiting for a submission that spanned devices: raise DeviceReset (naming its
+    ops) if one of them was reset meanwhile (its part of the work, and its outputs, are gone)."""
     for dev, gen in generations.items():
         if dev.generation != gen:
-            raise DeviceReset("the device was reset while this work was pending; its results are gone", device=dev.ordinal)
+            err = DeviceReset("the device was reset while this work was pending; its results are gone", device=dev.ordinal)
+            raise name_fault(err, ops, dev.ordinal)
 
 
 def name_fault(err: DeviceError, ops: list[str], ordinal: int) -> DeviceError:
-    """A DeviceFault without an op, renamed after the ops of the submission it failed."""
-    if not ops or err.op is not None or not isinstance(err, DeviceFault):
+    """A DeviceFault or DeviceReset without an op, renamed after the ops of the submission
+    it failed (or ended)."""
+    if not ops or err.op is not None or not isinstance(err, (DeviceFault, DeviceReset)):
         return err
     names = list(dict.fromkeys(ops))
     described = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
     device = err.device if err.device is not None else ordinal
-    new = DeviceFault(f"{err.message} (in the work of this submission)", device=device, op=described)
+    new = type(err)(f"{err.message} (in the work of this submission)", device=device, op=described)
     new.__cause__ = err
     return new
 
@@ -989,7 +1021,7 @@ class Submitted:
             except DeviceError as err:
                 raise name_fault(err, self._ops, self._ordinal) from err
         if len(self._generations) > 1:
-            check_generations(self._generations)
+            check_generations(self._generations, self._ops)
         self._taken = True
         value, self.value = self.value, None
         return resolve(value) if self._pending else value
@@ -1001,11 +1033,15 @@ async def _enqueue_async(plan: Plan, need: Need | None) -> None:
         try:
             await need.wait_async()
         except trio.Cancelled:
-            if plan.dependents:
+            # Decided under LOCK: a submission starting to rely on this one takes LOCK too,
+            # so it either sees this one abandoned (and plans the ops itself) or is counted.
+            with LOCK:
+                relied_on = plan.dependents > 0
+                if not relied_on:
+                    plan.abort(DeviceError("cancelled"))
+            if relied_on:
                 # Another submission relies on this one: complete it, then honour the cancel.
                 await _finish_shielded(plan, need)
-            else:
-                _give_up(plan, DeviceError("cancelled"))
             raise
         except BaseException as exc:
             _give_up(plan, exc)
@@ -1055,7 +1091,7 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
         except DeviceError as err:
             raise plan.fault(err) from err
     if len(plan.generations) > 1:
-        check_generations(plan.generations)
+        check_generations(plan.generations, plan.ops)
     return resolve(value) if plan.pending else value
 
 
@@ -1083,5 +1119,5 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
         except DeviceError as err:
             raise plan.fault(err) from err
     if len(plan.generations) > 1:
-        check_generations(plan.generations)
+        check_generations(plan.generations, plan.ops)
     return resolve(value) if plan.pending else value

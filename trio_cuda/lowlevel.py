@@ -56,6 +56,8 @@ def record(stream: Stream) -> Event:
     with LOCK:
         stream.device.check_usable()
         stream.device._current_stream(stream)
+        if stream.capture is not None:
+            raise GraphCaptureError("the stream is recording a graph capture", device=stream.device.ordinal)
         return stream.event_at(stream.mark())
 
 

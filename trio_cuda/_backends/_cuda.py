@@ -66,7 +66,7 @@ _STICKY = {
     )
     if hasattr(R, n)
 }
-_CAPTURE = {getattr(R, n) for n in dir(R) if n.startswith("CUDA_ERROR_STREAM_CAPTURE")}
+_CAPTURE = {getattr(R, n) for n in dir(R) if n.startswith(("CUDA_ERROR_STREAM_CAPTURE", "CUDA_ERROR_CAPTURED_EVENT"))}
 
 
 def _name(err: Any) -> str:

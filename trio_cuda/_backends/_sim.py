@@ -144,10 +144,11 @@ class _Alloc:
 
 
 class _SimStream:
-    __slots__ = ("__weakref__", "capture", "device", "error", "generation", "queue", "thread")
+    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread")
 
     def __init__(self, device: _SimDevice) -> None:
         self.device = device
+        self.freeing = 0  # bytes whose free is queued on it: its later allocations may reuse them
         self.generation = device.generation
         self.queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
@@ -276,6 +277,8 @@ class _SimDevice(DeviceDriver):
             cmd.fn()
         except _ForeignFailure as f:
             stream.error = f.fault
+            self._poison(cmd.writes, f.fault)  # what it would have written is not there
+            return
         except BaseException as exc:
             self._set_fault(_describe_fault(cmd.what, exc))
             return
@@ -420,7 +423,9 @@ class _SimDevice(DeviceDriver):
             raise GraphCaptureError("allocation inside a graph capture", device=self.ordinal)
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         with self._lock:
-            if self._in_use + size > self.total_memory:
+            # Like CUDA's stream-ordered allocator: memory freed earlier on the same stream
+            # can serve this allocation (the free comes first in the stream's order).
+            if self._in_use - stream.freeing + size > self.total_memory:
                 raise DeviceOutOfMemory(
                     f"cannot allocate {nbytes} bytes: {self._in_use} of {self.total_memory} bytes in use",
                     device=self.ordinal,
@@ -435,8 +440,11 @@ class _SimDevice(DeviceDriver):
     def free(self, ptr: int, stream: _SimStream) -> None:
         gen = self.generation
 
+        queued = 0
+
         def release() -> None:
             with self._lock:
+                stream.freeing -= queued
                 if self.generation != gen:
                     return
                 a = self._allocs.pop(ptr)
@@ -447,6 +455,10 @@ class _SimDevice(DeviceDriver):
             if stream.generation == gen:  # a faulted device runs nothing: free now
                 release()
             return
+        with self._lock:
+            a = self._allocs.get(ptr)
+            queued = a.data.nbytes if a is not None else 0
+            stream.freeing += queued
         # A free runs even on a stream whose wait failed (memory is returned regardless).
         stream.enqueue(_Command(release, "free", always=True))
 
