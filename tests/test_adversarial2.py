@@ -22,7 +22,7 @@ from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add, sleep
 
 from .conftest import needs_devices
-from .test_adversarial import child
+from .test_adversarial import child, ready_to_fault, scribble
 
 SEC = 1_000_000_000
 
@@ -154,28 +154,51 @@ def test_out_of_memory_retry_waits_for_free_on_destroyed_stream() -> None:
 
 
 # -- faults and resets ----------------------------------------------------------------------
+@pytest.mark.faults_device
 @pytest.mark.sim_only
 @needs_devices(2)
 async def test_failed_peer_copy_marks_its_destination() -> None:
     # repro_failed_peer_copy_dst_not_poisoned: a device-1 -> device-0 copy that failed
-    # because device 1 was reset before it ran left its destination unmarked: reads
+    # because device 1 faulted before it ran left its destination unmarked: reads
     # returned the old contents without an error.
     d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    c1s, z = await ready_to_fault(1)
     y = await api.full((8,), 1.0)
     x1 = await api.full((8,), 2.0, device=1)
     c = await api.zeros((1,), np.int32)
     s = d0.create_stream()
     await lowlevel.submit(sleep(c.partition((1,)), 300_000_000), s)
     copy = await lowlevel.submit(api.memcpy(y, x1), s)  # runs after the sleep
-    await trio.to_thread.run_sync(d1.reset)  # before the copy ran
+    await lowlevel.submit(scribble(z.partition((32,))), d1.create_stream())  # device 1 faults
     with pytest.raises(trio_cuda.DeviceFault):
         await copy.wait()
+    assert d1.is_faulted and not d0.is_faulted
     for _ in range(2):
         with pytest.raises(trio_cuda.DeviceFault, match="did not write"):
             await y.to_host()
     await api.memcpy(y, np.full(8, 4.0, np.float32))  # rewritten: readable again
     np.testing.assert_array_equal(await y.to_host(), [4.0] * 8)
-    assert not d0.is_faulted
+    del c1s
+
+
+@needs_devices(2)
+async def test_reset_waits_for_copies_on_other_devices_that_read_its_memory() -> None:
+    # Code review: a reset released the device's memory while a copy queued on another
+    # device still had to read it (on CUDA an illegal address on that other device,
+    # sticky for the process). The reset now waits for such copies first.
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    y = await api.full((8,), 1.0)
+    x1 = await api.full((8,), 2.0, device=1)
+    c = await api.zeros((1,), np.int32)
+    await sleep(c.partition((1,)), 1000)
+    s = d0.create_stream()
+    await lowlevel.submit(sleep(c.partition((1,)), SEC // 4), s)
+    copy = await lowlevel.submit(api.memcpy(y, x1), s)  # reads device 1 after the sleep
+    await trio.to_thread.run_sync(d1.reset)
+    assert copy.event is not None and copy.event.query()  # the reset waited for it
+    await copy.wait()
+    np.testing.assert_array_equal(await y.to_host(), [2.0] * 8)
+    assert not d0.is_faulted and not d1.is_faulted
 
 
 @pytest.mark.sim_only

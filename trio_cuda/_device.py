@@ -142,6 +142,7 @@ class Device:
     _stats: _Counters
     _reset_callbacks: list[Callable[[Device], None]]
     _blocking: set[Waker]
+    _peer_readers: list[Event]  # work of other devices reading its memory (peer copies)
     _idle_wakers: list[Waker]
     _host_cond: threading.Condition
     _host_readers: int
@@ -172,6 +173,7 @@ class Device:
         self._stats = _Counters()
         self._reset_callbacks = []
         self._blocking = set()
+        self._peer_readers = []
         self._idle_wakers = []
         self._host_cond = threading.Condition(threading.Lock())
         self._host_readers = 0
@@ -371,6 +373,7 @@ class Device:
             self._bytes_in_use = 0
             wakers = list(self._blocking)
             callbacks = list(self._reset_callbacks)
+            readers, self._peer_readers = self._peer_readers, []
         try:
             for w in wakers:
                 w.post()
@@ -379,11 +382,36 @@ class Device:
             with self._host_cond:  # host reads of the old generation's pinned memory
                 while self._host_readers:
                     self._host_cond.wait()
+            for ev in readers:
+                # Copies queued on other devices that read this device's memory: they run
+                # before it is released (else the other device reads released memory).
+                try:
+                    ev.device.wait_blocking(ev)
+                except DeviceError:
+                    pass  # that device failed or was reset: its copy will not read
             with self._slow_lock:
                 self._driver.reset()
         finally:
             with LOCK:
                 self._resetting = False
+
+    def _read_by_peer(self, ev: Event) -> None:
+        """Note work of another device (done at ``ev``) that reads this device's memory:
+        a reset waits for it first (under LOCK)."""
+        readers = self._peer_readers
+        if len(readers) > 16:
+            keep = []
+            for e in readers:
+                if e.done or e.generation != e.device.generation:
+                    continue
+                try:
+                    if e.device._driver.query(e.handle):
+                        continue
+                except DeviceError:
+                    continue
+                keep.append(e)
+            self._peer_readers = readers = keep
+        readers.append(ev)
 
     def begin_host_read(self, generation: int) -> bool:
         """Start reading pinned host memory of ``generation``; False if it is gone (reset)."""
@@ -506,7 +534,11 @@ class Device:
         with LOCK:
             if ev.done or ev.generation != self.generation:
                 return False
-            self._driver.arm(ev.handle, ev.stream_handle, waker)
+            s = ev._stream()
+            # The event's stream only while it still has that driver stream (a destroyed
+            # or rebound one is not named: the driver must not key anything by it).
+            handle = ev.stream_handle if s is not None and s.handle is ev.stream_handle else None
+            self._driver.arm(ev.handle, handle, waker)
             return True
 
     def wait_blocking(self, ev: Event) -> None:

@@ -755,7 +755,10 @@ class Plan:
             for fn, lane, arg in self.steps:
                 fn(lane, arg)
             if cap is None:
-                self.event = self.root.finish()
+                self.event = ev = self.root.finish()
+                if ev is not None:
+                    for dev in self.sources:
+                        dev._read_by_peer(ev)
             else:
                 self.root.join(self.root.forks)
                 if cap.auto_end:

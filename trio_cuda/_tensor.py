@@ -177,6 +177,32 @@ class Tensor:
         return plan_read_to_host(plan, lane, self, np.empty(self.shape, dtype=self.dtype))
 
     # -- views --------------------------------------------------------------------
+    def __getitem__(self, key: Any) -> Tensor:
+        """A view by basic indexing, as numpy's: ints, slices (any step, negative too),
+        ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering)."""
+        shape, strides, offset = index_view(self.shape, self._strides, key)
+        return Tensor._new(self._buffer, shape, self.dtype, self._offset + offset, strides, self._tracked)
+
+    @property
+    def T(self) -> Tensor:
+        """The view with the axes reversed."""
+        return self.transpose()
+
+    def transpose(self, *axes: Any) -> Tensor:
+        """A view with the axes permuted (reversed by default), as ``numpy.transpose``."""
+        if len(axes) == 1 and not is_int(axes[0]) and axes[0] is not None:
+            axes = tuple(axes[0])
+        n = self.ndim
+        if not axes or axes == (None,):
+            perm = tuple(range(n - 1, -1, -1))
+        else:
+            perm = tuple(normalize_axis(a, n) for a in axes)
+            if sorted(perm) != list(range(n)):
+                raise ValueError(f"axes {tuple(axes)} are not a permutation of the {n} axes of shape {self.shape}")
+        shape = tuple(self.shape[i] for i in perm)
+        strides = tuple(self._strides[i] for i in perm)
+        return Tensor._new(self._buffer, shape, self.dtype, self._offset, strides, self._tracked)
+
     def reshape(self, *shape: Any) -> Tensor:
         """A view with another shape and the same number of elements (one dim may be -1)."""
         if len(shape) == 1 and not is_int(shape[0]):
@@ -289,6 +315,63 @@ class Partition:
 
     def __repr__(self) -> str:
         return f"<trio_cuda.Partition shape={self.shape} tile={self.tile_shape} grid={self.grid} dtype={self.dtype}>"
+
+
+# -- basic indexing ------------------------------------------------------------------------------
+def normalize_axis(axis: Any, ndim: int) -> int:
+    """``axis`` (negative counts from the end) as an index into ``ndim`` axes, or raise."""
+    if not is_int(axis):
+        raise TypeError(f"an axis must be an int, not {type(axis).__name__}")
+    a = int(axis)
+    if not -ndim <= a < ndim:
+        raise ValueError(f"axis {a} is out of range for {ndim} dimensions")
+    return a % ndim
+
+
+def index_view(shape: tuple[int, ...], strides: tuple[int, ...], key: Any) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(shape, strides, byte offset) of the view ``key`` selects, by numpy's basic indexing."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    for k in key:
+        if not (k is None or k is Ellipsis or isinstance(k, slice) or is_int(k)):
+            raise TypeError(
+                f"only basic indexing is supported on device tensors (ints, slices, ..., None), not {type(k).__name__}; "
+                "for a selection by a mask or an index array, use trio_cuda.ops"
+            )
+    if sum(1 for k in key if k is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    used = sum(1 for k in key if k is not None and k is not Ellipsis)
+    if used > len(shape):
+        raise IndexError(f"too many indices: {used} for a tensor of {len(shape)} dimensions")
+    if Ellipsis in key:
+        i = key.index(Ellipsis)
+        key = key[:i] + (slice(None),) * (len(shape) - used) + key[i + 1 :]
+    else:
+        key = key + (slice(None),) * (len(shape) - used)
+    out_shape: list[int] = []
+    out_strides: list[int] = []
+    offset = 0
+    dim = 0
+    for k in key:
+        if k is None:
+            out_shape.append(1)
+            out_strides.append(0)
+            continue
+        n, st = shape[dim], strides[dim]
+        dim += 1
+        if isinstance(k, slice):
+            start, stop, step = k.indices(n)
+            length = len(range(start, stop, step))
+            if length:
+                offset += start * st
+            out_shape.append(length)
+            out_strides.append(st * step)
+        else:
+            i = int(k)
+            if not -n <= i < n:
+                raise IndexError(f"index {i} is out of bounds for an axis of size {n}")
+            offset += (i % n) * st
+    return tuple(out_shape), tuple(out_strides), offset
 
 
 # -- reading back to the host ---------------------------------------------------------------

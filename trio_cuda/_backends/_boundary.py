@@ -182,8 +182,9 @@ class DeviceDriver(abc.ABC):
 
     @abc.abstractmethod
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
-        """Post ``waker`` once ``event`` (last recorded on ``stream``) completes, or at once
-        if it has; a faulted device may never post (callers re-poll)."""
+        """Post ``waker`` once ``event`` (last recorded on ``stream``; None if that driver
+        stream was destroyed since) completes, or at once if it has; a faulted device may
+        never post (callers re-poll)."""
 
     # -- memory ---------------------------------------------------------------
     @abc.abstractmethod

@@ -447,7 +447,7 @@ class CudaDevice(DeviceDriver):
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
         assert isinstance(waker, _SemWaker)
         self._current()
-        key = int(stream)
+        key = int(stream) if stream is not None else 0  # 0: one side stream for orphans
         side = self._notify.get(key)
         if side is None:
             side = self._notify[key] = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)

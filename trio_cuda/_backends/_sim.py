@@ -403,7 +403,7 @@ class _SimDevice(DeviceDriver):
             raise fresh(t.error)
         return t.done
 
-    def arm(self, event: _SimEvent, stream: _SimStream, waker: Waker) -> None:
+    def arm(self, event: _SimEvent, stream: _SimStream | None, waker: Waker) -> None:
         dev = event.device
         ticket = event.ticket
         with _cond:
