@@ -91,17 +91,6 @@ def test_bad_environment_variables_name_the_variable(name: str, value: str) -> N
     assert name in r.stderr and "ValueError" in r.stderr
 
 
-def test_direct_construction_is_refused() -> None:
-    with pytest.raises(TypeError, match="api"):
-        trio_cuda.Tensor()
-    with pytest.raises(TypeError, match="partition"):
-        trio_cuda.Partition()
-    with pytest.raises(TypeError, match="create_stream"):
-        trio_cuda.Stream()
-    with pytest.raises(TypeError, match="device"):
-        trio_cuda.Device()
-
-
 async def test_tensors_refuse_host_conversion_with_a_pointer_to_to_host() -> None:
     t = await api.ones((3,))
     with pytest.raises(TypeError, match="to_host"):

@@ -87,6 +87,18 @@ def _factory_kernel(tag: float) -> trio_cuda.Kernel:
     return twice
 
 
+def _slow_first_loads(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make every kernel load of ``dev`` take ``seconds`` longer (a slow first compile)."""
+    drv = dev._driver
+    real = drv.load_kernel
+
+    def slow_load(source: object, signature: object, args: object) -> object:
+        time.sleep(seconds)
+        return real(source, signature, args)
+
+    monkeypatch.setattr(drv, "load_kernel", slow_load)
+
+
 async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(
     dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -129,14 +141,7 @@ async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(
 async def test_cancelled_during_compilation_means_nothing_ran(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
     k = _factory_kernel(0.37)
     x = await api.full((8,), 4.0)
-    drv = dev._driver
-    real = drv.load_kernel
-
-    def slow_load(source: object, signature: object, args: object) -> object:
-        time.sleep(0.3)
-        return real(source, signature, args)
-
-    monkeypatch.setattr(drv, "load_kernel", slow_load)
+    _slow_first_loads(dev, monkeypatch, 0.3)
     op = k(api.empty((8,)).partition((8,)), x).first().to_host()
     before = snapshot(dev)
     start = time.perf_counter()
@@ -202,14 +207,7 @@ async def test_shared_op_used_by_concurrent_submissions_runs_once(dev: trio_cuda
     # The first submission waits (a slow first compile) after planning the shared op; the
     # second, planned meanwhile, uses its output and waits for it to enqueue.
     k = _factory_kernel(0.43)
-    drv = dev._driver
-    real = drv.load_kernel
-
-    def slow_load(source: object, signature: object, args: object) -> object:
-        time.sleep(0.2)
-        return real(source, signature, args)
-
-    monkeypatch.setattr(drv, "load_kernel", slow_load)
+    _slow_first_loads(dev, monkeypatch, 0.2)
     x = await api.full((8,), 1.5)
     shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
     launches = dev.statistics().launches
@@ -234,14 +232,7 @@ async def test_shared_op_first_submission_cancelled_while_others_rely_on_it(
     # meanwhile, relies on A's plan. A is cancelled during the compilation: A must still
     # enqueue (shielded, bounded by the compilation) so B gets its result; A sees Cancelled.
     k = _factory_kernel(0.47)
-    drv = dev._driver
-    real = drv.load_kernel
-
-    def slow_load(source: object, signature: object, args: object) -> object:
-        time.sleep(0.2)
-        return real(source, signature, args)
-
-    monkeypatch.setattr(drv, "load_kernel", slow_load)
+    _slow_first_loads(dev, monkeypatch, 0.2)
     x = await api.full((8,), 2.0)
     shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
     out: list[np.ndarray] = []
