@@ -53,6 +53,13 @@ def set_one(z):  # type: ignore[no-untyped-def]
         z[i, j] = 1.0
 
 
+@trio_cuda.kernel(block=(64, 64))  # 4096 threads: more than a block can have
+def set_one_too_wide(z):  # type: ignore[no-untyped-def]
+    i, j = cuda.grid(2)
+    if i < z.shape[0] and j < z.shape[1]:
+        z[i, j] = 1.0
+
+
 @trio_cuda.kernel
 def sign_of(z, a):  # type: ignore[no-untyped-def]
     i = cuda.grid(1)
@@ -217,13 +224,13 @@ async def test_a_negative_zero_scalar_reaches_the_kernel_as_negative_zero() -> N
 
 
 async def test_a_launch_config_error_late_in_a_dag_means_nothing_of_it_ran(dev: trio_cuda.Device) -> None:
-    # repro_launch_error_half_run: a DAG whose kernel has an invalid block (a 64x64 tile:
+    # repro_launch_error_half_run: a DAG whose kernel has an invalid block (64x64:
     # 4096 threads) must run nothing; the fill of x before the launch had run.
     x = await api.zeros((4,))
     big = await api.zeros((64, 64))
     await trio.to_thread.run_sync(settle)
     before = snapshot(dev)
-    dag = trio_cuda.zip(api.memcpy(x, np.full(4, 7.0, np.float32)), set_one(big.partition((64, 64))))
+    dag = trio_cuda.zip(api.memcpy(x, np.full(4, 7.0, np.float32)), set_one_too_wide(big.partition((64, 64))))
     with pytest.raises(trio_cuda.LaunchError, match="threads per block"):
         await dag
     await trio.to_thread.run_sync(settle)

@@ -153,20 +153,52 @@ async def test_out_of_memory_is_an_exception(dev: trio_cuda.Device) -> None:
 async def test_launch_error_is_raised_at_submission(dev: trio_cuda.Device) -> None:
     from trio_cuda.kernels import add
 
+    @trio_cuda.kernel(block=(2048,))
+    def too_wide(z):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < z.shape[0]:
+            z[i] = 1.0
+
     with pytest.raises(trio_cuda.LaunchError) as info:
-        await add(api.zeros((2048,)).partition((2048,)), api.ones((2048,)), api.ones((2048,)))
-    assert info.value.device == dev.ordinal and "add" in str(info.value)
+        await too_wide(api.zeros((2048,)).partition((2048,)))
+    assert info.value.device == dev.ordinal and "too_wide" in str(info.value)
     assert not dev.is_faulted
-    np.testing.assert_array_equal(await api.ones((2,)).to_host(), [1, 1])
+    # A tile of more than 1024 threads without block=: the launcher splits it into blocks.
+    out = await add(api.zeros((3000,)).partition((2048,)), api.ones((3000,)), api.ones((3000,)))
+    np.testing.assert_array_equal(await out[0].to_host(), np.full(3000, 2.0, np.float32))
+
+
+async def test_writing_an_input_tensor_is_refused_before_it_runs(dev: trio_cuda.Device) -> None:
+    @trio_cuda.kernel
+    def writes_input(out, x):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        w = x  # through an alias too
+        w[i] += 1.0
+        out[i] = 2.0
+
+    x = await api.zeros((4,))
+    launches = dev.statistics().launches
+    with pytest.raises(ValueError, match="read-only inputs"):
+        await writes_input(api.zeros((4,)).partition((4,)), x)
+    assert dev.statistics().launches == launches and not dev.is_faulted
+    # The same kernel with a partition there is fine.
+    out, xp = await writes_input(api.zeros((4,)).partition((4,)), x.partition((4,)))
+    np.testing.assert_array_equal(await xp.to_host(), np.ones(4, np.float32))
+    np.testing.assert_array_equal(await out.to_host(), np.full(4, 2.0, np.float32))
 
 
 @pytest.mark.faults_device
 @pytest.mark.sim_only
-async def test_writing_an_input_tensor_is_caught_on_the_simulated_device() -> None:
+async def test_writing_an_input_tensor_in_a_device_function_is_caught_on_the_simulated_device() -> None:
+    # A write behind a call is not seen before the launch: the read-only view faults.
+    @cuda.jit(device=True)
+    def put(a, i):  # type: ignore[no-untyped-def]
+        a[i] = 1.0
+
     @trio_cuda.kernel
     def writes_input(out, x):  # type: ignore[no-untyped-def]
         i = cuda.grid(1)
-        x[i] = 1.0
+        put(x, i)
         out[i] = 2.0
 
     with pytest.raises(trio_cuda.DeviceFault, match="read-only input"):

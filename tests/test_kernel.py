@@ -113,9 +113,55 @@ async def test_launch_errors_before_any_work() -> None:
     assert after.launches == before.launches
 
 
+@trio_cuda.kernel
+def _fill_index(z):  # type: ignore[no-untyped-def]
+    i, j = cuda.grid(2)
+    if i < z.shape[0] and j < z.shape[1]:
+        z[i, j] = i * 1000 + j
+
+
+@trio_cuda.kernel
+def _tile_sums(out, x):  # type: ignore[no-untyped-def]
+    # One thread per tile does the tile's sum: the tile is the block, its bounds are
+    # blockIdx * blockDim, clipped to the shape (the last tile is partial).
+    if cuda.threadIdx.x == 0:
+        start = cuda.blockIdx.x * cuda.blockDim.x
+        stop = min(start + cuda.blockDim.x, x.shape[0])
+        s = 0.0
+        for k in range(start, stop):
+            s += x[k]
+        for k in range(start, stop):
+            out[k] = s
+
+
+async def test_ragged_partitions_cover_every_element() -> None:
+    # 1000 elements in tiles of 256: the last tile has 232.
+    x = await api.arange(1000)
+    out, _, _ = await add(api.zeros((1000,)).partition((256,)), x, x)
+    np.testing.assert_array_equal(await out.to_host(), 2 * np.arange(1000, dtype=np.float32))
+    # 60 x 60 in 16 x 16 tiles, and a tile of 64 x 64 (4096 threads: split into blocks).
+    for tile in ((16, 16), (64, 64), (7, 60)):
+        (z,) = await _fill_index(api.zeros((60, 60)).partition(tile))
+        i, j = np.indices((60, 60))
+        np.testing.assert_array_equal(await z.to_host(), (i * 1000 + j).astype(np.float32))
+
+
+async def test_a_kernel_finds_its_tiles_bounds() -> None:
+    data = np.arange(10, dtype=np.float32)
+    out, _ = await _tile_sums(api.zeros((10,)).partition((4,)), api.from_host(data))
+    expected = np.concatenate([np.full(4, data[0:4].sum()), np.full(4, data[4:8].sum()), np.full(2, data[8:].sum())])
+    np.testing.assert_array_equal(await out.to_host(), expected)
+
+
 async def test_too_large_block_is_a_launch_error() -> None:
-    with pytest.raises(trio_cuda.LaunchError, match="add") as info:
-        await add(api.zeros((2048,)).partition((2048,)), api.ones((2048,)), api.ones((2048,)))
+    @trio_cuda.kernel(block=(32, 64))
+    def wide(z):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < z.shape[0]:
+            z[i] = 1.0
+
+    with pytest.raises(trio_cuda.LaunchError, match="wide") as info:
+        await wide(api.zeros((2048,)).partition((2048,)))
     assert info.value.device == 0
 
 

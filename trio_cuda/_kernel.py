@@ -42,6 +42,7 @@ from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
 from ._submit import EXECUTING, Lane, Plan, _KernelNeed, _load_kernels, count_submission
 from ._tensor import Partition, Tensor
+from ._writes import written_params
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -78,6 +79,7 @@ class Kernel:
         sim: Callable[..., Any] | None = None,
         validate: Callable[..., None] | None = None,
         name: str | None = None,
+        geometry: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> None:
         if not callable(fn) or not hasattr(fn, "__code__"):
             raise TypeError(f"kernel() needs a Python function, got {fn!r}")
@@ -90,6 +92,8 @@ class Kernel:
         self.block = _check_dims(block, "block") if block is not None else None
         self.host_impl = sim
         self._validate = validate
+        # Internal (the op library): (grid, block) from the arguments, instead of the tiles.
+        self._geometry = geometry
         self._configs: dict[tuple[Any, ...], _Config] = {}
         self._fast: dict[tuple[Any, ...], tuple[Device, int, _Config, Any]] = {}
         self._fp: Any = None
@@ -330,10 +334,22 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
             raise OverflowError(f"kernel {name} argument {i}: {a} does not fit a 64-bit integer")
     if grid is None:
         raise ValueError(f"kernel {name}: no Partition argument to take the launch grid from")
+    written = written_params(k.py_func)
+    for i in reads:
+        if i in written:
+            raise ValueError(
+                f"kernel {name} stores into its argument {i} ({k.py_func.__code__.co_varnames[i]!r}), which got a "
+                "Tensor: tensor arguments are read-only inputs; pass a Partition (tensor.partition(tile)) for an output"
+            )
+    if k._geometry is not None:
+        grid, block = k._geometry(*args)
+    elif k.block is not None:
+        block = k.block
+    else:
+        assert tile is not None
+        grid, block = _blocks_for(name, args[writes[0]].tensor.shape, grid, tile)
     if len(grid) > 3:
         raise ValueError(f"kernel {name}: a {len(grid)}-D tile grid cannot be launched (CUDA grids have at most 3 dims)")
-    block = k.block or tile
-    assert block is not None
     if len(block) > 3:
         raise ValueError(f"kernel {name}: a {len(block)}-D tile cannot be a block; pass block= to @kernel")
     if k._validate is not None:
@@ -342,6 +358,22 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
     block3 = ((*tuple(block), 1, 1, 1))[:3]
     _check_launch_config(name, grid3, block3, device.ordinal)
     return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
+
+
+def _blocks_for(
+    name: str, shape: tuple[int, ...], grid: tuple[int, ...], tile: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(grid, block) for a kernel without a fixed block: one block per tile when the tile
+    fits in a block, else blocks that divide the tile (so ``cuda.grid`` still gives
+    element indices) over the whole shape."""
+    if math.prod(tile) <= 1024 or len(tile) > 3:
+        return grid, tile
+    block = list(tile)
+    while math.prod(block) > 1024:
+        i = max(range(len(block)), key=lambda d: block[d])
+        t = tile[i]
+        block[i] = max((d for d in range(1, block[i] // 2 + 1) if t % d == 0), default=1)
+    return tuple(-(-n // b) for n, b in zip(shape, block, strict=False)), tuple(block)
 
 
 def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:

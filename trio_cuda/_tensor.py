@@ -223,7 +223,8 @@ class Tensor:
         return Tensor._new(self._buffer, new, self.dtype, self._offset, None, self._tracked)
 
     def partition(self, tile_shape: Any) -> Partition:
-        """Cut the tensor into tiles of ``tile_shape``, which must divide its shape."""
+        """Cut the tensor into tiles of ``tile_shape`` (one per dimension); a tile need not
+        divide the shape: the last tile along a dimension is then partial."""
         return Partition._new(self, tile_shape)
 
     def untracked(self) -> Tensor:
@@ -248,7 +249,8 @@ class Partition:
     Attributes:
         tensor: The partitioned tensor.
         tile_shape: The shape of one tile.
-        grid: Tiles along each dimension (``shape[i] // tile_shape[i]``).
+        grid: Tiles along each dimension (``ceil(shape[i] / tile_shape[i])``; edge tiles
+            may be partial).
     """
 
     __slots__ = ("_k", "grid", "tensor", "tile_shape")
@@ -268,13 +270,11 @@ class Partition:
             raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {tensor.shape} has {tensor.ndim}")
         if any(t == 0 for t in tile):
             raise ValueError(f"tile_shape must be positive: {tile}")
-        bad = [i for i, (n, t) in enumerate(zip(tensor.shape, tile, strict=False)) if n % t]
-        if bad:
-            raise ValueError(f"tile_shape {tile} does not divide the tensor shape {tensor.shape} (dims {bad})")
         self = object.__new__(cls)
         self.tensor = tensor
         self.tile_shape = tile
-        self.grid = tuple(n // t for n, t in zip(tensor.shape, tile, strict=False))
+        # Ragged: the last tile along a dimension may be partial (the grid is the ceiling).
+        self.grid = tuple(-(-n // t) for n, t in zip(tensor.shape, tile, strict=False))
         self._k = None
         return self
 
