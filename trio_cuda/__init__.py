@@ -3,8 +3,8 @@
 Describe GPU work as lazy :class:`DeviceOp` objects, compose them with ``then``,
 ``map``, :func:`trio_cuda.zip`, ``unzip`` and ``shared``, and ``await`` them inside
 trio nurseries. The public API is everything re-exported here, plus
-``trio_cuda.api`` (tensor constructors and copies), ``trio_cuda.lowlevel`` (streams
-and events) and ``trio_cuda.kernels`` (the kernel library).
+``trio_cuda.api`` (tensor constructors and copies), ``trio_cuda.ops`` (tensor math),
+``trio_cuda.lowlevel`` (streams and events) and ``trio_cuda.kernels`` (the kernel library).
 
 ``trio_cuda.zip`` is not in ``__all__``: ``from trio_cuda import *`` must not shadow
 the builtin ``zip``.
@@ -17,7 +17,11 @@ from ._backends import select as _select
 
 _select()
 
-from . import api, lowlevel  # noqa: E402
+from . import (  # noqa: E402
+    api,
+    lowlevel,
+    ops,
+)
 from ._backends import backend_name  # noqa: E402
 from ._device import Device, DeviceStatistics  # noqa: E402
 from ._errors import (  # noqa: E402
@@ -75,6 +79,7 @@ __all__ = [
     "devices",
     "kernel",
     "lowlevel",
+    "ops",
     "use_device",
     "value",
 ]

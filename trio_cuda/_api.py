@@ -17,7 +17,7 @@ import numpy as np
 from ._checks import check_dtype, check_shape, is_scalar, nbytes_of
 from ._device import Device
 from ._memory import Buffer
-from ._op import DeviceOp, _tensor_of
+from ._op import DeviceOp, _ext, _tensor_of
 from ._registry import as_device
 from ._submit import Lane, Plan, _StagingSlot
 from ._tensor import Partition, Tensor, plan_read_to_host
@@ -255,19 +255,33 @@ def _plan_copy(plan: Plan, lane: Lane, dst: Any, src: Any) -> Any:
         _check_host_dst(dst)
         return plan_read_to_host(plan, lane, src, dst)
     plan.use(dst._buffer, dst)
-    if not dst.is_contiguous:
-        raise ValueError(f"memcpy() into a non-contiguous view of shape {dst.shape}")
     ln = lane.on(dst.device)
     if isinstance(src, np.ndarray):
-        _plan_h2d(plan, ln, dst, src)
-    else:
-        plan.use(src._buffer, src)
-        if not src.is_contiguous:
-            raise ValueError(f"memcpy() from a non-contiguous view of shape {src.shape}")
-        if src.device is not dst.device:
-            plan.read_from(src.device, src._buffer.generation)
-        plan.step(ln, _d2d_step, (dst, src))
+        if dst.is_contiguous:
+            _plan_h2d(plan, ln, dst, src)
+        else:  # into a view: through contiguous device memory, then a copy kernel
+            tmp = _new_tensor(plan, ln, dst.shape, dst.dtype, "memcpy() into a view")
+            _plan_h2d(plan, ln, tmp, src)
+            _ext("copy_into")(plan, ln, dst, tmp, "memcpy")
+        return dst
+    plan.use(src._buffer, src)
+    if src.device is dst.device and not (src.is_contiguous and dst.is_contiguous):
+        _ext("copy_into")(plan, ln, dst, src, "memcpy")  # strided views: a copy kernel
+        return dst
+    if src.device is not dst.device:
+        src = _ext("contiguous")(plan, lane, src)
+        plan.read_from(src.device, src._buffer.generation)
+        if not dst.is_contiguous:
+            tmp = _new_tensor(plan, ln, dst.shape, dst.dtype, "memcpy() into a view")
+            plan.step(ln, _d2d_step, (tmp, src))
+            _ext("copy_into")(plan, ln, dst, tmp, "memcpy")
+            return dst
+    plan.step(ln, _d2d_step, (dst, src))
     return dst
+
+
+def _new_tensor(plan: Plan, lane: Lane, shape: tuple[int, ...], dtype: np.dtype[Any], what: str) -> Tensor:
+    return Tensor._new(plan.new_buffer(lane, nbytes_of(shape, dtype), what), shape, dtype)
 
 
 class _Memcpy(DeviceOp[Any]):
@@ -315,9 +329,12 @@ class _Dup(DeviceOp[Tensor]):
     def _plan(self, plan: Plan, lane: Lane, args: Any) -> Tensor:
         src = _tensor_of(args[0] if args else self._src, "dup()")
         plan.use(src._buffer, src)
-        if not src.is_contiguous:
-            raise ValueError(f"dup() of a non-contiguous view of shape {src.shape}")
         target = self._device or src.device
+        if not src.is_contiguous:  # a view: gathered by a copy kernel on its device
+            c = _ext("contiguous")(plan, lane, src)
+            if target is src.device:
+                return c  # type: ignore[no-any-return]
+            src = c
         if target is not src.device:
             plan.read_from(src.device, src._buffer.generation)
         ln = lane.on(target)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "BFLOAT16",
     "MAX_BYTES",
     "SUPPORTED_DTYPES",
     "as_int",
@@ -47,6 +48,14 @@ SUPPORTED_DTYPES = tuple(
         "complex128",
     )
 )
+try:  # bfloat16 has no numpy dtype of its own: ml_dtypes provides the one the field uses
+    import ml_dtypes as _ml_dtypes
+
+    _bf16: np.dtype[Any] = np.dtype(_ml_dtypes.bfloat16)
+    BFLOAT16: np.dtype[Any] | None = _bf16
+    SUPPORTED_DTYPES = (*SUPPORTED_DTYPES, _bf16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
@@ -54,6 +63,8 @@ def check_dtype(dtype: Any) -> np.dtype[Any]:
     """Normalize ``dtype`` to a supported numpy dtype (native byte order), or raise TypeError."""
     if dtype is None:
         raise TypeError("dtype must not be None")
+    if isinstance(dtype, str) and dtype in ("bfloat16", "bf16") and BFLOAT16 is not None:
+        return BFLOAT16
     try:
         dt: np.dtype[Any] = np.dtype(dtype)
     except TypeError as err:

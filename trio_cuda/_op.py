@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ._tensor import Partition, Tensor
 
-__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "extensions", "value", "zip"]
+__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "value", "zip"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -56,7 +56,105 @@ def _ext(name: str) -> Callable[..., Any]:
         raise RuntimeError(f"trio_cuda is not fully imported ({name} is missing); import trio_cuda") from None
 
 
-class DeviceOp(Generic[T]):
+class TensorMath:
+    """Operators and math methods of tensors and tensor-producing ops: each returns the
+    :mod:`trio_cuda.ops` op (looked up in :data:`extensions`, filled by ``trio_cuda.ops``)."""
+
+    __slots__ = ()
+
+    __array_ufunc__ = None  # numpy scalars and arrays defer to the reflected operators
+
+    def __add__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("add")(self, other)  # type: ignore[no-any-return]
+
+    def __radd__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("add")(other, self)  # type: ignore[no-any-return]
+
+    def __sub__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("subtract")(self, other)  # type: ignore[no-any-return]
+
+    def __rsub__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("subtract")(other, self)  # type: ignore[no-any-return]
+
+    def __mul__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("multiply")(self, other)  # type: ignore[no-any-return]
+
+    def __rmul__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("multiply")(other, self)  # type: ignore[no-any-return]
+
+    def __truediv__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("divide")(self, other)  # type: ignore[no-any-return]
+
+    def __rtruediv__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("divide")(other, self)  # type: ignore[no-any-return]
+
+    def __matmul__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("matmul")(self, other)  # type: ignore[no-any-return]
+
+    def __rmatmul__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("matmul")(other, self)  # type: ignore[no-any-return]
+
+    def __neg__(self) -> DeviceOp[Tensor]:
+        return _ext("negative")(self)  # type: ignore[no-any-return]
+
+    def __abs__(self) -> DeviceOp[Tensor]:
+        return _ext("abs")(self)  # type: ignore[no-any-return]
+
+    def astype(self, dtype: Any, *, copy: bool = True) -> DeviceOp[Tensor]:
+        """The output tensor converted to ``dtype`` (see :func:`trio_cuda.ops.astype`)."""
+        return _ext("astype")(self, dtype, copy=copy)  # type: ignore[no-any-return]
+
+    def copy(self) -> DeviceOp[Tensor]:
+        """A C-contiguous copy of the output tensor."""
+        return _ext("copy")(self)  # type: ignore[no-any-return]
+
+    def relu(self) -> DeviceOp[Tensor]:
+        return _ext("relu")(self)  # type: ignore[no-any-return]
+
+    def gelu(self, approximate: str = "tanh") -> DeviceOp[Tensor]:
+        return _ext("gelu")(self, approximate=approximate)  # type: ignore[no-any-return]
+
+    def silu(self) -> DeviceOp[Tensor]:
+        return _ext("silu")(self)  # type: ignore[no-any-return]
+
+    def sigmoid(self) -> DeviceOp[Tensor]:
+        return _ext("sigmoid")(self)  # type: ignore[no-any-return]
+
+    def exp(self) -> DeviceOp[Tensor]:
+        return _ext("exp")(self)  # type: ignore[no-any-return]
+
+    def log(self) -> DeviceOp[Tensor]:
+        return _ext("log")(self)  # type: ignore[no-any-return]
+
+    def sqrt(self) -> DeviceOp[Tensor]:
+        return _ext("sqrt")(self)  # type: ignore[no-any-return]
+
+    def tanh(self) -> DeviceOp[Tensor]:
+        return _ext("tanh")(self)  # type: ignore[no-any-return]
+
+    def sum(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+        return _ext("sum")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def mean(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+        return _ext("mean")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def max(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+        return _ext("max")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def min(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+        return _ext("min")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def argmax(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+        return _ext("argmax")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def softmax(self, axis: int = -1) -> DeviceOp[Tensor]:
+        return _ext("softmax")(self, axis)  # type: ignore[no-any-return]
+
+    def log_softmax(self, axis: int = -1) -> DeviceOp[Tensor]:
+        return _ext("log_softmax")(self, axis)  # type: ignore[no-any-return]
+
+
+class DeviceOp(TensorMath, Generic[T]):
     """A lazy description of device work with an output value of type ``T``."""
 
     __slots__ = ("_arity", "_inputs", "_state")
@@ -171,6 +269,21 @@ class DeviceOp(Generic[T]):
         """Copy the output tensor (or partition) into a new numpy array."""
         return _ToHost(self)
 
+    # views of the output tensor (free: no device work)
+    def __getitem__(self, key: Any) -> DeviceOp[Tensor]:
+        """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`)."""
+        return _Map(self, lambda v: _tensor_of(v, "indexing")[key])
+
+    def transpose(self, *axes: Any) -> DeviceOp[Tensor]:
+        """The output tensor with its axes permuted (a view)."""
+        return _Map(self, lambda v: _tensor_of(v, "transpose()").transpose(*axes))
+
+    def __iter__(self) -> Any:
+        raise TypeError("a DeviceOp is not iterable: await it first (or unzip() an op with a tuple output)")
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a DeviceOp is lazy device work: 'await op.to_host()' gives a numpy array")
+
     # -- entry points -----------------------------------------------------------------
     def __await__(self) -> Generator[Any, None, T]:
         return run_async(self).__await__()
@@ -209,6 +322,12 @@ class DeviceOp(Generic[T]):
     def graph(self) -> Any:
         """Capture this op's DAG on a private stream of the current device."""
         return _ext("capture")(self, None)
+
+    # Last in the class: the name T would shadow the type variable in later annotations.
+    @property
+    def T(self) -> DeviceOp[Tensor]:
+        """The output tensor with its axes reversed (a view)."""
+        return _Map(self, lambda v: _tensor_of(v, ".T").T)
 
 
 class ScheduledOp(Generic[T]):

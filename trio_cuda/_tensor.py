@@ -19,7 +19,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, value
+from ._op import DeviceOp, TensorMath, _ext, value
 from ._submit import Lane, Pending, Plan
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-class Tensor:
+class Tensor(TensorMath):
     """A device array: shape, numpy dtype, strides, on one device.
 
     Tensors come from ops (``await api.zeros(...)``, kernel outputs, ...), never from
@@ -436,8 +436,8 @@ def _d2h_step(lane: Lane, arg: tuple[Tensor, _StagingSlot]) -> None:
 def plan_read_to_host(plan: Plan, lane: Lane, t: Tensor, out: np.ndarray) -> Pending:
     """Plan a copy of ``t`` into the host array ``out`` (a pending value: ``out`` once done)."""
     plan.use(t._buffer, t)
-    if not t.is_contiguous:
-        raise ValueError(f"reading back a non-contiguous view of shape {t.shape}: copy it to a contiguous tensor first")
+    if not t.is_contiguous:  # a view: gathered into contiguous memory on the device first
+        t = _ext("contiguous")(plan, lane, t)
     ln = lane.on(t.device)
     if plan.capture is not None:
         raise GraphCaptureError(

@@ -26,12 +26,23 @@ has faulted asynchronously, or from ``query`` of an event whose preceding work f
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["ArrayArg", "Backend", "DeviceDriver", "KernelSource", "Waker", "signature_of"]
+__all__ = [
+    "ArrayArg",
+    "Backend",
+    "DeviceDriver",
+    "GemmDesc",
+    "GemmOperand",
+    "KernelSource",
+    "Waker",
+    "gemm_dtype",
+    "signature_of",
+]
 
 
 class ArrayArg:
@@ -68,6 +79,55 @@ class ArrayArg:
 
     def __repr__(self) -> str:
         return f"ArrayArg(ptr={self.ptr:#x}, shape={self.shape}, strides={self.strides}, dtype={self.dtype}, writable={self.writable})"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOperand:
+    """A (batch of) matrix operand(s) of a GEMM: ``rows x cols``, stored row-major
+    (element ``(i, j)`` at ``i * ld + j``) or, with ``col_major``, at ``i + j * ld``;
+    consecutive matrices of the batch ``batch_stride`` elements apart (0: shared)."""
+
+    rows: int
+    cols: int
+    ld: int
+    col_major: bool
+    batch_stride: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmDesc:
+    """``D[b] = act(A[b] @ B[b] + bias)`` for ``b < batch``: A is ``m x k``, B ``k x n``,
+    D ``m x n`` row-major and contiguous (``ld = n``, ``batch_stride = m * n``); bias has
+    ``n`` elements (one per output column) when ``has_bias``.
+
+    Attributes:
+        dtype: numpy dtype name of A, B, D and the bias ("float16", "bfloat16",
+            "float32", "float64").
+        activation: "none", "relu" or "gelu" (tanh approximation), after the bias.
+        allow_tf32: float32 inputs may run on TF32 tensor cores (10-bit mantissas).
+    """
+
+    m: int
+    n: int
+    k: int
+    batch: int
+    a: GemmOperand
+    b: GemmOperand
+    dtype: str
+    has_bias: bool = False
+    activation: str = "none"
+    allow_tf32: bool = False
+    align: int = 256  # the smallest alignment (bytes) of the pointers, up to 256
+
+
+def gemm_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a GemmDesc dtype name."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
+    return np.dtype(name)
 
 
 def _is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
@@ -252,6 +312,13 @@ class DeviceDriver(abc.ABC):
     @abc.abstractmethod
     def launch(self, prepared: Any, stream: Any) -> None:
         """Enqueue a prepared launch. Raises LaunchError if the launch is refused."""
+
+    # -- libraries ------------------------------------------------------------
+    @abc.abstractmethod
+    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:
+        """Enqueue ``D = epilogue(A @ B + bias)`` as ``desc`` describes it (row-major
+        terms; pointers are device addresses; ``bias`` is 0 without one). Raises
+        LaunchError if the library refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

@@ -39,7 +39,8 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker, scalar_dtype
+from ._boundary import ArrayArg, Backend, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from ._cublaslt import WORKSPACE, Gemms
 
 __all__ = ["CudaBackend", "check"]
 
@@ -351,6 +352,7 @@ class CudaDevice(DeviceDriver):
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
+        self._gemms = Gemms()
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
 
     # -- context ------------------------------------------------------------------
@@ -381,6 +383,7 @@ class CudaDevice(DeviceDriver):
         fault = self._fault
         self._launchers = {}
         self._notify = {}
+        self._gemms.forget()
         try:
             check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
             cu.cuDevicePrimaryCtxRelease(self.cu_device)  # balanced by the retain in _setup
@@ -413,6 +416,9 @@ class CudaDevice(DeviceDriver):
         side = self._notify.pop(int(stream), None)
         if side is not None:
             cu.cuStreamDestroy(side)
+        ws = self._gemms.workspaces.pop(int(stream), None)
+        if ws is not None:
+            cu.cuMemFreeAsync(ws, stream)  # after the GEMMs queued on it
         # Returns at once; work already enqueued completes first.
         cu.cuStreamDestroy(stream)
 
@@ -530,6 +536,30 @@ class CudaDevice(DeviceDriver):
         err = cu.cuMemcpyPeerAsync(dst, self.ctx, src, src_driver.ctx, nbytes, stream)[0]
         if err != _SUCCESS:
             raise error(err, f"copy from device {src_driver.ordinal}", self, launch=True)
+
+    # -- libraries ------------------------------------------------------------------
+    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:
+        self._current()
+        err, status = cu.cuStreamIsCapturing(stream)
+        if err != _SUCCESS:
+            raise error(err, "cuStreamIsCapturing", self)
+        capturing = status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        gemms = self._gemms
+        try:
+            plan = gemms.plan(desc, capturing)
+        except (RuntimeError, ImportError) as exc:
+            raise LaunchError(f"matmul {desc.m}x{desc.k} @ {desc.k}x{desc.n} ({desc.dtype}): {exc}", device=self.ordinal) from exc
+        ws, ws_bytes = 0, 0
+        if plan.workspace and not capturing:
+            key = int(stream)
+            ws = gemms.workspaces.get(key, 0)
+            if not ws:
+                ws = gemms.workspaces[key] = self.alloc(WORKSPACE, stream)
+            ws_bytes = WORKSPACE
+        try:
+            plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
+        except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
+            raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
 
     def mem_info(self) -> tuple[int, int]:
         self._current()

@@ -44,11 +44,23 @@ from typing import Any
 
 import numpy as np
 
-from .._config import env_int
+from .._config import env_flag, env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, DeviceDriver, KernelSource, Waker
+from ._boundary import ArrayArg, Backend, DeviceDriver, GemmDesc, GemmOperand, KernelSource, Waker, gemm_dtype
 
 __all__ = ["SimBackend"]
+
+
+_OPS_NUMBA = env_flag("TRIO_CUDA_SIM_OPS_NUMBA")
+
+
+def _tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to TF32 (10 mantissa bits, round to nearest even)."""
+    u: Any = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000
+    out: np.ndarray = (u & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    return out
+
 
 # One condition guards the state of every simulated event, across devices, so a
 # stream of one device can wait on an event of another.
@@ -550,15 +562,60 @@ class _SimDevice(DeviceDriver):
     def mem_info(self) -> tuple[int, int]:
         return self.total_memory - self._in_use, self.total_memory
 
+    # -- libraries ------------------------------------------------------------
+    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: _SimStream) -> None:
+        """numpy's matmul with cuBLASLt's arithmetic: float32 accumulation for half types
+        (float64 for float64), TF32 rounding of float32 inputs when allowed, the epilogue
+        in the accumulation type, one rounding into D."""
+        self._check()
+        self._live(stream)
+        dt = gemm_dtype(desc.dtype)
+        nbytes = desc.batch * desc.m * desc.n * dt.itemsize
+
+        def run() -> None:
+            acc = np.float64 if dt == np.float64 else np.float32
+            x = self._matrices(a, desc.a, desc.batch, dt).astype(acc)
+            y = self._matrices(b, desc.b, desc.batch, dt).astype(acc)
+            if desc.allow_tf32 and dt == np.float32:
+                x, y = _tf32(x), _tf32(y)
+            with np.errstate(all="ignore"):
+                r = np.matmul(x, y)
+                if desc.has_bias:
+                    r = r + self._bytes(bias, desc.n * dt.itemsize).view(dt).astype(acc)
+                if desc.activation == "relu":
+                    r = np.maximum(r, acc(0))
+                elif desc.activation == "gelu":
+                    r = acc(0.5) * r * (1 + np.tanh(acc(0.7978845608028654) * (r + acc(0.044715) * r * r * r)))
+            out = self._bytes(d, nbytes).view(dt).reshape(desc.batch, desc.m, desc.n)
+            out[...] = r.astype(dt)
+
+        reads = (a, b, bias) if desc.has_bias else (a, b)
+        stream.enqueue(_Command(run, "matmul", reads, (d,), self._whole(d, nbytes)))
+
+    def _matrices(self, ptr: int, op: GemmOperand, batch: int, dt: np.dtype[Any]) -> np.ndarray:
+        isz = dt.itemsize
+        last = (op.rows - 1) * (1 if op.col_major else op.ld) + (op.cols - 1) * (op.ld if op.col_major else 1)
+        span = ((batch - 1) * op.batch_stride + last + 1) * isz
+        raw = self._bytes(ptr, span)
+        strides = (op.batch_stride * isz, isz, op.ld * isz) if op.col_major else (op.batch_stride * isz, op.ld * isz, isz)
+        return np.ndarray((batch, op.rows, op.cols), dtype=dt, buffer=raw, strides=strides)
+
     # -- kernels --------------------------------------------------------------
+    def _host(self, source: KernelSource) -> bool:
+        # TRIO_CUDA_SIM_OPS_NUMBA=1 (tests): the ops' generated kernels run their numba
+        # code in numba's simulator instead of their numpy twins.
+        if source.host_impl is None:
+            return False
+        return not (_OPS_NUMBA and getattr(source, "generated", False))
+
     def loaded_kernel(self, source: KernelSource, signature: tuple[Any, ...]) -> Any:
-        if source.host_impl is not None:
+        if self._host(source):
             return (source.name, source.host_impl, True)
         k = self._kernels.get(source.key)
         return None if k is None else (source.name, k, False)
 
     def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> Any:
-        if source.host_impl is not None:
+        if self._host(source):
             return (source.name, source.host_impl, True)
         k = self._kernels.get(source.key)
         if k is None:
@@ -599,9 +656,10 @@ class _SimDevice(DeviceDriver):
         stream.enqueue(_Command(run, f"kernel {name}", reads, writes))
 
     def _array(self, a: ArrayArg) -> np.ndarray:
-        if any(n == 0 for n in a.shape):
-            span = 0
-            lo = 0
+        if any(n == 0 for n in a.shape):  # no element: no memory to look up (may be none)
+            empty = np.empty(a.shape, a.dtype)
+            empty.flags.writeable = a.writable
+            return empty
         else:
             lo = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=False) if s < 0)
             hi = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=False) if s > 0)

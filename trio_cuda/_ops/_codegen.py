@@ -1,0 +1,246 @@
+"""The kernels the ops generate: numba-cuda source per (op, rank, dtypes), and its numpy
+twin, which the simulated device runs instead.
+
+Elementwise kernels take ``(out, operands..., n)``: ``out`` and every array operand are
+views of the same (coalesced) shape, broadcast operands with zero strides; one thread
+per element, the flat index unravelled over ``out``'s shape. Arithmetic runs in the
+compute dtype ``C`` (float32 for half types), the store casts to ``out``'s dtype.
+
+Generated functions get a stable module and name, and their source is registered with
+``linecache``: their content fingerprint (the compile cache key) is stable across
+processes, so the disk cache serves them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import linecache
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._kernel import Kernel
+from ._core import flat_geometry, rows_geometry
+
+__all__ = ["Load", "elementwise_kernel", "make_kernel"]
+
+_lock = threading.Lock()
+_kernels: dict[Any, Kernel] = {}
+_MODULE = "trio_cuda._ops.generated"
+
+
+@dataclass(frozen=True)
+class Load:
+    """How an operand enters the expression: ``array`` (a view) or ``scalar``; ``cast``:
+    to the compute dtype (else raw); ``truth``: as a bool (``!= 0``)."""
+
+    array: bool
+    cast: bool = True
+    truth: bool = False
+
+
+def _np_name(dt: np.dtype[Any]) -> str:
+    return "bool_" if dt == np.bool_ else dt.name
+
+
+def make_kernel(
+    name: str,
+    source: str,
+    globals_: dict[str, Any],
+    sim: Callable[..., Any],
+    geometry: Callable[..., Any],
+) -> Kernel:
+    """A Kernel from generated ``source`` (one function named ``name``)."""
+    from numba import cuda  # the backend chose numba's mode when trio_cuda was imported
+
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    filename = f"<trio_cuda.ops {name} {digest}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    g: dict[str, Any] = {"cuda": cuda, "math": math, "np": np, "__name__": _MODULE}
+    g.update(globals_)
+    exec(compile(source, filename, "exec"), g)
+    fn = g[name]
+    fn.__module__ = _MODULE
+    k = Kernel(fn, sim=sim, name=f"ops.{name.split('__')[0]}", geometry=geometry)
+    k.generated = True  # type: ignore[attr-defined]  # the simulated device may run its numba code (tests)
+    return k
+
+
+def cached(key: Any, build: Callable[[], Kernel]) -> Kernel:
+    k = _kernels.get(key)
+    if k is None:
+        with _lock:
+            k = _kernels.get(key)
+            if k is None:
+                k = _kernels[key] = build()
+    return k
+
+
+# -- elementwise ----------------------------------------------------------------------------
+def _unravel(rank: int) -> tuple[list[str], str]:
+    """Statements giving the indices ``i0..`` of flat index ``i`` over ``out``'s shape."""
+    if rank == 1:
+        return [], "i"
+    lines = ["r_ = i"]
+    for d in range(rank - 1, 0, -1):
+        lines.append(f"i{d} = r_ % out.shape[{d}]")
+        lines.append(f"r_ = r_ // out.shape[{d}]")
+    lines.append("i0 = r_")
+    return lines, ", ".join(f"i{d}" for d in range(rank))
+
+
+def elementwise_kernel(
+    op: str,
+    expr: str,
+    loads: tuple[Load, ...],
+    rank: int,
+    compute: np.dtype[Any],
+    out_dtype: np.dtype[Any],
+    np_fn: Callable[..., Any],
+) -> Kernel:
+    """The kernel computing ``out = expr(x0, x1, ...)`` elementwise (see the module doc).
+
+    ``expr`` is numba source over ``x0, x1, ...`` (already loaded) and ``C`` (the compute
+    dtype's constructor); ``np_fn`` computes the same on numpy arrays of the compute dtype.
+    """
+    key = ("ew", op, expr, loads, rank, compute.str, out_dtype.str)
+
+    def build() -> Kernel:
+        fname = f"{op}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+        params = ["out"]
+        body = []
+        unravel, idx = _unravel(rank)
+        body.extend(unravel)
+        for k, ld in enumerate(loads):
+            if ld.array:
+                params.append(f"a{k}")
+                src = f"a{k}[{idx}]"
+            else:
+                params.append(f"s{k}")
+                src = f"s{k}"
+            if ld.truth:
+                body.append(f"x{k} = {src} != 0")
+            elif ld.cast:
+                body.append(f"x{k} = C({src})")
+            else:
+                body.append(f"x{k} = {src}")
+        body.append(f"r_v = {expr}")
+        if out_dtype == np.bool_:
+            body.append(f"out[{idx}] = r_v != 0")
+        else:
+            body.append(f"out[{idx}] = O(r_v)")
+        params.append("n")
+        src = f"def {fname}({', '.join(params)}):\n    i = cuda.grid(1)\n    if i < n:\n"
+        src += "".join(f"        {line}\n" for line in body)
+        c_type = getattr(np, _np_name(compute))
+        o_type = getattr(np, _np_name(out_dtype))
+
+        def sim(out: np.ndarray, *args: Any) -> None:
+            xs = []
+            for ld, a in zip(loads, args[:-1], strict=True):
+                if ld.truth:
+                    xs.append(np.asarray(a) != 0)
+                elif ld.cast:
+                    xs.append(np.asarray(a).astype(c_type, copy=False) if ld.array else c_type(a))
+                else:
+                    xs.append(a)
+            with np.errstate(all="ignore"):
+                r = np_fn(*xs)
+                np.copyto(out, r, casting="unsafe")
+
+        return make_kernel(fname, src, {"C": c_type, "O": o_type}, sim, flat_geometry)
+
+    return cached(key, build)
+
+
+# -- bit-exact conversions for bfloat16 (on integer views) ----------------------------------------
+def f32_to_bf16_kernel(rank: int) -> Kernel:
+    """out (uint16 view of bfloat16) = round-to-nearest-even of a0 (uint32 view of float32)."""
+    key = ("f32>bf16", rank)
+
+    def build() -> Kernel:
+        fname = f"to_bfloat16__r{rank}"
+        unravel, idx = _unravel(rank)
+        body = [
+            *unravel,
+            f"u = np.uint32(a0[{idx}])",
+            "if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):",
+            "    r = (u >> np.uint32(16)) | np.uint32(0x40)",
+            "else:",
+            "    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
+            f"out[{idx}] = np.uint16(r)",
+        ]
+        src = f"def {fname}(out, a0, n):\n    i = cuda.grid(1)\n    if i < n:\n"
+        src += "".join(f"        {line}\n" for line in body)
+
+        def sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
+            u = a.astype(np.uint64)
+            nan = (u & 0x7FFFFFFF) > 0x7F800000
+            r = np.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+            np.copyto(out, (r & 0xFFFF).astype(np.uint16))
+
+        return make_kernel(fname, src, {}, sim, flat_geometry)
+
+    return cached(key, build)
+
+
+def bf16_to_f32_kernel(rank: int) -> Kernel:
+    """out (uint32 view of float32) = a0 (uint16 view of bfloat16) << 16."""
+    key = ("bf16>f32", rank)
+
+    def build() -> Kernel:
+        fname = f"from_bfloat16__r{rank}"
+        unravel, idx = _unravel(rank)
+        body = [*unravel, f"out[{idx}] = np.uint32(a0[{idx}]) << np.uint32(16)"]
+        src = f"def {fname}(out, a0, n):\n    i = cuda.grid(1)\n    if i < n:\n"
+        src += "".join(f"        {line}\n" for line in body)
+
+        def sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
+            np.copyto(out, a.astype(np.uint32) << np.uint32(16))
+
+        return make_kernel(fname, src, {}, sim, flat_geometry)
+
+    return cached(key, build)
+
+
+# -- row kernels: one block of 256 threads per row of a (rows, cols) view --------------------------
+def block_reduce(var: str, combine: str, sm: str = "sm") -> list[str]:
+    """Statements reducing ``var`` over the block into ``var`` of every thread (through
+    shared array ``sm``); ``combine`` is an expression over ``{p}`` and ``{q}``."""
+    step = combine.format(p=f"{sm}[t_]", q=f"{sm}[t_ + s_]")
+    return [
+        f"{sm}[t_] = {var}",
+        "cuda.syncthreads()",
+        "s_ = 128",
+        "while s_ > 0:",
+        "    if t_ < s_:",
+        f"        {sm}[t_] = {step}",
+        "    cuda.syncthreads()",
+        "    s_ //= 2",
+        f"{var} = {sm}[0]",
+        "cuda.syncthreads()",
+    ]
+
+
+def row_kernel(
+    op: str,
+    params: list[str],
+    body: list[str],
+    globals_: dict[str, Any],
+    sim: Callable[..., Any],
+    key: Any,
+) -> Kernel:
+    """A kernel run with one block of 256 threads per row; ``params`` end with ``m`` (the
+    number of rows), the body sees ``row`` and ``t_`` (the thread)."""
+
+    def build() -> Kernel:
+        fname = f"{op}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+        src = f"def {fname}({', '.join(params)}):\n    row = cuda.blockIdx.x\n    t_ = cuda.threadIdx.x\n"
+        src += "".join(f"    {line}\n" for line in body)
+        return make_kernel(fname, src, globals_, sim, rows_geometry)
+
+    return cached(("row", key), build)

@@ -1,0 +1,354 @@
+"""Elementwise ops (numpy broadcasting and type promotion), activations, casts, copies.
+
+Result dtypes are numpy's (``ufunc.resolve_dtypes``, Python scalars weak as in NEP 50);
+half types compute in float32 and store rounded. Each op is one kernel launch over the
+(coalesced) output; inputs are read through broadcast views, never copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._checks import BFLOAT16
+from .._submit import Lane, Plan
+from .._tensor import Tensor
+from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel
+from ._core import (
+    TensorOp,
+    alloc,
+    as_dtype,
+    broadcast_shape,
+    broadcast_view,
+    check_out,
+    coalesce,
+    compute_dtype,
+    device_of,
+    launch,
+    operand,
+    out_partition,
+    output,
+    promote,
+    view,
+)
+
+__all__ = ["UFUNCS", "Elementwise", "astype", "contiguous", "copy_into", "elementwise"]
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT_2 = 0.7071067811865476
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.asarray(np.vectorize(math.erf, otypes=[x.dtype])(x))
+
+
+@dataclass(frozen=True)
+class Ufunc:
+    """An elementwise op: numba ``expr`` over ``x0..`` (in compute dtype ``C``), its numpy
+    twin ``np_fn``, and the numpy ufunc whose dtype rules it follows (``like``)."""
+
+    name: str
+    nin: int
+    expr: str
+    np_fn: Callable[..., Any]
+    like: Any  # numpy ufunc for dtype resolution
+    kinds: str = "biuf"
+    weak_second: Any = None  # resolve as like(x, weak_second) (relu: maximum(x, 0))
+
+
+def _u(name: str, nin: int, expr: str, np_fn: Callable[..., Any], like: Any, kinds: str = "biuf", weak: Any = None) -> Ufunc:
+    return Ufunc(name, nin, expr, np_fn, like, kinds, weak)
+
+
+UFUNCS: dict[str, Ufunc] = {
+    u.name: u
+    for u in (
+        _u("add", 2, "x0 + x1", np.add, np.add),
+        _u("subtract", 2, "x0 - x1", np.subtract, np.subtract, "iuf"),
+        _u("multiply", 2, "x0 * x1", np.multiply, np.multiply),
+        _u("divide", 2, "x0 / x1", np.true_divide, np.true_divide),
+        _u("maximum", 2, "(x0 if (x0 >= x1 or x0 != x0) else x1)", np.maximum, np.maximum),
+        _u("minimum", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum),
+        _u("negative", 1, "-x0", np.negative, np.negative, "iuf"),
+        _u("abs", 1, "abs(x0)", np.absolute, np.absolute, "biuf"),
+        _u("exp", 1, "math.exp(x0)", np.exp, np.exp),
+        _u("log", 1, "math.log(x0)", np.log, np.log),
+        _u("sqrt", 1, "math.sqrt(x0)", np.sqrt, np.sqrt),
+        _u("rsqrt", 1, "C(1) / math.sqrt(x0)", lambda x: 1 / np.sqrt(x), np.sqrt),
+        _u("tanh", 1, "math.tanh(x0)", np.tanh, np.tanh),
+        _u(
+            "relu", 1, "(x0 if (x0 > C(0) or x0 != x0) else C(0))", lambda x: np.maximum(x, x.dtype.type(0)), np.maximum, "iuf", 0
+        ),
+        _u("sigmoid", 1, "C(1) / (C(1) + math.exp(-x0))", lambda x: 1 / (1 + np.exp(-x)), np.exp, "iuf"),
+        _u("silu", 1, "x0 / (C(1) + math.exp(-x0))", lambda x: x / (1 + np.exp(-x)), np.exp, "iuf"),
+        _u(
+            "gelu",
+            1,
+            f"C(0.5) * x0 * (C(1) + math.tanh(C({_SQRT_2_OVER_PI}) * (x0 + C(0.044715) * x0 * x0 * x0)))",
+            lambda x: (
+                x.dtype.type(0.5) * x * (1 + np.tanh(x.dtype.type(_SQRT_2_OVER_PI) * (x + x.dtype.type(0.044715) * x * x * x)))
+            ),
+            np.exp,
+            "iuf",
+        ),
+        _u(
+            "gelu_exact",
+            1,
+            f"C(0.5) * x0 * (C(1) + math.erf(x0 * C({_INV_SQRT_2})))",
+            lambda x: x.dtype.type(0.5) * x * (1 + _erf(x * x.dtype.type(_INV_SQRT_2))),
+            np.exp,
+            "iuf",
+        ),
+    )
+}
+
+
+def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(loop dtype the inputs are cast to, result dtype) by numpy's rules for ``u``."""
+    name = f"ops.{u.name}"
+    if any(isinstance(x, Tensor) and x.dtype == BFLOAT16 for x in operands):
+        raise TypeError(
+            f"{name}: bfloat16 tensors support matmul, linear, copies and astype; convert with .astype(np.float32) for other ops"
+        )
+    key: list[Any] = []
+    for x in operands:
+        if isinstance(x, Tensor):
+            if x.dtype.kind not in u.kinds:
+                raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported")
+            key.append(x.dtype)
+        elif isinstance(x, np.generic):
+            key.append(x.dtype)
+        else:
+            key.append(type(x))
+    if u.weak_second is not None:
+        key.append(type(u.weak_second))
+    try:
+        dts = u.like.resolve_dtypes((*key, None))
+    except TypeError as err:
+        raise TypeError(f"{name}: {err}") from None
+    return dts[0], dts[-1]
+
+
+def _scalar(x: Any, dt: np.dtype[Any], name: str) -> Any:
+    try:
+        return dt.type(x)
+    except (OverflowError, ValueError) as err:
+        raise OverflowError(f"{name}: the scalar {x!r} does not fit the op's {dt} arithmetic ({err})") from None
+
+
+def _plan_elementwise(
+    plan: Plan,
+    lane: Lane,
+    name: str,
+    expr: str,
+    np_fn: Callable[..., Any],
+    operands: tuple[Any, ...],
+    loads_kind: tuple[str, ...],
+    loop: np.dtype[Any],
+    result: np.dtype[Any],
+    out: Any,
+) -> Tensor:
+    """Plan ``out = expr(operands)`` over the broadcast shape (see the module doc).
+    ``loads_kind``: per operand, "num" (cast to the compute dtype) or "truth"."""
+    tensors = [x for x in operands if isinstance(x, Tensor)]
+    dev = device_of(name, tensors, lane)
+    ln = lane.on(dev)
+    shape = broadcast_shape(name, *(t.shape for t in tensors))
+    for t in tensors:
+        plan.use(t._buffer, t)
+    dst = output(plan, ln, name, out, shape, result, dev)
+    if 0 in shape:
+        return dst
+    compute = compute_dtype(loop)
+    arrays = [broadcast_view(t, shape) for t in tensors]
+    new_shape, strides = coalesce(shape, [dst.strides] + [a.strides for a in arrays])
+    rank = len(new_shape)
+    o = view(dst, new_shape, strides[0])
+    views = iter(view(a, new_shape, s) for a, s in zip(arrays, strides[1:], strict=True))
+    args: list[Any] = [out_partition(o)]
+    loads: list[Load] = []
+    for x, kind in zip(operands, loads_kind, strict=True):
+        array = isinstance(x, Tensor)
+        loads.append(Load(array, kind == "num", kind == "truth"))
+        if array:
+            args.append(next(views))
+        else:
+            args.append(_scalar(x, compute if kind == "num" else np.dtype(np.float64), name))
+    args.append(math.prod(new_shape))
+    k = elementwise_kernel(name.removeprefix("ops."), expr, tuple(loads), rank, compute, result, np_fn)
+    launch(plan, ln, k, tuple(args))
+    return dst
+
+
+class Elementwise(TensorOp):
+    __slots__ = ("_out", "_u", "name")
+
+    def __init__(self, u: Ufunc, args: tuple[Any, ...], out: Any) -> None:
+        self._u = u
+        self._out = out
+        self.name = f"ops.{u.name}"
+        super().__init__((*args, out))
+
+    def _check(self, *args: Any) -> None:
+        operands, out = args[:-1], args[-1]
+        if not any(isinstance(x, Tensor) for x in operands):
+            raise TypeError(f"{self.name}: needs at least one tensor operand")
+        loop, result = _resolve(self._u, operands)
+        tensors = [x for x in operands if isinstance(x, Tensor)]
+        shape = broadcast_shape(self.name, *(t.shape for t in tensors))
+        for x in operands:
+            if not isinstance(x, Tensor):
+                _scalar(x, compute_dtype(loop), self.name)
+        if out is not None:
+            check_out(self.name, out, shape, result, device_of(self.name, tensors))
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        operands, out = args[:-1], args[-1]
+        u = self._u
+        loop, result = _resolve(u, operands)
+        return _plan_elementwise(plan, lane, self.name, u.expr, u.np_fn, operands, ("num",) * u.nin, loop, result, out)
+
+
+def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
+    u = UFUNCS[name]
+    if len(args) != u.nin:
+        raise TypeError(f"ops.{name} takes {u.nin} operand{'s' if u.nin > 1 else ''}, got {len(args)}")
+    return Elementwise(u, tuple(operand(a, f"ops.{name}") for a in args), None if out is None else operand(out, f"ops.{name}"))
+
+
+# -- where ----------------------------------------------------------------------------------
+class Where(TensorOp):
+    __slots__ = ()
+    name = "ops.where"
+
+    def _check(self, *args: Any) -> None:
+        cond, x, y, out = args
+        if not any(isinstance(v, Tensor) for v in (cond, x, y)):
+            raise TypeError("ops.where: needs at least one tensor operand")
+        result = promote(self.name, [x, y])
+        tensors = [v for v in (cond, x, y) if isinstance(v, Tensor)]
+        shape = broadcast_shape(self.name, *(t.shape for t in tensors))
+        if out is not None:
+            check_out(self.name, out, shape, result, device_of(self.name, tensors))
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        cond, x, y, out = args
+        if isinstance(cond, Tensor) and cond.dtype == BFLOAT16:
+            raise TypeError("ops.where: a bfloat16 condition; compare it first or use astype(np.float32)")
+        result = promote(self.name, [x, y])
+        _resolve(UFUNCS["add"], (x, y))  # refuses bfloat16 values with the common message
+        if not isinstance(cond, Tensor):
+            cond = bool(cond)
+        return _plan_elementwise(
+            plan,
+            lane,
+            self.name,
+            "(x1 if x0 else x2)",
+            lambda c, a, b: np.where(c, a, b),
+            (cond, x, y),
+            ("truth", "num", "num"),
+            result,
+            result,
+            out,
+        )
+
+
+def where(cond: Any, x: Any, y: Any, *, out: Any = None) -> Where:
+    n = "ops.where"
+    return Where((operand(cond, n, "condition"), operand(x, n), operand(y, n), None if out is None else operand(out, n)))
+
+
+# -- casts and copies ---------------------------------------------------------------------------
+def copy_into(plan: Plan, lane: Lane, dst: Tensor, src: Tensor, name: str) -> None:
+    """Plan ``dst[...] = src`` (same shape; any strides; numpy's unsafe cast)."""
+    if src.dtype == BFLOAT16 or dst.dtype == BFLOAT16:
+        _copy_bf16(plan, lane, dst, src, name)
+        return
+    if 0 in dst.shape:
+        return
+    new_shape, strides = coalesce(dst.shape, [dst.strides, src.strides])
+    o, a = view(dst, new_shape, strides[0]), view(src, new_shape, strides[1])
+    if dst.dtype == np.bool_ and src.dtype != np.bool_:
+        loads, compute = (Load(True, False, True),), np.dtype(np.bool_)
+    else:
+        loads, compute = (Load(True, True, False),), dst.dtype
+    k = elementwise_kernel("copy", "x0", loads, len(new_shape), compute, dst.dtype, lambda x: x)
+    launch(plan, lane, k, (out_partition(o), a, math.prod(new_shape)))
+
+
+def _copy_bf16(plan: Plan, lane: Lane, dst: Tensor, src: Tensor, name: str) -> None:
+    """Copies to or from bfloat16, bit-exact through float32 (integer views)."""
+    if 0 in dst.shape:
+        return
+    if src.dtype == dst.dtype:  # bfloat16 to bfloat16: move the bits
+        u16 = np.dtype(np.uint16)
+        copy_into(plan, lane, view(dst, dst.shape, dst.strides, u16), view(src, src.shape, src.strides, u16), name)
+        return
+    if dst.dtype == BFLOAT16:
+        if src.dtype != np.float32:
+            tmp = alloc(plan, lane, src.shape, np.dtype(np.float32), name)
+            copy_into(plan, lane, tmp, src, name)
+            src = tmp
+        kernel_for = f32_to_bf16_kernel
+        o_dt: np.dtype[Any] = np.dtype(np.uint16)
+        a_dt: np.dtype[Any] = np.dtype(np.uint32)
+    else:
+        if dst.dtype != np.float32:
+            tmp = alloc(plan, lane, dst.shape, np.dtype(np.float32), name)
+            _copy_bf16(plan, lane, tmp, src, name)
+            copy_into(plan, lane, dst, tmp, name)
+            return
+        kernel_for = bf16_to_f32_kernel
+        o_dt, a_dt = np.dtype(np.uint32), np.dtype(np.uint16)
+    new_shape, strides = coalesce(dst.shape, [dst.strides, src.strides])
+    o = view(dst, new_shape, strides[0], o_dt)
+    a = view(src, new_shape, strides[1], a_dt)
+    launch(plan, lane, kernel_for(len(new_shape)), (out_partition(o), a, math.prod(new_shape)))
+
+
+def contiguous(plan: Plan, lane: Lane, t: Tensor) -> Tensor:
+    """``t`` itself if C-contiguous, else a contiguous copy planned on its device."""
+    if t.is_contiguous:
+        return t
+    ln = lane.on(t.device)
+    plan.use(t._buffer, t)
+    dst = alloc(plan, ln, t.shape, t.dtype, "a contiguous copy")
+    copy_into(plan, ln, dst, t, "copy")
+    return dst
+
+
+class AsType(TensorOp):
+    __slots__ = ()
+    name = "ops.astype"
+
+    def _check(self, *args: Any) -> None:
+        x, dtype, _copy, out = args
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+        if out is not None:
+            t = check_out(self.name, out, x.shape, dtype, x.device)
+            if t.dtype != dtype:
+                raise TypeError(f"{self.name}: out= has dtype {t.dtype}, not {dtype}")
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        x, dtype, copy, out = args
+        assert isinstance(x, Tensor)
+        if out is None and not copy and x.dtype == dtype:
+            return x  # numpy's astype(copy=False): the same tensor
+        ln = lane.on(x.device)
+        plan.use(x._buffer, x)
+        dst = output(plan, ln, self.name, out, x.shape, dtype, x.device)
+        copy_into(plan, ln, dst, x, self.name)
+        return dst
+
+
+def astype(x: Any, dtype: Any, *, copy: bool = True, out: Any = None) -> AsType:
+    """``x`` converted to ``dtype`` (numpy's unsafe cast: floats to ints truncate)."""
+    return AsType((operand(x, "ops.astype"), as_dtype(dtype), bool(copy), None if out is None else operand(out, "ops.astype")))

@@ -1,0 +1,496 @@
+"""Reductions (sum, mean, max, min, argmax), softmax / log_softmax, layer_norm, rms_norm.
+
+All of them run one block of 256 threads per *row* of a ``(rows, cols)`` view: the
+reduced axes are moved last (a view when the memory allows, else a contiguous copy),
+each thread walks its columns with a stride of 256, and the block combines the partial
+results in shared memory. Accumulation is in float32 for half types and float32, in
+float64 for float64, and in int64/uint64 for integer sums (numpy's dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._checks import BFLOAT16, is_int, is_scalar
+from .._submit import Lane, Plan
+from .._tensor import Tensor, normalize_axis
+from ._codegen import block_reduce, row_kernel
+from ._core import TensorOp, alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
+from ._elementwise import contiguous, copy_into
+
+__all__ = ["Norm", "Reduce", "Softmax"]
+
+_MAX = "({p} if ({p} >= {q} or {p} != {p}) else {q})"
+_MIN = "({p} if ({p} <= {q} or {p} != {p}) else {q})"
+
+
+def _np_name(dt: np.dtype[Any]) -> str:
+    return "bool_" if dt == np.bool_ else dt.name
+
+
+def _axes(name: str, axis: Any, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    items = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    out = tuple(normalize_axis(a, ndim) for a in items)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name}: repeated axis in {axis!r}")
+    return out
+
+
+def _as_rows(plan: Plan, lane: Lane, x: Tensor, axes: Sequence[int]) -> tuple[Tensor, int, int]:
+    """``x`` as a (rows, cols) view with the ``axes`` as the columns (C order within each
+    part), copying to contiguous memory when the memory does not allow a view."""
+    keep = [d for d in range(x.ndim) if d not in axes]
+    perm = keep + list(axes)
+    xt = x.transpose(perm)
+    m = math.prod(xt.shape[: len(keep)])
+    k = math.prod(xt.shape[len(keep) :])
+    strides = _merge(xt.shape[: len(keep)], xt.strides[: len(keep)]), _merge(xt.shape[len(keep) :], xt.strides[len(keep) :])
+    if strides[0] is None or strides[1] is None:
+        xt = contiguous(plan, lane, xt)
+        isz = x.dtype.itemsize
+        return view(xt, (m, k), (k * isz, isz)), m, k
+    return view(xt, (m, k), (strides[0], strides[1])), m, k
+
+
+def _merge(shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The one stride that walks ``shape`` in C order, or None if there is none."""
+    st: int | None = None
+    expect: int | None = None
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
+        if n == 1:
+            continue
+        if st is None:
+            st, expect = s, s * n
+        elif s != expect:
+            return None
+        else:
+            expect = s * n
+    return st if st is not None else 0
+
+
+def _check_float(name: str, x: Tensor) -> None:
+    if x.dtype.kind != "f" and x.dtype != BFLOAT16:
+        raise TypeError(f"{name}: needs a floating tensor, got {x.dtype}")
+    if x.dtype == BFLOAT16:
+        raise TypeError(f"{name}: bfloat16 tensors: convert with .astype(np.float32) first")
+
+
+# -- sum, mean, max, min, argmax ----------------------------------------------------------------
+def _reduce_dtypes(kind: str, dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
+    """(accumulator dtype, result dtype) of reduction ``kind`` over ``dt`` (numpy's results)."""
+    z = np.zeros(1, dt)
+    if kind == "sum":
+        res = z.sum().dtype
+        acc = compute_dtype(res)
+    elif kind == "mean":
+        res = z.mean().dtype
+        acc = np.dtype(np.float64) if res == np.float64 or dt.kind in "biu" else np.dtype(np.float32)
+    elif kind == "argmax":
+        res = np.dtype(np.int64)
+        acc = compute_dtype(dt) if dt != np.bool_ else np.dtype(np.uint8)
+    else:
+        res = dt
+        acc = compute_dtype(dt) if dt != np.bool_ else np.dtype(np.uint8)
+    return acc, res
+
+
+def _init(kind: str, acc: np.dtype[Any]) -> str:
+    if kind in ("sum", "mean"):
+        return "A(0)"
+    if acc.kind == "f":
+        return "A(-math.inf)" if kind in ("max", "argmax") else "A(math.inf)"
+    info = np.iinfo(acc)
+    return f"A({info.min})" if kind in ("max", "argmax") else f"A({info.max})"
+
+
+def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
+    a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
+    if kind == "argmax":
+        body = [
+            "sv = cuda.shared.array(256, A)",
+            "si = cuda.shared.array(256, np.int64)",
+            f"best = {_init(kind, acc)}",
+            "bi = np.int64(-1)",
+            "c = t_",
+            "while c < k:",
+            "    v = A(x[row, c])",
+            "    if bi < 0 or (best == best and (v > best or v != v)):",
+            "        best = v",
+            "        bi = c",
+            "    c += 256",
+            "sv[t_] = best",
+            "si[t_] = bi",
+            "cuda.syncthreads()",
+            "s_ = 128",
+            "while s_ > 0:",
+            "    if t_ < s_:",
+            "        pv = sv[t_]",
+            "        pi = si[t_]",
+            "        qv = sv[t_ + s_]",
+            "        qi = si[t_ + s_]",
+            "        take = False",
+            "        if qi >= 0:",
+            "            if pi < 0:",
+            "                take = True",
+            "            elif pv != pv:",
+            "                take = qv != qv and qi < pi",
+            "            elif qv != qv or qv > pv:",
+            "                take = True",
+            "            elif qv == pv:",
+            "                take = qi < pi",
+            "        if take:",
+            "            sv[t_] = qv",
+            "            si[t_] = qi",
+            "    cuda.syncthreads()",
+            "    s_ //= 2",
+            "if t_ == 0:",
+            "    out[row] = O(si[0])",
+        ]
+
+        def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
+            np.copyto(out, np.argmax(x.astype(a_t), axis=1), casting="unsafe")
+
+    else:
+        combine = {"sum": "{p} + {q}", "mean": "{p} + {q}", "max": _MAX, "min": _MIN}[kind]
+        step = combine.format(p="acc", q="v")
+        final = "acc / A(k)" if kind == "mean" else "acc"
+        body = [
+            "sm = cuda.shared.array(256, A)",
+            f"acc = {_init(kind, acc)}",
+            "c = t_",
+            "while c < k:",
+            "    v = A(x[row, c])",
+            f"    acc = {step}",
+            "    c += 256",
+            *block_reduce("acc", combine),
+            "if t_ == 0:",
+            f"    out[row] = O({final})",
+        ]
+        fns: dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.sum, "max": np.max, "min": np.min}
+        np_fn = fns[kind]
+
+        def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
+            with np.errstate(all="ignore"):
+                if k == 0 and kind in ("sum", "mean"):
+                    r = np.zeros(out.shape, a_t)
+                else:
+                    r = np_fn(x.astype(a_t), axis=1)
+                if kind == "mean":
+                    r = r / a_t(k)
+            np.copyto(out, r, casting="unsafe")
+
+    return row_kernel(kind, ["out", "x", "k", "m"], body, {"A": a_t, "O": o_t}, sim, ("reduce", kind, acc.str, res.str))
+
+
+class Reduce(TensorOp):
+    __slots__ = ("_kind", "name")
+
+    def __init__(self, kind: str, args: tuple[Any, ...]) -> None:
+        self._kind = kind
+        self.name = f"ops.{kind}"
+        super().__init__(args)
+
+    def _shape(self, x: Tensor, axis: Any, keepdims: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(reduced axes, result shape)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+        if x.dtype == BFLOAT16 or x.dtype.kind not in "biuf":
+            raise TypeError(f"{self.name}: tensors of dtype {x.dtype} are not supported (convert with astype)")
+        if self._kind == "argmax" and isinstance(axis, (tuple, list)):
+            raise TypeError("ops.argmax: axis must be an int or None")
+        axes = _axes(self.name, axis, x.ndim)
+        if self._kind in ("max", "min", "argmax") and any(x.shape[a] == 0 for a in axes):
+            raise ValueError(f"{self.name}: a reduction over a zero-size axis has no identity")
+        if keepdims:
+            shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
+        else:
+            shape = tuple(n for d, n in enumerate(x.shape) if d not in axes)
+        return axes, shape
+
+    def _check(self, *args: Any) -> None:
+        x, axis, keepdims, out = args
+        _, shape = self._shape(x, axis, keepdims)
+        if out is not None:
+            check_out(self.name, out, shape, _reduce_dtypes(self._kind, x.dtype)[1], x.device)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        x, axis, keepdims, out = args
+        axes, shape = self._shape(x, axis, keepdims)
+        acc, res = _reduce_dtypes(self._kind, x.dtype)
+        ln = lane.on(x.device)
+        plan.use(x._buffer, x)
+        dst = output(plan, ln, self.name, out, shape, res, x.device)
+        if self._kind == "argmax" and axis is None:
+            rows = view(contiguous(plan, ln, x), (1, x.size), (x.size * x.dtype.itemsize, x.dtype.itemsize))
+            m, k = 1, x.size
+        else:
+            rows, m, k = _as_rows(plan, ln, x, axes)
+        if m == 0:
+            return dst
+        flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, self.name)
+        o = view(flat, (m,), (res.itemsize,))
+        launch(plan, ln, _reduce_kernel(self._kind, acc, res), (out_partition(o), rows, k, m))
+        if flat is not dst:
+            copy_into(plan, ln, dst, flat, self.name)
+        return dst
+
+
+def reduce(kind: str, x: Any, axis: Any = None, keepdims: bool = False, out: Any = None) -> Reduce:
+    name = f"ops.{kind}"
+    if axis is not None and not (is_int(axis) or (isinstance(axis, (tuple, list)) and all(is_int(a) for a in axis))):
+        raise TypeError(f"{name}: axis must be an int, a tuple of ints or None, not {axis!r}")
+    return Reduce(kind, (operand(x, name), axis, bool(keepdims), None if out is None else operand(out, name)))
+
+
+# -- softmax, log_softmax ---------------------------------------------------------------------------
+def _softmax_kernel(log: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
+    a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
+    write = "O(v - math.log(s))" if log else "O(math.exp(v) / s)"
+    body = [
+        "sm = cuda.shared.array(256, A)",
+        "mx = A(-math.inf)",
+        "c = t_",
+        "while c < k:",
+        "    v = A(x[row, c])",
+        f"    mx = {_MAX.format(p='mx', q='v')}",
+        "    c += 256",
+        *block_reduce("mx", _MAX),
+        "s = A(0)",
+        "c = t_",
+        "while c < k:",
+        "    s += math.exp(A(x[row, c]) - mx)",
+        "    c += 256",
+        *block_reduce("s", "{p} + {q}"),
+        "c = t_",
+        "while c < k:",
+        "    v = A(x[row, c]) - mx",
+        f"    out[row, c] = {write}",
+        "    c += 256",
+    ]
+
+    def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
+        with np.errstate(all="ignore"):
+            v = x.astype(a_t)
+            v = v - np.max(v, axis=1, keepdims=True)
+            s = np.sum(np.exp(v), axis=1, keepdims=True)
+            r = v - np.log(s) if log else np.exp(v) / s
+        np.copyto(out, r, casting="unsafe")
+
+    return row_kernel(
+        "log_softmax" if log else "softmax",
+        ["out", "x", "k", "m"],
+        body,
+        {"A": a_t, "O": o_t},
+        sim,
+        ("softmax", log, acc.str, res.str),
+    )
+
+
+class Softmax(TensorOp):
+    __slots__ = ("_log", "name")
+
+    def __init__(self, log: bool, args: tuple[Any, ...]) -> None:
+        self._log = log
+        self.name = "ops.log_softmax" if log else "ops.softmax"
+        super().__init__(args)
+
+    def _check(self, *args: Any) -> None:
+        x, axis, out = args
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+        _check_float(self.name, x)
+        if x.ndim == 0:
+            raise ValueError(f"{self.name}: needs at least one dimension")
+        normalize_axis(axis, x.ndim)
+        if out is not None:
+            check_out(self.name, out, x.shape, x.dtype, x.device)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        x, axis, out = args
+        ax = normalize_axis(axis, x.ndim)
+        ln = lane.on(x.device)
+        plan.use(x._buffer, x)
+        dst = output(plan, ln, self.name, out, x.shape, x.dtype, x.device)
+        if x.size == 0:
+            return dst
+        rows, m, k = _as_rows(plan, ln, x, (ax,))
+        # The result is written in the rows' layout, then moved into place if needed.
+        perm = [d for d in range(x.ndim) if d != ax] + [ax]
+        moved_shape = tuple(x.shape[d] for d in perm)
+        tmp = alloc(plan, ln, moved_shape, x.dtype, self.name) if (ax != x.ndim - 1 or not dst.is_contiguous) else dst
+        isz = x.dtype.itemsize
+        o = view(tmp, (m, k), (k * isz, isz))
+        acc = compute_dtype(x.dtype)
+        launch(plan, ln, _softmax_kernel(self._log, acc, x.dtype), (out_partition(o), rows, k, m))
+        if tmp is not dst:
+            inverse = [perm.index(d) for d in range(x.ndim)]
+            copy_into(plan, ln, dst, tmp.transpose(inverse), self.name)
+        return dst
+
+
+def softmax(x: Any, axis: Any = -1, *, log: bool = False, out: Any = None) -> Softmax:
+    name = "ops.log_softmax" if log else "ops.softmax"
+    if not is_int(axis):
+        raise TypeError(f"{name}: axis must be an int, not {axis!r}")
+    return Softmax(log, (operand(x, name), int(axis), None if out is None else operand(out, name)))
+
+
+# -- layer_norm, rms_norm ---------------------------------------------------------------------------
+def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
+    a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
+    scale = " * A(w[c])" if has_w else ""
+    shift = " + A(b[c])" if has_b else ""
+    if rms:
+        body = [
+            "sm = cuda.shared.array(256, A)",
+            "s = A(0)",
+            "c = t_",
+            "while c < k:",
+            "    v = A(x[row, c])",
+            "    s += v * v",
+            "    c += 256",
+            *block_reduce("s", "{p} + {q}"),
+            "r = A(1) / math.sqrt(s / A(k) + eps)",
+            "c = t_",
+            "while c < k:",
+            f"    out[row, c] = O(A(x[row, c]) * r{scale})",
+            "    c += 256",
+        ]
+    else:
+        body = [
+            "sm = cuda.shared.array(256, A)",
+            "s = A(0)",
+            "c = t_",
+            "while c < k:",
+            "    s += A(x[row, c])",
+            "    c += 256",
+            *block_reduce("s", "{p} + {q}"),
+            "mean = s / A(k)",
+            "q2 = A(0)",
+            "c = t_",
+            "while c < k:",
+            "    d = A(x[row, c]) - mean",
+            "    q2 += d * d",
+            "    c += 256",
+            *block_reduce("q2", "{p} + {q}"),
+            "r = A(1) / math.sqrt(q2 / A(k) + eps)",
+            "c = t_",
+            "while c < k:",
+            f"    out[row, c] = O((A(x[row, c]) - mean) * r{scale}{shift})",
+            "    c += 256",
+        ]
+    params = ["out", "x", *(["w"] if has_w else []), *(["b"] if has_b else []), "eps", "k", "m"]
+
+    def sim(out: np.ndarray, x: np.ndarray, *rest: Any) -> None:
+        it = iter(rest)
+        w = next(it) if has_w else None
+        b = next(it) if has_b else None
+        eps = next(it)
+        with np.errstate(all="ignore"):
+            v = x.astype(a_t)
+            if rms:
+                r = v / np.sqrt(np.mean(v * v, axis=1, keepdims=True) + a_t(eps))
+            else:
+                mean = np.mean(v, axis=1, keepdims=True)
+                d = v - mean
+                r = d / np.sqrt(np.mean(d * d, axis=1, keepdims=True) + a_t(eps))
+            if w is not None:
+                r = r * w.astype(a_t)
+            if b is not None:
+                r = r + b.astype(a_t)
+        np.copyto(out, r, casting="unsafe")
+
+    op = "rms_norm" if rms else "layer_norm"
+    return row_kernel(op, params, body, {"A": a_t, "O": o_t}, sim, ("norm", rms, has_w, has_b, acc.str, res.str))
+
+
+class Norm(TensorOp):
+    """layer_norm / rms_norm over the last ``weight.ndim`` axes (the last axis without a weight)."""
+
+    __slots__ = ("_rms", "name")
+
+    def __init__(self, rms: bool, args: tuple[Any, ...]) -> None:
+        self._rms = rms
+        self.name = "ops.rms_norm" if rms else "ops.layer_norm"
+        super().__init__(args)
+
+    def _check(self, *args: Any) -> None:
+        x, w, b, _eps, out = args
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+        _check_float(self.name, x)
+        if x.ndim == 0:
+            raise ValueError(f"{self.name}: needs at least one dimension")
+        nd = 1
+        for what, p in (("weight", w), ("bias", b)):
+            if p is None:
+                continue
+            if not isinstance(p, Tensor):
+                raise TypeError(f"{self.name}: the {what} must be a tensor, not {type(p).__name__}")
+            if p.dtype.kind != "f":
+                raise TypeError(f"{self.name}: the {what} must be floating, not {p.dtype}")
+            if p.device is not x.device:
+                raise ValueError(f"{self.name}: the {what} is on device {p.device.ordinal}, x on {x.device.ordinal}")
+            nd = p.ndim
+            if p.ndim == 0 or p.shape != x.shape[x.ndim - p.ndim :]:
+                raise ValueError(f"{self.name}: the {what} of shape {p.shape} does not match the last axes of x {x.shape}")
+        if w is not None and b is not None and w.shape != b.shape:
+            raise ValueError(f"{self.name}: weight {w.shape} and bias {b.shape} differ in shape")
+        del nd
+        if out is not None:
+            check_out(self.name, out, x.shape, x.dtype, x.device)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        self._check(*args)
+        x, w, b, eps, out = args
+        nd = w.ndim if w is not None else (b.ndim if b is not None else 1)
+        ln = lane.on(x.device)
+        for t in (x, w, b):
+            if t is not None:
+                plan.use(t._buffer, t)
+        dst = output(plan, ln, self.name, out, x.shape, x.dtype, x.device)
+        if x.size == 0:
+            return dst
+        axes = tuple(range(x.ndim - nd, x.ndim))
+        rows, m, k = _as_rows(plan, ln, x, axes)
+        flat = dst if dst.is_contiguous else alloc(plan, ln, x.shape, x.dtype, self.name)
+        isz = x.dtype.itemsize
+        o = view(flat, (m, k), (k * isz, isz))
+        params: list[Any] = [out_partition(o), rows]
+        for p in (w, b):
+            if p is not None:
+                pc = contiguous(plan, ln, p)
+                params.append(view(pc, (k,), (p.dtype.itemsize,)))
+        acc = compute_dtype(x.dtype)
+        params += [acc.type(eps), k, m]
+        launch(plan, ln, _norm_kernel(self._rms, w is not None, b is not None, acc, x.dtype), tuple(params))
+        if flat is not dst:
+            copy_into(plan, ln, dst, flat, self.name)
+        return dst
+
+
+def _eps(name: str, eps: Any) -> float:
+    if not is_scalar(eps) or isinstance(eps, (bool, np.bool_, complex, np.complexfloating)):
+        raise TypeError(f"{name}: eps must be a real number, not {eps!r}")
+    e = float(eps)
+    if not math.isfinite(e) or e < 0:
+        raise ValueError(f"{name}: eps must be finite and non-negative, not {eps!r}")
+    return e
+
+
+def norm(rms: bool, x: Any, weight: Any, bias: Any, eps: Any, out: Any) -> Norm:
+    name = "ops.rms_norm" if rms else "ops.layer_norm"
+    w = None if weight is None else operand(weight, name, "weight")
+    b = None if bias is None else operand(bias, name, "bias")
+    for what, p in (("weight", w), ("bias", b)):
+        if p is not None and is_scalar(p):
+            raise TypeError(f"{name}: the {what} must be a tensor, not a scalar")
+    return Norm(rms, (operand(x, name), w, b, _eps(name, eps), None if out is None else operand(out, name)))

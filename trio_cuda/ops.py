@@ -1,0 +1,350 @@
+"""Tensor math as DeviceOps: ``y = await ((x @ w1 + b1).relu() @ w2).to_host()``.
+
+Every function returns a lazy :class:`~trio_cuda.DeviceOp` producing a
+:class:`~trio_cuda.Tensor`; arguments may be tensors, partitions, tensor-producing ops
+and scalars, so a whole expression is one submission awaited once. Elementwise ops
+follow numpy's broadcasting and type promotion (Python scalars are weak, as in NEP 50);
+``out=`` writes into an existing tensor instead of allocating (needed inside graph
+captures, where allocation is refused). Bad input raises when the op is made (or, for
+inputs that are ops, when the submission is planned), before any work runs.
+
+On CUDA ``matmul`` and ``linear`` run on cuBLASLt (nvmath-python), everything else on
+numba-cuda kernels the library generates; on the simulated device every op runs a numpy
+implementation with the same arithmetic. See docs/ops.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _op
+from ._op import DeviceOp
+from ._ops import _create, _elementwise, _matmul, _random, _reduce
+from ._ops._elementwise import contiguous, copy_into
+from ._tensor import Tensor
+
+# abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
+# shadow the builtins (use ops.sum, ...).
+__all__ = [
+    "add",
+    "argmax",
+    "astype",
+    "concatenate",
+    "copy",
+    "divide",
+    "empty_like",
+    "exp",
+    "full_like",
+    "gelu",
+    "layer_norm",
+    "linear",
+    "log",
+    "log_softmax",
+    "matmul",
+    "maximum",
+    "mean",
+    "minimum",
+    "multiply",
+    "negative",
+    "normal",
+    "ones_like",
+    "relu",
+    "rms_norm",
+    "rsqrt",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "sqrt",
+    "stack",
+    "subtract",
+    "tanh",
+    "uniform",
+    "where",
+    "zeros_like",
+]
+
+TensorLike = Any  # a Tensor, a Partition, a DeviceOp producing one, or a scalar
+Op = DeviceOp[Tensor]
+
+
+# -- elementwise ------------------------------------------------------------------------------
+def add(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x + y`` (numpy broadcasting and promotion)."""
+    return _elementwise.elementwise("add", x, y, out=out)
+
+
+def subtract(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x - y``."""
+    return _elementwise.elementwise("subtract", x, y, out=out)
+
+
+def multiply(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x * y``."""
+    return _elementwise.elementwise("multiply", x, y, out=out)
+
+
+def divide(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x / y`` (true division: integers give float64, as in numpy)."""
+    return _elementwise.elementwise("divide", x, y, out=out)
+
+
+def maximum(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """The elementwise maximum (NaN if either is NaN, as numpy's)."""
+    return _elementwise.elementwise("maximum", x, y, out=out)
+
+
+def minimum(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """The elementwise minimum (NaN if either is NaN)."""
+    return _elementwise.elementwise("minimum", x, y, out=out)
+
+
+def negative(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``-x``."""
+    return _elementwise.elementwise("negative", x, out=out)
+
+
+def abs(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``|x|``."""
+    return _elementwise.elementwise("abs", x, out=out)
+
+
+def exp(x: TensorLike, *, out: TensorLike = None) -> Op:
+    return _elementwise.elementwise("exp", x, out=out)
+
+
+def log(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """Natural logarithm (``-inf`` at 0, NaN below)."""
+    return _elementwise.elementwise("log", x, out=out)
+
+
+def sqrt(x: TensorLike, *, out: TensorLike = None) -> Op:
+    return _elementwise.elementwise("sqrt", x, out=out)
+
+
+def rsqrt(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``1 / sqrt(x)``."""
+    return _elementwise.elementwise("rsqrt", x, out=out)
+
+
+def tanh(x: TensorLike, *, out: TensorLike = None) -> Op:
+    return _elementwise.elementwise("tanh", x, out=out)
+
+
+def where(cond: TensorLike, x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x`` where ``cond`` is true (nonzero), else ``y`` (broadcast together)."""
+    return _elementwise.where(cond, x, y, out=out)
+
+
+# -- activations --------------------------------------------------------------------------------
+def relu(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``max(x, 0)`` (NaN stays NaN)."""
+    return _elementwise.elementwise("relu", x, out=out)
+
+
+def gelu(x: TensorLike, *, approximate: str = "tanh", out: TensorLike = None) -> Op:
+    """GELU: ``approximate="tanh"`` (the default, as cuBLASLt's epilogue and GPT-2) or
+    ``"none"`` (exact, with erf), as ``torch.nn.functional.gelu``."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"ops.gelu: approximate must be 'tanh' or 'none', not {approximate!r}")
+    return _elementwise.elementwise("gelu" if approximate == "tanh" else "gelu_exact", x, out=out)
+
+
+def silu(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x * sigmoid(x)``."""
+    return _elementwise.elementwise("silu", x, out=out)
+
+
+def sigmoid(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``1 / (1 + exp(-x))``."""
+    return _elementwise.elementwise("sigmoid", x, out=out)
+
+
+# -- reductions -----------------------------------------------------------------------------------
+def sum(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Sum over ``axis`` (an int, a tuple, or None for all); numpy's result dtypes
+    (integers sum to int64)."""
+    return _reduce.reduce("sum", x, axis, keepdims, out)
+
+
+def mean(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Mean over ``axis`` (integers give float64; empty gives NaN)."""
+    return _reduce.reduce("mean", x, axis, keepdims, out)
+
+
+def max(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Maximum over ``axis`` (NaN if any is NaN)."""
+    return _reduce.reduce("max", x, axis, keepdims, out)
+
+
+def min(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Minimum over ``axis`` (NaN if any is NaN)."""
+    return _reduce.reduce("min", x, axis, keepdims, out)
+
+
+def argmax(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Index of the maximum along ``axis`` (an int, or None for the flattened tensor);
+    the first occurrence, and the first NaN if any (numpy's rules); int64."""
+    return _reduce.reduce("argmax", x, axis, keepdims, out)
+
+
+# -- normalisation ----------------------------------------------------------------------------------
+def softmax(x: TensorLike, axis: int = -1, *, out: TensorLike = None) -> Op:
+    """``exp(x - max) / sum(exp(x - max))`` along ``axis``."""
+    return _reduce.softmax(x, axis, log=False, out=out)
+
+
+def log_softmax(x: TensorLike, axis: int = -1, *, out: TensorLike = None) -> Op:
+    """``x - max - log(sum(exp(x - max)))`` along ``axis``."""
+    return _reduce.softmax(x, axis, log=True, out=out)
+
+
+def layer_norm(
+    x: TensorLike, weight: TensorLike = None, bias: TensorLike = None, eps: float = 1e-5, *, out: TensorLike = None
+) -> Op:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last ``weight.ndim``
+    axes (the last axis without a weight), as ``torch.nn.functional.layer_norm``."""
+    return _reduce.norm(False, x, weight, bias, eps, out)
+
+
+def rms_norm(x: TensorLike, weight: TensorLike = None, eps: float = 1e-6, *, out: TensorLike = None) -> Op:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last ``weight.ndim`` axes."""
+    return _reduce.norm(True, x, weight, None, eps, out)
+
+
+# -- matrices -----------------------------------------------------------------------------------------
+def matmul(a: TensorLike, b: TensorLike, *, out: TensorLike = None, allow_tf32: bool = False) -> Op:
+    """``a @ b`` with numpy's rules (1-D operands, broadcast batch dimensions); float16,
+    bfloat16, float32 (``allow_tf32=True``: TF32 tensor cores) and float64; on CUDA
+    cuBLASLt."""
+    return _matmul.matmul(a, b, out=out, allow_tf32=allow_tf32)
+
+
+def linear(
+    x: TensorLike,
+    w: TensorLike,
+    bias: TensorLike = None,
+    *,
+    activation: str | None = None,
+    out: TensorLike = None,
+    allow_tf32: bool = False,
+) -> Op:
+    """``activation(x @ w.T + bias)``, ``w`` of shape (out_features, in_features) as in
+    ``torch.nn.functional.linear``; ``activation``: None, "relu" or "gelu" (tanh
+    approximation). On CUDA the bias and the activation are a cuBLASLt epilogue."""
+    return _matmul.linear(x, w, bias, activation=activation, out=out, allow_tf32=allow_tf32)
+
+
+# -- random ----------------------------------------------------------------------------------------------
+def uniform(
+    shape: Any,
+    *,
+    seed: int,
+    low: float = 0.0,
+    high: float = 1.0,
+    dtype: Any = np.float32,
+    offset: int = 0,
+    device: Any = None,
+    out: TensorLike = None,
+) -> Op:
+    """Uniform numbers in [low, high), counter-based (Philox4x32-10): element ``i`` comes
+    from counter ``offset + i`` under ``seed``; the same on both backends."""
+    return _random.random("uniform", shape, seed, low, high, dtype, offset, device, out)
+
+
+def normal(
+    shape: Any,
+    *,
+    seed: int,
+    mean: float = 0.0,
+    std: float = 1.0,
+    dtype: Any = np.float32,
+    offset: int = 0,
+    device: Any = None,
+    out: TensorLike = None,
+) -> Op:
+    """Normal numbers (Box-Muller on Philox4x32-10), counter-based like :func:`uniform`."""
+    return _random.random("normal", shape, seed, mean, std, dtype, offset, device, out)
+
+
+# -- creation, casts, joins ------------------------------------------------------------------------------
+def zeros_like(x: TensorLike, dtype: Any = None) -> Op:
+    return _create.like("zeros", x, dtype)
+
+
+def ones_like(x: TensorLike, dtype: Any = None) -> Op:
+    return _create.like("ones", x, dtype)
+
+
+def empty_like(x: TensorLike, dtype: Any = None) -> Op:
+    """Uninitialised memory with the shape of ``x``."""
+    return _create.like("empty", x, dtype)
+
+
+def full_like(x: TensorLike, fill_value: Any, dtype: Any = None) -> Op:
+    return _create.like("full", x, dtype, fill_value)
+
+
+def astype(x: TensorLike, dtype: Any, *, copy: bool = True, out: TensorLike = None) -> Op:
+    """``x`` converted to ``dtype`` (numpy's unsafe casting; bfloat16 rounds to nearest even)."""
+    return _elementwise.astype(x, dtype, copy=copy, out=out)
+
+
+def copy(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """A C-contiguous copy of ``x`` (of any view)."""
+    return _elementwise.astype(x, _dtype_of(x), copy=True, out=out) if isinstance(x, Tensor) else _copy_op(x, out)
+
+
+def concatenate(xs: Sequence[TensorLike], axis: int = 0, *, out: TensorLike = None) -> Op:
+    """The inputs joined along ``axis`` (numpy's promotion of their dtypes)."""
+    return _create.concatenate(xs, axis, out=out)
+
+
+def stack(xs: Sequence[TensorLike], axis: int = 0, *, out: TensorLike = None) -> Op:
+    """The inputs (all of one shape) joined along a new ``axis``."""
+    return _create.concatenate(xs, axis, out=out, new_axis=True)
+
+
+def _dtype_of(x: Any) -> Any:
+    return x.dtype
+
+
+def _copy_op(x: Any, out: Any) -> Op:
+    if not isinstance(x, DeviceOp):
+        raise TypeError(f"ops.copy: needs a tensor or an op producing one, not {type(x).__name__}")
+    return x.then(lambda t: _elementwise.astype(t, t.dtype, copy=True, out=out))
+
+
+# -- the operators and methods of tensors and ops (see trio_cuda._op.extensions) ----------------------------
+_op.extensions.update(
+    {
+        "add": add,
+        "subtract": subtract,
+        "multiply": multiply,
+        "divide": divide,
+        "matmul": matmul,
+        "negative": negative,
+        "abs": abs,
+        "relu": relu,
+        "gelu": gelu,
+        "silu": silu,
+        "sigmoid": sigmoid,
+        "exp": exp,
+        "log": log,
+        "sqrt": sqrt,
+        "tanh": tanh,
+        "sum": sum,
+        "mean": mean,
+        "max": max,
+        "min": min,
+        "argmax": argmax,
+        "softmax": softmax,
+        "log_softmax": log_softmax,
+        "astype": astype,
+        "copy": copy,
+        "contiguous": contiguous,
+        "copy_into": copy_into,
+    }
+)
