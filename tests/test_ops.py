@@ -192,6 +192,37 @@ async def test_out_writes_in_place_and_checks() -> None:
         ops.add(x, y, out=await api.zeros((3, 4), np.int32))
 
 
+async def test_out_overlapping_an_input_behaves_as_in_numpy() -> None:
+    # numpy computes as if the inputs were copied first when out= overlaps them.
+    a = data((10, 6))
+    x = await up(a)
+    want = a.copy()
+    np.add(want[1:], want[:-1], out=want[1:])
+    await ops.add(x[1:], x[:-1], out=x[1:])
+    close(await x.to_host(), want)
+    x = await up(a)
+    await ops.multiply(x, 3, out=x)  # exactly in place: allowed as it is
+    close(await x.to_host(), a * 3)
+    x = await up(a)
+    want = a.copy()
+    np.sum(want, axis=1, out=want[:, 0])
+    await ops.sum(x, axis=1, out=x[:, 0])
+    close(await x.to_host(), want)
+    sq = data((6, 6))
+    x = await up(sq)
+    await ops.matmul(x, x, out=x)
+    close(await x.to_host(), sq @ sq)
+    x = await up(sq)
+    await ops.softmax(x, out=x)  # in place, row by row
+    v = np.exp(sq - sq.max(-1, keepdims=True))
+    close(await x.to_host(), v / v.sum(-1, keepdims=True))
+    x = await up(a)
+    want = a.copy()
+    want[:, 3:] = want[:, :3].T.T  # concatenate into its own input
+    await ops.concatenate([x[:, :3]], axis=1, out=x[:, 3:])
+    close(await x.to_host(), want)
+
+
 async def test_out_inside_a_graph_capture_and_allocation_refused() -> None:
     a, b = data((64,)), data((64,))
     x, y, z = await up(a), await up(b), await api.zeros((64,))

@@ -240,13 +240,65 @@ def check_out(name: str, out: Any, shape: tuple[int, ...], dtype: np.dtype[Any],
     return t
 
 
-def output(plan: Plan, lane: Lane, name: str, out: Any, shape: tuple[int, ...], dtype: np.dtype[Any], device: Device) -> Tensor:
-    """``out=`` checked, or a new tensor."""
-    if out is not None:
-        t = check_out(name, out, shape, dtype, device)
-        plan.use(t._buffer, t)
-        return t
-    return alloc(plan, lane, shape, dtype, name)
+def _span(t: Tensor) -> tuple[int, int]:
+    """The byte range [lo, hi) of the buffer that view ``t`` touches (empty: lo == hi)."""
+    if 0 in t.shape:
+        return t._offset, t._offset
+    lo = hi = t._offset
+    for n, s in zip(t.shape, t.strides, strict=True):
+        if s < 0:
+            lo += (n - 1) * s
+        else:
+            hi += (n - 1) * s
+    return lo, hi + t.dtype.itemsize
+
+
+def overlaps(a: Tensor, b: Tensor) -> bool:
+    """True if views ``a`` and ``b`` may share memory (same buffer, intersecting spans)."""
+    if a._buffer is not b._buffer:
+        return False
+    (alo, ahi), (blo, bhi) = _span(a), _span(b)
+    return alo < bhi and blo < ahi
+
+
+def same_view(a: Tensor, b: Tensor) -> bool:
+    return a._buffer is b._buffer and a._offset == b._offset and a.shape == b.shape and a.strides == b.strides
+
+
+class Out:
+    """Where an op computes: ``t`` is ``out=`` itself, a new tensor, or (when ``out=``
+    shares memory with an input in a way the kernels cannot handle) a temporary that
+    ``_elementwise.finish`` copies into ``back`` (``out=``) at the end, as numpy does for
+    overlapping operands."""
+
+    __slots__ = ("back", "t")
+
+    def __init__(self, t: Tensor, back: Tensor | None) -> None:
+        self.t = t
+        self.back = back
+
+
+def output(
+    plan: Plan,
+    lane: Lane,
+    name: str,
+    out: Any,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    device: Device,
+    reads: Sequence[Tensor | None] = (),
+    inplace_ok: bool = False,
+) -> Out:
+    """``out=`` checked, or a new tensor. ``reads``: the op's tensor inputs; with
+    ``inplace_ok`` an input that is exactly ``out=`` (same view) is fine (elementwise)."""
+    if out is None:
+        return Out(alloc(plan, lane, shape, dtype, name), None)
+    t = check_out(name, out, shape, dtype, device)
+    plan.use(t._buffer, t)
+    for r in reads:
+        if r is not None and overlaps(r, t) and not (inplace_ok and same_view(r, t)):
+            return Out(alloc(plan, lane, shape, dtype, name), t)
+    return Out(t, None)
 
 
 def launch(plan: Plan, lane: Lane, kernel: Kernel, args: tuple[Any, ...]) -> None:

@@ -12,7 +12,7 @@ from .._op import DeviceOp
 from .._submit import Lane, Plan
 from .._tensor import Partition, Tensor, index_view, normalize_axis
 from ._core import TensorOp, device_of, operand, output, promote, tensor_arg
-from ._elementwise import copy_into
+from ._elementwise import copy_into, finish
 
 __all__ = ["Concatenate", "like"]
 
@@ -91,7 +91,8 @@ class Concatenate(TensorOp):
         ln = lane.on(dev)
         for x in xs:
             plan.use(x._buffer, x)
-        dst = output(plan, ln, self.name, args[self._n + 1], shape, dtype, dev)
+        result = output(plan, ln, self.name, args[self._n + 1], shape, dtype, dev, xs)
+        dst = result.t
         start = 0
         for x in xs:
             n = x.shape[ax]
@@ -100,7 +101,7 @@ class Concatenate(TensorOp):
             part = Tensor._new(dst._buffer, shp, dst.dtype, dst._offset + offset, strides, dst._tracked)
             copy_into(plan, ln, part, x, self.name)
             start += n
-        return dst
+        return finish(plan, ln, result, self.name)
 
 
 def concatenate(xs: Any, axis: Any = 0, *, out: Any = None, new_axis: bool = False) -> Concatenate:

@@ -19,6 +19,7 @@ from .._submit import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel
 from ._core import (
+    Out,
     TensorOp,
     alloc,
     as_dtype,
@@ -160,9 +161,10 @@ def _plan_elementwise(
     shape = broadcast_shape(name, *(t.shape for t in tensors))
     for t in tensors:
         plan.use(t._buffer, t)
-    dst = output(plan, ln, name, out, shape, result, dev)
+    res = output(plan, ln, name, out, shape, result, dev, tensors, inplace_ok=True)
+    dst = res.t
     if 0 in shape:
-        return dst
+        return finish(plan, ln, res, name)
     compute = compute_dtype(loop)
     arrays = [broadcast_view(t, shape) for t in tensors]
     new_shape, strides = coalesce(shape, [dst.strides] + [a.strides for a in arrays])
@@ -181,7 +183,15 @@ def _plan_elementwise(
     args.append(math.prod(new_shape))
     k = elementwise_kernel(name.removeprefix("ops."), expr, tuple(loads), rank, compute, result, np_fn)
     launch(plan, ln, k, tuple(args))
-    return dst
+    return finish(plan, ln, res, name)
+
+
+def finish(plan: Plan, lane: Lane, res: Out, name: str) -> Tensor:
+    """The op's result: ``res.t``, copied into ``out=`` first if it was a temporary."""
+    if res.back is None:
+        return res.t
+    copy_into(plan, lane, res.back, res.t, name)
+    return res.back
 
 
 class Elementwise(TensorOp):
@@ -344,9 +354,9 @@ class AsType(TensorOp):
             return x  # numpy's astype(copy=False): the same tensor
         ln = lane.on(x.device)
         plan.use(x._buffer, x)
-        dst = output(plan, ln, self.name, out, x.shape, dtype, x.device)
-        copy_into(plan, ln, dst, x, self.name)
-        return dst
+        res = output(plan, ln, self.name, out, x.shape, dtype, x.device, (x,), inplace_ok=True)
+        copy_into(plan, ln, res.t, x, self.name)
+        return finish(plan, ln, res, self.name)
 
 
 def astype(x: Any, dtype: Any, *, copy: bool = True, out: Any = None) -> AsType:

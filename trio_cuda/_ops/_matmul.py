@@ -17,8 +17,8 @@ from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
 from .._submit import Lane, Plan
 from .._tensor import Tensor
-from ._core import TensorOp, broadcast_shape, check_out, device_of, operand, output, view
-from ._elementwise import contiguous, copy_into
+from ._core import TensorOp, alloc, broadcast_shape, check_out, device_of, operand, output, view
+from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Linear", "Matmul"]
 
@@ -119,16 +119,17 @@ def _plan_gemm(
     for t in (a, b, bias):
         if t is not None:
             plan.use(t._buffer, t)
-    dst = output(plan, ln, name, out, result_shape, a.dtype, dev)
+    result = output(plan, ln, name, out, result_shape, a.dtype, dev, (a, b, bias))
+    dst = result.t
     m, k = a.shape[-2:]
     n = b.shape[-1]
     batch = math.prod(batch_shape)
     if dst.size == 0:
-        return dst
+        return finish(plan, ln, result, name)
     aa, oa = _operand(plan, ln, a, batch_shape)
     bb, ob = _operand(plan, ln, b, batch_shape)
     full = dst if dst.is_contiguous else None
-    target = full if full is not None else output(plan, ln, name, None, result_shape, a.dtype, dev)
+    target = full if full is not None else alloc(plan, ln, result_shape, a.dtype, name)
     bias_t = contiguous(plan, ln, bias) if bias is not None else None
     desc = GemmDesc(m, n, k, batch, oa, ob, dtype, bias is not None, activation, bool(allow_tf32), 256)
     d2 = view(target, (batch, m, n), (m * n * a.dtype.itemsize, n * a.dtype.itemsize, a.dtype.itemsize))
@@ -136,7 +137,7 @@ def _plan_gemm(
     plan.ops.append(name)
     if target is not dst:
         copy_into(plan, ln, dst, target, name)
-    return dst
+    return finish(plan, ln, result, name)
 
 
 class Matmul(TensorOp):

@@ -20,7 +20,7 @@ from .._submit import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import block_reduce, row_kernel
 from ._core import TensorOp, alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
-from ._elementwise import contiguous, copy_into
+from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Norm", "Reduce", "Softmax"]
 
@@ -226,20 +226,21 @@ class Reduce(TensorOp):
         acc, res = _reduce_dtypes(self._kind, x.dtype)
         ln = lane.on(x.device)
         plan.use(x._buffer, x)
-        dst = output(plan, ln, self.name, out, shape, res, x.device)
+        result = output(plan, ln, self.name, out, shape, res, x.device, (x,))
+        dst = result.t
         if self._kind == "argmax" and axis is None:
             rows = view(contiguous(plan, ln, x), (1, x.size), (x.size * x.dtype.itemsize, x.dtype.itemsize))
             m, k = 1, x.size
         else:
             rows, m, k = _as_rows(plan, ln, x, axes)
         if m == 0:
-            return dst
+            return finish(plan, ln, result, self.name)
         flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, self.name)
         o = view(flat, (m,), (res.itemsize,))
         launch(plan, ln, _reduce_kernel(self._kind, acc, res), (out_partition(o), rows, k, m))
         if flat is not dst:
             copy_into(plan, ln, dst, flat, self.name)
-        return dst
+        return finish(plan, ln, result, self.name)
 
 
 def reduce(kind: str, x: Any, axis: Any = None, keepdims: bool = False, out: Any = None) -> Reduce:
@@ -318,9 +319,10 @@ class Softmax(TensorOp):
         ax = normalize_axis(axis, x.ndim)
         ln = lane.on(x.device)
         plan.use(x._buffer, x)
-        dst = output(plan, ln, self.name, out, x.shape, x.dtype, x.device)
+        result = output(plan, ln, self.name, out, x.shape, x.dtype, x.device, (x,), inplace_ok=True)
+        dst = result.t
         if x.size == 0:
-            return dst
+            return finish(plan, ln, result, self.name)
         rows, m, k = _as_rows(plan, ln, x, (ax,))
         # The result is written in the rows' layout, then moved into place if needed.
         perm = [d for d in range(x.ndim) if d != ax] + [ax]
@@ -333,7 +335,7 @@ class Softmax(TensorOp):
         if tmp is not dst:
             inverse = [perm.index(d) for d in range(x.ndim)]
             copy_into(plan, ln, dst, tmp.transpose(inverse), self.name)
-        return dst
+        return finish(plan, ln, result, self.name)
 
 
 def softmax(x: Any, axis: Any = -1, *, log: bool = False, out: Any = None) -> Softmax:
@@ -456,9 +458,10 @@ class Norm(TensorOp):
         for t in (x, w, b):
             if t is not None:
                 plan.use(t._buffer, t)
-        dst = output(plan, ln, self.name, out, x.shape, x.dtype, x.device)
+        result = output(plan, ln, self.name, out, x.shape, x.dtype, x.device, (x, w, b), inplace_ok=True)
+        dst = result.t
         if x.size == 0:
-            return dst
+            return finish(plan, ln, result, self.name)
         axes = tuple(range(x.ndim - nd, x.ndim))
         rows, m, k = _as_rows(plan, ln, x, axes)
         flat = dst if dst.is_contiguous else alloc(plan, ln, x.shape, x.dtype, self.name)
@@ -474,7 +477,7 @@ class Norm(TensorOp):
         launch(plan, ln, _norm_kernel(self._rms, w is not None, b is not None, acc, x.dtype), tuple(params))
         if flat is not dst:
             copy_into(plan, ln, dst, flat, self.name)
-        return dst
+        return finish(plan, ln, result, self.name)
 
 
 def _eps(name: str, eps: Any) -> float:
