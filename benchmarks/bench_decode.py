@@ -9,6 +9,9 @@ per token), float32, on one GPU, in one run. Per token:
 * ``raw cuGraphLaunch``: cuda.bindings ``cuGraphLaunch`` of the same instantiated graph +
   ``cuStreamSynchronize``; and its GPU-only time (timing events around back-to-back
   replays);
+* ``ops: ...``: the same step written with ``trio_cuda.ops`` (``ops.rms_norm``,
+  ``ops.matmul`` GEMVs on cuBLASLt, ``ops.add``), awaited per token and as a graph, with
+  its GPU-only time: which of the two steps is faster, measured;
 * ``torch eager`` and ``torch CUDA graph`` on the same shapes (rms_norm as PyTorch ops).
 
 Prints a table (ms per token, us per graph node) with the targets, and writes
@@ -75,10 +78,23 @@ async def trio_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, f
     for _ in range(tokens):
         await graph.launch()
     res["trio: graph replay"] = (time.perf_counter() - t0) / tokens * 1e3
-    return res, graph, m
+
+    # the same step written with trio_cuda.ops (cuBLASLt GEMVs on CUDA)
+    await m.step_ops()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        await m.step_ops()
+    res["ops: await per token"] = (time.perf_counter() - t0) / tokens * 1e3
+    graph_ops = m.step_ops().graph()
+    await graph_ops.launch()
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        await graph_ops.launch()
+    res["ops: graph replay"] = (time.perf_counter() - t0) / tokens * 1e3
+    return res, graph, graph_ops
 
 
-def raw_graph(graph: Any, tokens: int) -> dict[str, float]:
+def raw_graph(graph: Any, tokens: int, label: str = "") -> dict[str, float]:
     from cuda.bindings import driver as cu
 
     if trio_cuda.backend_name() != "cuda":
@@ -98,14 +114,14 @@ def raw_graph(graph: Any, tokens: int) -> dict[str, float]:
     for _ in range(tokens):
         chk(cu.cuGraphLaunch(exec_, s))
         chk(cu.cuStreamSynchronize(s))
-    out = {"raw cuGraphLaunch + sync": (time.perf_counter() - t0) / tokens * 1e3}
+    out = {f"{label}raw cuGraphLaunch + sync": (time.perf_counter() - t0) / tokens * 1e3}
     start, end = chk(cu.cuEventCreate(0)), chk(cu.cuEventCreate(0))
     chk(cu.cuEventRecord(start, s))
     for _ in range(tokens):
         chk(cu.cuGraphLaunch(exec_, s))
     chk(cu.cuEventRecord(end, s))
     chk(cu.cuEventSynchronize(end))
-    out["GPU-only time of one replay"] = chk(cu.cuEventElapsedTime(start, end)) / tokens
+    out[f"{label}GPU-only time of one replay"] = chk(cu.cuEventElapsedTime(start, end)) / tokens
     cu.cuEventDestroy(start)
     cu.cuEventDestroy(end)
     return out
@@ -169,8 +185,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
 
-    res, graph, _ = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
+    res, graph, graph_ops = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
     res.update(raw_graph(graph, args.tokens))
+    res.update(raw_graph(graph_ops, args.tokens, "ops: "))
     torch_error = None
     if not sim:
         t, torch_error = torch_modes(args.hidden, args.layers, args.tokens)
@@ -178,7 +195,7 @@ def main() -> int:
     nodes = graph.nodes
     lines = ["| mode | ms per token | us per graph node |", "|---|---|---|"]
     for k, v in res.items():
-        per_node = f"{v * 1e3 / nodes:.3f}" if ("graph" in k or "replay" in k) else ""
+        per_node = f"{v * 1e3 / nodes:.3f}" if ("graph" in k or "replay" in k) and not k.startswith("ops") else ""
         lines.append(f"| {k} | {v:.4f} | {per_node} |")
     checks = []
     if "raw cuGraphLaunch + sync" in res:
@@ -188,6 +205,9 @@ def main() -> int:
         checks.append(f"- graph token time vs its GPU-only time: {g:.3f}x (target <= 1.10x)")
     sp = res["trio: await per kernel"] / res["trio: await per token"]
     checks.append(f"- one await per token vs await per kernel: {sp:.2f}x faster (target >= 1.7x)")
+    if "ops: GPU-only time of one replay" in res:
+        r = res["ops: GPU-only time of one replay"] / res["GPU-only time of one replay"]
+        checks.append(f"- ops step (rms_norm, cuBLASLt GEMV, add) vs hand-written kernels, GPU-only per token: {r:.3f}x")
     if torch_error:
         checks.append(f"- torch: {torch_error}")
     dev = trio_cuda.current_device()

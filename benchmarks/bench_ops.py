@@ -92,77 +92,89 @@ async def run(reps: int, quick: bool) -> list[dict[str, Any]]:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.3f} | >= {target} |", flush=True)
 
     print("| case | trio-cuda | torch | ratio | target |\n|---|---|---|---|---|")
-    sizes = [1024] if quick else [4096, 8192]
-    for dtype, tname, target in (("float16", "float16", 0.95), ("bfloat16", "bfloat16", 0.95), ("float32", "float32", 0.95)):
-        for n in sizes:
-            tdt = getattr(torch, tname)
-            with torch.cuda.stream(ts):
-                a = torch.randn(n, n, device="cuda", dtype=tdt)
-                b = torch.randn(n, n, device="cuda", dtype=tdt)
-                c = torch.empty(n, n, device="cuda", dtype=tdt)
-                t_torch = time_torch(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), reps)
-            x, y = await to_trio(a), await to_trio(b)
-            z = await api.empty((n, n), trio_cuda._checks.check_dtype(dtype))
-            t_trio = await time_trio(lambda x=x, y=y, z=z: ops.matmul(x, y, out=z), reps, stream)
-            row(f"matmul {dtype} {n}^3", "TFLOP/s", 2 * n**3 / 1e12, t_trio, t_torch, target)
 
-    n = (1 << 20) if quick else (64 << 20)
-    with torch.cuda.stream(ts):
-        a = torch.randn(n, device="cuda")
-        b = torch.randn(n, device="cuda")
-        c = torch.empty(n, device="cuda")
-        t_torch = time_torch(lambda: torch.add(a, b, out=c), reps)
-    x, y, z = await to_trio(a), await to_trio(b), await api.empty((n,))
-    t_trio = await time_trio(lambda: ops.add(x, y, out=z), reps, stream)
-    row("add 64M float32", "GB/s", 3 * 4 * n / 1e9, t_trio, t_torch, 0.90)
+    async def gemm() -> None:
+        sizes = [1024] if quick else [4096, 8192]
+        for dtype, tname, target in (("float16", "float16", 0.95), ("bfloat16", "bfloat16", 0.95), ("float32", "float32", 0.95)):
+            for n in sizes:
+                tdt = getattr(torch, tname)
+                with torch.cuda.stream(ts):
+                    a = torch.randn(n, n, device="cuda", dtype=tdt)
+                    b = torch.randn(n, n, device="cuda", dtype=tdt)
+                    c = torch.empty(n, n, device="cuda", dtype=tdt)
+                    t_torch = time_torch(lambda a=a, b=b, c=c: torch.matmul(a, b, out=c), reps)
+                x, y = await to_trio(a), await to_trio(b)
+                z = await api.empty((n, n), trio_cuda._checks.check_dtype(dtype))
+                t_trio = await time_trio(lambda x=x, y=y, z=z: ops.matmul(x, y, out=z), reps, stream)
+                row(f"matmul {dtype} {n}^3", "TFLOP/s", 2 * n**3 / 1e12, t_trio, t_torch, target)
 
-    m, k = (256, 1024) if quick else (4096, 8192)
-    with torch.cuda.stream(ts):
-        a = torch.randn(m, k, device="cuda")
-        w = torch.randn(k, device="cuda")
-        bias = torch.randn(k, device="cuda")
-        s = torch.empty(m, device="cuda")
-        t_sm = time_torch(lambda: torch.softmax(a, dim=-1), reps)  # PyTorch's allocator: no out=
-        t_ln = time_torch(lambda: torch.nn.functional.layer_norm(a, (k,), w, bias), reps)
-        t_sum = time_torch(lambda: torch.sum(a, dim=-1, out=s), reps)
-    x, z = await to_trio(a), await api.empty((m, k))
-    wt, bt, st = await to_trio(w), await to_trio(bias), await api.empty((m,))
-    row(
-        "softmax 4096x8192 float32",
-        "GB/s",
-        2 * 4 * m * k / 1e9,
-        await time_trio(lambda: ops.softmax(x, out=z), reps, stream),
-        t_sm,
-        0.80,
-    )
-    row(
-        "layer_norm 4096x8192 float32",
-        "GB/s",
-        2 * 4 * m * k / 1e9,
-        await time_trio(lambda: ops.layer_norm(x, wt, bt, out=z), reps, stream),
-        t_ln,
-        0.80,
-    )
-    row(
-        "sum last axis 4096x8192 float32",
-        "GB/s",
-        4 * m * k / 1e9,
-        await time_trio(lambda: ops.sum(x, -1, out=st), reps, stream),
-        t_sum,
-        0.80,
-    )
+    async def elementwise_add() -> None:
+        n = (1 << 20) if quick else (64 << 20)
+        with torch.cuda.stream(ts):
+            a = torch.randn(n, device="cuda")
+            b = torch.randn(n, device="cuda")
+            c = torch.empty(n, device="cuda")
+            t_torch = time_torch(lambda: torch.add(a, b, out=c), reps)
+        x, y, z = await to_trio(a), await to_trio(b), await api.empty((n,))
+        t_trio = await time_trio(lambda: ops.add(x, y, out=z), reps, stream)
+        row("add 64M float32", "GB/s", 3 * 4 * n / 1e9, t_trio, t_torch, 0.90)
 
-    n = 1024 if quick else 8192
-    with torch.cuda.stream(ts):
-        wm = torch.randn(n, n, device="cuda")
-        v = torch.randn(n, device="cuda")
-        o = torch.empty(n, device="cuda")
-        t_mv = time_torch(lambda: torch.mv(wm, v, out=o), reps)
-    wt2, vt, ot = await to_trio(wm), await to_trio(v), await api.empty((n,))
-    t_lib = await time_trio(lambda: matvec(ot.partition((MATVEC_ROWS,)), wt2, vt), reps, stream)
-    row("library matvec 8192^2 float32", "GB/s", 4 * n * n / 1e9, t_lib, t_mv, 0.90)
-    t_ops = await time_trio(lambda: ops.matmul(wt2, vt, out=ot), reps, stream)
-    row("ops.matmul as matvec 8192^2 float32", "GB/s", 4 * n * n / 1e9, t_ops, t_mv, 0.90)
+    async def row_ops() -> None:
+        m, k = (256, 1024) if quick else (4096, 8192)
+        with torch.cuda.stream(ts):
+            a = torch.randn(m, k, device="cuda")
+            w = torch.randn(k, device="cuda")
+            bias = torch.randn(k, device="cuda")
+            s = torch.empty(m, device="cuda")
+            t_sm = time_torch(lambda: torch.softmax(a, dim=-1), reps)  # PyTorch's allocator: no out=
+            t_ln = time_torch(lambda: torch.nn.functional.layer_norm(a, (k,), w, bias), reps)
+            t_sum = time_torch(lambda: torch.sum(a, dim=-1, out=s), reps)
+        x, z = await to_trio(a), await api.empty((m, k))
+        wt, bt, st = await to_trio(w), await to_trio(bias), await api.empty((m,))
+        row(
+            "softmax 4096x8192 float32",
+            "GB/s",
+            2 * 4 * m * k / 1e9,
+            await time_trio(lambda: ops.softmax(x, out=z), reps, stream),
+            t_sm,
+            0.80,
+        )
+        row(
+            "layer_norm 4096x8192 float32",
+            "GB/s",
+            2 * 4 * m * k / 1e9,
+            await time_trio(lambda: ops.layer_norm(x, wt, bt, out=z), reps, stream),
+            t_ln,
+            0.80,
+        )
+        row(
+            "sum last axis 4096x8192 float32",
+            "GB/s",
+            4 * m * k / 1e9,
+            await time_trio(lambda: ops.sum(x, -1, out=st), reps, stream),
+            t_sum,
+            0.80,
+        )
+
+    async def matvecs() -> None:
+        n = 1024 if quick else 8192
+        with torch.cuda.stream(ts):
+            wm = torch.randn(n, n, device="cuda")
+            v = torch.randn(n, device="cuda")
+            o = torch.empty(n, device="cuda")
+            t_mv = time_torch(lambda: torch.mv(wm, v, out=o), reps)
+        wt2, vt, ot = await to_trio(wm), await to_trio(v), await api.empty((n,))
+        t_lib = await time_trio(lambda: matvec(ot.partition((MATVEC_ROWS,)), wt2, vt), reps, stream)
+        row("library matvec 8192^2 float32", "GB/s", 4 * n * n / 1e9, t_lib, t_mv, 0.90)
+        t_ops = await time_trio(lambda: ops.matmul(wt2, vt, out=ot), reps, stream)
+        row("ops.matmul as matvec 8192^2 float32", "GB/s", 4 * n * n / 1e9, t_ops, t_mv, 0.90)
+
+    for section in (gemm, elementwise_add, row_ops, matvecs):
+        try:
+            await section()
+        except Exception as err:  # report and go on: one broken case must not hide the others
+            print(f"| {section.__name__} | failed: {type(err).__name__}: {err} | | | |", flush=True)
+            rows.append({"case": section.__name__, "error": f"{type(err).__name__}: {err}"})
     return rows
 
 
@@ -188,6 +200,9 @@ def main() -> None:
             "|---|---|---|---|---|---|",
         ]
         for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['case']} | failed: {r['error']} | | | | |")
+                continue
             lines.append(
                 f"| {r['case']} | {r['unit']} | {r['trio']:.1f} | {r['torch']:.1f} | {r['ratio']:.3f} | >= {r['target']} |"
             )

@@ -28,7 +28,7 @@ import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, ops
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
 
 EPS = 1e-5
@@ -59,6 +59,21 @@ class Model:
                 .then(lambda _, wq=wq: matvec(self.q.partition((MATVEC_ROWS,)), wq, hn1))
                 .then(lambda _, wo=wo: matvec(self.o.partition((MATVEC_ROWS,)), wo, self.q))
                 .then(lambda _: add(h1.partition((min(hdim, 256),)), h1, self.o))
+            )
+        return op.map(lambda _: self.h)
+
+    def step_ops(self) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+        """The same step written with trio_cuda.ops (rms_norm kernel, cuBLASLt GEMVs on
+        CUDA, elementwise add), every result into the preallocated buffers (out=), so it
+        can be captured as well."""
+        h1 = self.h.reshape(self.hidden)
+        op: trio_cuda.DeviceOp = trio_cuda.value(None)  # type: ignore[type-arg]
+        for w_norm, wq, wo in self.weights:
+            op = (
+                op.then(lambda _, w_norm=w_norm: ops.rms_norm(self.h, w_norm, EPS, out=self.hn))
+                .then(lambda _, wq=wq: ops.matmul(wq, self.hn.reshape(self.hidden), out=self.q))
+                .then(lambda _, wo=wo: ops.matmul(wo, self.q, out=self.o))
+                .then(lambda _: ops.add(h1, self.o, out=h1))
             )
         return op.map(lambda _: self.h)
 

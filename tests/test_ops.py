@@ -98,6 +98,27 @@ async def test_weak_python_scalars_and_strong_numpy_scalars() -> None:
         xi + 1000
 
 
+async def test_bool_tensors_and_python_bools_follow_numpy() -> None:
+    """A Python bool is numpy's bool (not a weak int); bool - bool and -bool are refused
+    as numpy refuses them, bool - int is allowed."""
+    flags, ints = data((6,), np.bool_), data((6,), np.int16)
+    f, i = await up(flags), await up(ints)
+    for name, fn in BINARY:
+        for args, np_args in (((i, True), (ints, True)), ((False, f), (False, flags)), ((f, i), (flags, ints))):
+            try:
+                with np.errstate(all="ignore"):
+                    want = fn(*np_args)  # type: ignore[operator]
+            except TypeError:
+                with pytest.raises(TypeError):
+                    getattr(ops, name)(*args)
+                continue
+            close(await getattr(ops, name)(*args).to_host(), want)
+    with pytest.raises(TypeError, match="boolean subtract"):
+        ops.subtract(f, f)
+    with pytest.raises(TypeError, match="boolean negative"):
+        ops.negative(f)
+
+
 UNARY = [
     ("negative", np.negative, np.float32),
     ("abs", np.abs, np.int32),
@@ -235,6 +256,29 @@ async def test_out_inside_a_graph_capture_and_allocation_refused() -> None:
         (x + y).graph()  # a new output: allocation inside a capture
 
 
+async def test_matmul_and_norms_with_out_are_captured_without_copies() -> None:
+    """GEMMs of contiguous and transposed operands (2-D, matrix-vector, batched) and the
+    norms read their operands in place: with out= they capture, nothing is allocated."""
+    m, v, bt = data((32, 48)), data((48,)), data((3, 48, 16))
+    wt, gamma = data((16, 48)), data((48,))
+    xm, xv, xb, xw, xg = await up(m), await up(v), await up(bt), await up(wt), await up(gamma)
+    o1, o2, o3, o4 = await api.zeros((32,)), await api.zeros((3, 32, 16)), await api.zeros((32, 16)), await api.zeros((32, 48))
+    o5 = await api.zeros((32, 48))
+    graph = trio_cuda.zip(
+        ops.matmul(xm, xv, out=o1),
+        ops.matmul(xm, xb, out=o2),
+        ops.matmul(xm, xw.T, out=o3),
+        ops.rms_norm(xm, xg, 1e-5, out=o4),
+        ops.layer_norm(xm, xg, xg, 1e-5, out=o5),
+    ).graph()
+    await graph.launch()
+    np.testing.assert_allclose(await o1.to_host(), m @ v, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(await o2.to_host(), m @ bt, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(await o3.to_host(), m @ wt.T, rtol=1e-4, atol=1e-4)
+    want = m / np.sqrt((m.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5) * gamma
+    np.testing.assert_allclose(await o4.to_host(), want, rtol=1e-4, atol=1e-4)
+
+
 # -- reductions ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["sum", "mean", "max", "min"])
 @pytest.mark.parametrize("axis", [None, 0, 1, -1, (0, 2), (2, 0)])
@@ -363,6 +407,11 @@ async def test_matmul_of_transposed_and_strided_views() -> None:
     x, y = await up(a), await up(b)
     close(await (x.T @ y.T).to_host(), a.T @ b.T)
     close(await (x[1:6, ::2] @ y.T[::3, 1:4]).to_host(), a[1:6, ::2] @ b.T[::3, 1:4])
+    # reversed batches and reversed rows (negative strides) are copied before the GEMM
+    c = data((3, 4, 9))
+    z = await up(c)
+    close(await (z[::-1] @ y.T).to_host(), c[::-1] @ b.T)
+    close(await (z[:, ::-1] @ y.T[::-1]).to_host(), c[:, ::-1] @ b.T[::-1])
 
 
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
@@ -412,6 +461,15 @@ async def test_random_is_reproducible_and_counter_based() -> None:
     assert abs(n.mean() - 2.0) < 0.02 and abs(n.std() - 0.5) < 0.02
     r = await ops.uniform((3, 4), seed=1, low=-2, high=2, dtype=np.float16).to_host()
     assert r.dtype == np.float16 and r.shape == (3, 4) and r.min() >= -2 and r.max() <= 2
+    # high is never drawn, also where rounding to the dtype would reach it
+    for dt, lo, hi in ((np.float16, 0.0, 1.0), (np.float32, 1.0, 1.0000001), (np.float16, -1.0, 0.0), (np.float64, 0.0, 1.0)):
+        r = await ops.uniform((1 << 18,), seed=5, low=lo, high=hi, dtype=dt).to_host()
+        assert r.min() >= dt(lo) and r.max() < dt(hi), (dt, r.max())
+    assert (await ops.uniform((4,), seed=5, low=2.0, high=2.0).to_host() == 2).all()
+    with pytest.raises(ValueError, match="exceed"):
+        ops.uniform((3,), seed=1, low=1, high=0)
+    with pytest.raises(ValueError, match="finite in float16"):
+        ops.uniform((3,), seed=1, high=1e6, dtype=np.float16)
     with pytest.raises(ValueError, match="seed"):
         ops.uniform((3,), seed=-1)
     with pytest.raises(TypeError, match="dtype"):

@@ -69,12 +69,12 @@ UFUNCS: dict[str, Ufunc] = {
     u.name: u
     for u in (
         _u("add", 2, "x0 + x1", np.add, np.add),
-        _u("subtract", 2, "x0 - x1", np.subtract, np.subtract, "iuf"),
+        _u("subtract", 2, "x0 - x1", np.subtract, np.subtract),
         _u("multiply", 2, "x0 * x1", np.multiply, np.multiply),
         _u("divide", 2, "x0 / x1", np.true_divide, np.true_divide),
         _u("maximum", 2, "(x0 if (x0 >= x1 or x0 != x0) else x1)", np.maximum, np.maximum),
         _u("minimum", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum),
-        _u("negative", 1, "-x0", np.negative, np.negative, "iuf"),
+        _u("negative", 1, "-x0", np.negative, np.negative),
         _u("abs", 1, "abs(x0)", np.absolute, np.absolute, "biuf"),
         _u("exp", 1, "math.exp(x0)", np.exp, np.exp),
         _u("log", 1, "math.log(x0)", np.log, np.log),
@@ -121,8 +121,8 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
             if x.dtype.kind not in u.kinds:
                 raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported")
             key.append(x.dtype)
-        elif isinstance(x, np.generic):
-            key.append(x.dtype)
+        elif isinstance(x, (np.generic, bool)):
+            key.append(np.asarray(x).dtype)  # numpy scalars strong; a Python bool is numpy's bool
         else:
             key.append(type(x))
     if u.weak_second is not None:

@@ -46,13 +46,13 @@ def _operand(plan: Plan, lane: Lane, t: Tensor, batch_shape: tuple[int, ...]) ->
     bstrides = [0] * lead + [
         0 if n == 1 and b != 1 else s for n, b, s in zip(t.shape[:-2], batch_shape[lead:], t.strides[:-2], strict=True)
     ]
-    # the batch as one stride (after dropping size-1 dims), or None
-    stride: int | None = None
+    # the batch as one stride (after dropping size-1 dims; 0 without a batch), or None
+    stride: int | None = 0
     expect: int | None = None
     for n, s in zip(reversed(batch_shape), reversed(bstrides), strict=True):
         if n == 1:
             continue
-        if stride is None:
+        if expect is None:
             stride, expect = s, s * n
         elif s != expect:
             stride = None
@@ -61,7 +61,7 @@ def _operand(plan: Plan, lane: Lane, t: Tensor, batch_shape: tuple[int, ...]) ->
             expect = s * n
     rs, cs = t.strides[-2:]
     layout: tuple[bool, int] | None = None
-    if stride is not None and (stride % isz == 0):
+    if stride is not None and stride >= 0 and stride % isz == 0:
         if (cs == isz or cols == 1) and rs % isz == 0 and rs // isz >= max(cols, 1):
             layout = (False, max(rs // isz, cols, 1))
         elif (rs == isz or rows == 1) and cs % isz == 0 and cs // isz >= max(rows, 1):

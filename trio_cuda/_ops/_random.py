@@ -7,7 +7,8 @@ simulated device (uniforms bit for bit; normals up to the last bit of the math l
 log and cos).
 
 * uniform float32: the top 24 bits of word 0, times 2**-24, scaled to [low, high);
-  float64: 53 bits from words 0 and 1. float16 rounds the float32 value.
+  float64: 53 bits from words 0 and 1. float16 rounds the float32 value. A value that
+  rounds up to ``high`` becomes the largest value below it, so ``high`` is never drawn.
 * normal: Box-Muller on words 0 and 1, in float64, then ``mean + std * z``.
 """
 
@@ -97,15 +98,17 @@ def _kernel(dist: str, out_dtype: np.dtype[Any]) -> Any:
                 "        r = a + b * z"
             )
         src = (
-            f"def {fname}(out, key0, key1, offset, a, b, n):\n"
+            f"def {fname}(out, key0, key1, offset, a, b, top, n):\n"
             "    i = cuda.grid(1)\n"
             "    if i < n:\n"
             "        ctr = np.uint64(i) + offset\n" + _PHILOX_SRC.replace("\n    ", "\n        ") + f"        {value}\n"
-            "        out[i] = O(r)\n"
+            "        o = O(r)\n"
+            + ("        if W(o) > W(top):\n            o = O(top)\n" if dist == "uniform" else "")
+            + "        out[i] = o\n"
         )
         o_t = getattr(np, out_dtype.name)
 
-        def sim(out: np.ndarray, key0: Any, key1: Any, offset: Any, a: Any, b: Any, n: int) -> None:
+        def sim(out: np.ndarray, key0: Any, key1: Any, offset: Any, a: Any, b: Any, top: Any, n: int) -> None:
             seed = int(key0) | (int(key1) << 32)
             ctr = np.arange(n, dtype=np.uint64) + np.uint64(offset)
             w0, w1, _, _ = philox(ctr, seed)
@@ -126,10 +129,14 @@ def _kernel(dist: str, out_dtype: np.dtype[Any]) -> Any:
                     u2 = w1.astype(np.float64) * 2.3283064365386963e-10
                     z = np.sqrt(-2.0 * np.log(u1)) * np.cos(6.283185307179586 * u2)
                     r = np.float64(a) + np.float64(b) * z
-            np.copyto(out, r.astype(o_t))
+            o = r.astype(o_t)
+            if dist == "uniform":
+                o = np.where(o > o_t(top), o_t(top), o)
+            np.copyto(out, o)
 
         g = {
             "O": o_t,
+            "W": np.float64 if wide else np.float32,
             "MASK": np.uint64(_MASK),
             "M0": np.uint64(_M0),
             "M1": np.uint64(_M1),
@@ -172,7 +179,9 @@ class Random(TensorOp):
             return dst
         contiguous = dst if dst.is_contiguous else alloc(plan, ln, shape, dtype, self.name)
         flat = view(contiguous, (n,), (dtype.itemsize,))
-        args_ = (out_partition(flat), np.uint64(seed & _MASK), np.uint64(seed >> 32), np.uint64(offset), float(a), float(b), n)
+        top = float(np.nextafter(dtype.type(b), dtype.type(-np.inf))) if self._dist == "uniform" and a != b else float(b)
+        key = (np.uint64(seed & _MASK), np.uint64(seed >> 32), np.uint64(offset))
+        args_ = (out_partition(flat), *key, float(a), float(b), max(top, float(a)), n)
         launch(plan, ln, _kernel(self._dist, dtype), args_)
         if contiguous is not dst:
             copy_into(plan, ln, dst, contiguous, self.name)
@@ -192,6 +201,12 @@ def random(dist: str, shape: Any, seed: Any, a: Any, b: Any, dtype: Any, offset:
     for what, v in (("low/mean", a), ("high/std", b)):
         if not is_scalar(v) or isinstance(v, (complex, np.complexfloating)) or not math.isfinite(float(v)):
             raise ValueError(f"{name}: {what} must be a finite real number, not {v!r}")
+    if dist == "uniform":
+        if float(a) > float(b):
+            raise ValueError(f"{name}: low must not exceed high, not {a!r} > {b!r}")
+        with np.errstate(over="ignore"):
+            if not (np.isfinite(dt.type(a)) and np.isfinite(dt.type(b))):
+                raise ValueError(f"{name}: low and high must be finite in {dt}, not {a!r}, {b!r}")
     if dist == "normal" and float(b) < 0:
         raise ValueError(f"{name}: std must not be negative, not {b!r}")
     dev = as_device(device) if device is not None else None
