@@ -52,6 +52,18 @@ m = a.mean(-1, keepdims=True)
 ln = (a - m) / np.sqrt(((a - m) ** 2).mean(-1, keepdims=True) + 1e-5) * b
 check(ops.layer_norm(x, w, w).to_host().sync(), (ln + b).astype(np.float32), 1e-4)
 check(ops.rms_norm(x, w).to_host().sync(), (a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6) * b).astype(np.float32), 1e-4)
+# past 1024 elements / columns: the unrolled paths (four loads per thread) and their tails
+big = rng.uniform(-2, 2, (2, 1300)).astype(np.float32) + 100  # a large mean: layer_norm's shifted moments
+gb = rng.uniform(0.5, 1.5, (1300,)).astype(np.float32)
+X, G = api.from_host(big).sync(), api.from_host(gb).sync()
+check((X * 2 - G).to_host().sync(), big * 2 - gb, 1e-4)
+check(ops.sum(X, axis=1).to_host().sync(), big.sum(axis=1), 1e-2)
+vb = big.astype(np.float64) - big.max(-1, keepdims=True)
+check(ops.softmax(X).to_host().sync(), (np.exp(vb) / np.exp(vb).sum(-1, keepdims=True)).astype(np.float32))
+mb = big.astype(np.float64).mean(-1, keepdims=True)
+lnb = (big - mb) / np.sqrt(((big - mb) ** 2).mean(-1, keepdims=True) + 1e-5) * gb + gb
+check(ops.layer_norm(X, G, G).to_host().sync(), lnb.astype(np.float32), 2e-3)
+check(ops.rms_norm(X, G).to_host().sync(), (big / np.sqrt((big.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6) * gb).astype(np.float32), 1e-4)
 # Philox: the numba code gives the numpy twin's numbers
 u = ops.uniform((50,), seed=99, offset=7).to_host().sync()
 w0 = philox(np.arange(7, 57, dtype=np.uint64), 99)[0]

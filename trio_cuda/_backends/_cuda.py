@@ -236,6 +236,8 @@ def _param_values(args: Sequence[Any]) -> list[Any]:
             vals.extend(a.numba_params())
         elif isinstance(a, (complex, np.complexfloating)):
             vals.extend((a.real, a.imag))
+        elif isinstance(a, np.bool_):
+            vals.append(bool(a))  # struct packs Python bools, not numpy's
         else:
             vals.append(a)
     return vals

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import math
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from .._kernel import Kernel
-from ._core import flat_geometry, rows_geometry
+from ._core import flat_geometry, rows_geometry, unrolled_geometry
 
-__all__ = ["Load", "elementwise_kernel", "make_kernel"]
+__all__ = ["Load", "elementwise_kernel", "make_kernel", "row_loop"]
 
 _lock = threading.Lock()
 _kernels: dict[Any, Kernel] = {}
@@ -81,16 +82,18 @@ def cached(key: Any, build: Callable[[], Kernel]) -> Kernel:
 
 
 # -- elementwise ----------------------------------------------------------------------------
-def _unravel(rank: int) -> tuple[list[str], str]:
-    """Statements giving the indices ``i0..`` of flat index ``i`` over ``out``'s shape."""
+def _unravel(rank: int, flat: str = "i", tag: str = "") -> tuple[list[str], str]:
+    """Statements giving the indices ``i{tag}0..`` of flat index ``flat`` over ``out``'s
+    shape, and the index expression."""
     if rank == 1:
-        return [], "i"
-    lines = ["r_ = i"]
+        return [], flat
+    r = f"r{tag}_"
+    lines = [f"{r} = {flat}"]
     for d in range(rank - 1, 0, -1):
-        lines.append(f"i{d} = r_ % out.shape[{d}]")
-        lines.append(f"r_ = r_ // out.shape[{d}]")
-    lines.append("i0 = r_")
-    return lines, ", ".join(f"i{d}" for d in range(rank))
+        lines.append(f"i{tag}{d} = {r} % out.shape[{d}]")
+        lines.append(f"{r} = {r} // out.shape[{d}]")
+    lines.append(f"i{tag}0 = {r}")
+    return lines, ", ".join(f"i{tag}{d}" for d in range(rank))
 
 
 def elementwise_kernel(
@@ -112,30 +115,42 @@ def elementwise_kernel(
     def build() -> Kernel:
         fname = f"{op}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
         params = ["out"]
-        body = []
-        unravel, idx = _unravel(rank)
-        body.extend(unravel)
         for k, ld in enumerate(loads):
-            if ld.array:
-                params.append(f"a{k}")
-                src = f"a{k}[{idx}]"
-            else:
-                params.append(f"s{k}")
-                src = f"s{k}"
-            if ld.truth:
-                body.append(f"x{k} = {src} != 0")
-            elif ld.cast:
-                body.append(f"x{k} = C({src})")
-            else:
-                body.append(f"x{k} = {src}")
-        body.append(f"r_v = {expr}")
-        if out_dtype == np.bool_:
-            body.append(f"out[{idx}] = r_v != 0")
-        else:
-            body.append(f"out[{idx}] = O(r_v)")
+            params.append(f"a{k}" if ld.array else f"s{k}")
         params.append("n")
-        src = f"def {fname}({', '.join(params)}):\n    i = cuda.grid(1)\n    if i < n:\n"
-        src += "".join(f"        {line}\n" for line in body)
+
+        def element(j: str) -> tuple[list[str], list[str]]:
+            """(index and load statements, compute and store statements) of element
+            ``i{j}``, names suffixed with ``j``."""
+            first, idx = _unravel(rank, f"i{j}", f"{j}_")
+            for k, ld in enumerate(loads):
+                src = f"a{k}[{idx}]" if ld.array else f"s{k}"
+                if ld.truth:
+                    first.append(f"x{k}_{j} = {src} != 0")
+                elif ld.cast:
+                    first.append(f"x{k}_{j} = C({src})")
+                else:
+                    first.append(f"x{k}_{j} = {src}")
+            e = re.sub(r"\bx(\d+)\b", rf"x\1_{j}", expr)
+            store = f"out[{idx}] = r{j}_v != 0" if out_dtype == np.bool_ else f"out[{idx}] = O(r{j}_v)"
+            return first, [f"r{j}_v = {e}", store]
+
+        # each thread takes elements t, t + 256, t + 512, t + 768 of its block's 1024: the
+        # four loads come first, so four reads are in flight per thread
+        body = [f"base = cuda.blockIdx.x * {256 * UNROLL} + cuda.threadIdx.x", f"if base + {256 * (UNROLL - 1)} < n:"]
+        parts = [element(str(j)) for j in range(UNROLL)]
+        for j in range(UNROLL):
+            body.append(f"    i{j} = base + {256 * j}" if j else "    i0 = base")
+            body += [f"    {line}" for line in parts[j][0]]
+        for j in range(UNROLL):
+            body += [f"    {line}" for line in parts[j][1]]
+        body.append("else:")
+        body.append(f"    for q_ in range({UNROLL}):")
+        body.append("        i0 = base + q_ * 256")
+        body.append("        if i0 < n:")
+        body += [f"            {line}" for line in (*parts[0][0], *parts[0][1])]
+        src = f"def {fname}({', '.join(params)}):\n"
+        src += "".join(f"    {line}\n" for line in body)
         c_type = getattr(np, _np_name(compute))
         o_type = getattr(np, _np_name(out_dtype))
 
@@ -152,7 +167,7 @@ def elementwise_kernel(
                 r = np_fn(*xs)
                 np.copyto(out, r, casting="unsafe")
 
-        return make_kernel(fname, src, {"C": c_type, "O": o_type}, sim, flat_geometry)
+        return make_kernel(fname, src, {"C": c_type, "O": o_type}, sim, unrolled_geometry)
 
     return cached(key, build)
 
@@ -224,6 +239,27 @@ def block_reduce(var: str, combine: str, sm: str = "sm") -> list[str]:
         f"{var} = {sm}[0]",
         "cuda.syncthreads()",
     ]
+
+
+UNROLL = 4  # columns per thread per iteration of a row loop (their loads issue together)
+
+
+def row_loop(load: Callable[[str, str], list[str]], use: Callable[[str, str], list[str]]) -> list[str]:
+    """Statements running over the columns ``c = t_, t_ + 256, ... < k`` of a row, four
+    columns per iteration: the four loads (``load(c, j)``, defining names suffixed ``j``)
+    come before their uses (``use(c, j)``), so each thread keeps four memory reads in
+    flight (one read at a time leaves HBM idle); then the remaining columns one by one."""
+    step = 256 * UNROLL
+    cols = [f"c + {256 * j}" if j else "c" for j in range(UNROLL)]
+    lines = ["c = t_", f"while c + {step - 256} < k:"]
+    for j, col in enumerate(cols):
+        lines += [f"    {line}" for line in load(col, str(j))]
+    for j, col in enumerate(cols):
+        lines += [f"    {line}" for line in use(col, str(j))]
+    lines += [f"    c += {step}", "while c < k:"]
+    lines += [f"    {line}" for line in (*load("c", "0"), *use("c", "0"))]
+    lines.append("    c += 256")
+    return lines
 
 
 def row_kernel(

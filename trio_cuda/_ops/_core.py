@@ -81,8 +81,9 @@ def resolved(v: Any, name: str) -> Any:
 
 class TensorOp(DeviceOp[Tensor]):
     """An op of the library. Subclasses implement ``_check(*args)`` (argument checks that
-    need no plan: run at once when no argument is an op) and ``_build(plan, lane, *args)``
-    (allocate and launch; returns the output tensor)."""
+    need no plan: run by the constructor when no argument is an op, else at planning
+    once the inputs' values are known) and ``_build(plan, lane, *args)`` (allocate and
+    launch on checked arguments; returns the output tensor)."""
 
     __slots__ = ("_args", "_at")
     name = "op"
@@ -113,6 +114,7 @@ class TensorOp(DeviceOp[Tensor]):
             for i, v in zip(self._at, values, strict=True):
                 merged[i] = resolved(v, self.name)
             args = tuple(merged)
+            self._check(*args)  # without op inputs, the constructor checked them
         return self._build(plan, lane, *args)
 
     def __repr__(self) -> str:
@@ -315,6 +317,12 @@ def flat_geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """One thread per element of the first (output) argument, 256 per block."""
     n = math.prod(args[0].shape)
     return (max(1, -(-n // THREADS)),), (THREADS,)
+
+
+def unrolled_geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Four elements of the first (output) argument per thread, 256 threads per block."""
+    n = math.prod(args[0].shape)
+    return (max(1, -(-n // (4 * THREADS))),), (THREADS,)
 
 
 def rows_geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

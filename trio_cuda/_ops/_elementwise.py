@@ -217,7 +217,6 @@ class Elementwise(TensorOp):
             check_out(self.name, out, shape, result, device_of(self.name, tensors))
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         operands, out = args[:-1], args[-1]
         u = self._u
         loop, result = _resolve(u, operands)
@@ -247,7 +246,6 @@ class Where(TensorOp):
             check_out(self.name, out, shape, result, device_of(self.name, tensors))
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         cond, x, y, out = args
         if isinstance(cond, Tensor) and cond.dtype == BFLOAT16:
             raise TypeError("ops.where: a bfloat16 condition; compare it first or use astype(np.float32)")
@@ -347,7 +345,6 @@ class AsType(TensorOp):
                 raise TypeError(f"{self.name}: out= has dtype {t.dtype}, not {dtype}")
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         x, dtype, copy, out = args
         assert isinstance(x, Tensor)
         if out is None and not copy and x.dtype == dtype:

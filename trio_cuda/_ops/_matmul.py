@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import Any
 
+import numpy as np
+
 from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
 from .._submit import Lane, Plan
@@ -22,19 +24,24 @@ from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Linear", "Matmul"]
 
-_DTYPES = ("float16", "float32", "float64")
+_DTYPES = {
+    np.dtype(np.float16): "float16",
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float64): "float64",
+    BFLOAT16: "bfloat16",
+}
 
 
 def _gemm_dtype(name: str, *tensors: Tensor) -> str:
-    dts = {t.dtype for t in tensors}
-    if len(dts) != 1:
-        raise TypeError(f"{name}: operands of dtypes {', '.join(sorted(str(d) for d in dts))}; convert them to one with astype")
-    (dt,) = dts
-    if dt == BFLOAT16:
-        return "bfloat16"
-    if dt.name not in _DTYPES:
+    dt = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dt:
+            dts = sorted({str(t.dtype) for t in tensors})
+            raise TypeError(f"{name}: operands of dtypes {', '.join(dts)}; convert them to one with astype")
+    got = _DTYPES.get(dt)
+    if got is None:
         raise TypeError(f"{name}: dtype {dt} is not supported (float16, bfloat16, float32, float64)")
-    return dt.name
+    return got
 
 
 def _operand(plan: Plan, lane: Lane, t: Tensor, batch_shape: tuple[int, ...]) -> tuple[Tensor, GemmOperand]:
@@ -174,7 +181,6 @@ class Matmul(TensorOp):
             check_out(self.name, out, result, a.dtype, dev)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         a, b, out, allow_tf32 = args
         a2, b2, batch, result = self._shapes(a, b)
         full_shape = (*batch, a2.shape[-2], b2.shape[-1])
@@ -239,7 +245,6 @@ class Linear(TensorOp):
             check_out(self.name, out, (*x.shape[:-1], w.shape[0]), x.dtype, dev)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         x, w, bias, activation, out, allow_tf32 = args
         lead = x.shape[:-1]
         m = math.prod(lead)

@@ -9,6 +9,7 @@ float64 for float64, and in int64/uint64 for integer sums (numpy's dtypes).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 from .._checks import BFLOAT16, is_int, is_scalar
 from .._submit import Lane, Plan
 from .._tensor import Tensor, normalize_axis
-from ._codegen import block_reduce, row_kernel
+from ._codegen import block_reduce, row_kernel, row_loop
 from ._core import TensorOp, alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
 from ._elementwise import contiguous, copy_into, finish
 
@@ -109,6 +110,7 @@ def _init(kind: str, acc: np.dtype[Any]) -> str:
     return f"A({info.min})" if kind in ("max", "argmax") else f"A({info.max})"
 
 
+@functools.cache  # the kernel source is built once per key
 def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
     if kind == "argmax":
@@ -158,16 +160,11 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
 
     else:
         combine = {"sum": "{p} + {q}", "mean": "{p} + {q}", "max": _MAX, "min": _MIN}[kind]
-        step = combine.format(p="acc", q="v")
         final = "acc / A(k)" if kind == "mean" else "acc"
         body = [
             "sm = cuda.shared.array(256, A)",
             f"acc = {_init(kind, acc)}",
-            "c = t_",
-            "while c < k:",
-            "    v = A(x[row, c])",
-            f"    acc = {step}",
-            "    c += 256",
+            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"]),
             *block_reduce("acc", combine),
             "if t_ == 0:",
             f"    out[row] = O({final})",
@@ -220,7 +217,6 @@ class Reduce(TensorOp):
             check_out(self.name, out, shape, _reduce_dtypes(self._kind, x.dtype)[1], x.device)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         x, axis, keepdims, out = args
         axes, shape = self._shape(x, axis, keepdims)
         acc, res = _reduce_dtypes(self._kind, x.dtype)
@@ -251,29 +247,21 @@ def reduce(kind: str, x: Any, axis: Any = None, keepdims: bool = False, out: Any
 
 
 # -- softmax, log_softmax ---------------------------------------------------------------------------
+@functools.cache  # the kernel source is built once per key
 def _softmax_kernel(log: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
-    write = "O(v - math.log(s))" if log else "O(math.exp(v) / s)"
+    write = "O(v{j} - ls)" if log else "O(math.exp(v{j}) * rs)"
     body = [
         "sm = cuda.shared.array(256, A)",
         "mx = A(-math.inf)",
-        "c = t_",
-        "while c < k:",
-        "    v = A(x[row, c])",
-        f"    mx = {_MAX.format(p='mx', q='v')}",
-        "    c += 256",
+        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"]),
         *block_reduce("mx", _MAX),
         "s = A(0)",
-        "c = t_",
-        "while c < k:",
-        "    s += math.exp(A(x[row, c]) - mx)",
-        "    c += 256",
+        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"s += math.exp(v{j})"]),
         *block_reduce("s", "{p} + {q}"),
-        "c = t_",
-        "while c < k:",
-        "    v = A(x[row, c]) - mx",
-        f"    out[row, c] = {write}",
-        "    c += 256",
+        "ls = math.log(s)",
+        "rs = A(1) / s",
+        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"out[row, {c}] = {write.format(j=j)}"]),
     ]
 
     def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
@@ -314,7 +302,6 @@ class Softmax(TensorOp):
             check_out(self.name, out, x.shape, x.dtype, x.device)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         x, axis, out = args
         ax = normalize_axis(axis, x.ndim)
         ln = lane.on(x.device)
@@ -346,48 +333,51 @@ def softmax(x: Any, axis: Any = -1, *, log: bool = False, out: Any = None) -> So
 
 
 # -- layer_norm, rms_norm ---------------------------------------------------------------------------
+@functools.cache  # the kernel source is built once per key
 def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
-    scale = " * A(w[c])" if has_w else ""
-    shift = " + A(b[c])" if has_b else ""
+
+    def weights(c: str, j: str) -> list[str]:
+        return [f"w{j} = A(w[{c}])"] * has_w + [f"b{j} = A(b[{c}])"] * has_b
+
+    scale = " * w{j}" if has_w else ""
+    shift = " + b{j}" if has_b else ""
     if rms:
         body = [
             "sm = cuda.shared.array(256, A)",
             "s = A(0)",
-            "c = t_",
-            "while c < k:",
-            "    v = A(x[row, c])",
-            "    s += v * v",
-            "    c += 256",
+            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"s += v{j} * v{j}"]),
             *block_reduce("s", "{p} + {q}"),
             "r = A(1) / math.sqrt(s / A(k) + eps)",
-            "c = t_",
-            "while c < k:",
-            f"    out[row, c] = O(A(x[row, c]) * r{scale})",
-            "    c += 256",
+            *row_loop(
+                lambda c, j: [f"v{j} = A(x[row, {c}])", *weights(c, j)],
+                lambda c, j: [f"out[row, {c}] = O(v{j} * r{scale.format(j=j)})"],
+            ),
         ]
     else:
+        # one pass for both moments, of x shifted by its row's first element (shifting
+        # keeps E[d**2] - E[d]**2 from cancelling when the mean is large against the spread)
         body = [
             "sm = cuda.shared.array(256, A)",
+            "sq = cuda.shared.array(256, A)",
+            "x0 = A(0)",
+            "if k > 0:",
+            "    x0 = A(x[row, 0])",
             "s = A(0)",
-            "c = t_",
-            "while c < k:",
-            "    s += A(x[row, c])",
-            "    c += 256",
-            *block_reduce("s", "{p} + {q}"),
-            "mean = s / A(k)",
             "q2 = A(0)",
-            "c = t_",
-            "while c < k:",
-            "    d = A(x[row, c]) - mean",
-            "    q2 += d * d",
-            "    c += 256",
-            *block_reduce("q2", "{p} + {q}"),
-            "r = A(1) / math.sqrt(q2 / A(k) + eps)",
-            "c = t_",
-            "while c < k:",
-            f"    out[row, c] = O((A(x[row, c]) - mean) * r{scale}{shift})",
-            "    c += 256",
+            *row_loop(lambda c, j: [f"d{j} = A(x[row, {c}]) - x0"], lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"]),
+            *block_reduce("s", "{p} + {q}"),
+            *block_reduce("q2", "{p} + {q}", "sq"),
+            "md = s / A(k)",
+            "var = q2 / A(k) - md * md",
+            "if var < A(0):",
+            "    var = A(0)",
+            "mean = x0 + md",
+            "r = A(1) / math.sqrt(var + eps)",
+            *row_loop(
+                lambda c, j: [f"v{j} = A(x[row, {c}])", *weights(c, j)],
+                lambda c, j: [f"out[row, {c}] = O((v{j} - mean) * r{scale.format(j=j)}{shift.format(j=j)})"],
+            ),
         ]
     params = ["out", "x", *(["w"] if has_w else []), *(["b"] if has_b else []), "eps", "k", "m"]
 
@@ -451,7 +441,6 @@ class Norm(TensorOp):
             check_out(self.name, out, x.shape, x.dtype, x.device)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        self._check(*args)
         x, w, b, eps, out = args
         nd = w.ndim if w is not None else (b.ndim if b is not None else 1)
         ln = lane.on(x.device)
