@@ -91,7 +91,34 @@ async def trio_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, f
     for _ in range(tokens):
         await graph_ops.launch()
     res["ops: graph replay"] = (time.perf_counter() - t0) / tokens * 1e3
-    return res, graph, graph_ops
+    return res, graph, graph_ops, kernel_graphs(m)
+
+
+def kernel_graphs(m: Any) -> dict[str, Any]:
+    """Per kernel kind, the hand-written kernel and its ops twin, each as a graph of as
+    many launches as a step has of that kind (their GPU-only time decides which the
+    example uses)."""
+    from trio_cuda import ops
+
+    hdim = m.hidden
+    h1, hn1 = m.h.reshape(hdim), m.hn.reshape(hdim)
+    w_norm, wq, _ = m.weights[0]
+    pairs = {
+        "rms_norm": (
+            lambda: rms_norm(m.hn.partition((1, hdim)), m.h, w_norm, EPS),
+            lambda: ops.rms_norm(m.h, w_norm, EPS, out=m.hn),
+        ),
+        "matvec": (lambda: matvec(m.q.partition((MATVEC_ROWS,)), wq, hn1), lambda: ops.matmul(wq, hn1, out=m.q)),
+        "add": (lambda: add(h1.partition((min(hdim, 256),)), h1, m.o), lambda: ops.add(h1, m.o, out=h1)),
+    }
+    graphs = {}
+    for kind, (hand, via_ops) in pairs.items():
+        for label, make in (("hand", hand), ("ops", via_ops)):
+            op: Any = trio_cuda.value(None)
+            for _ in range(m.layers * (2 if kind == "matvec" else 1)):
+                op = op.then(lambda _, make=make: make())
+            graphs[f"{kind} {label}"] = (op.graph(), m.layers * (2 if kind == "matvec" else 1))
+    return graphs
 
 
 def raw_graph(graph: Any, tokens: int, label: str = "") -> dict[str, float]:
@@ -185,9 +212,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
 
-    res, graph, graph_ops = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
+    res, graph, graph_ops, kernels = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
     res.update(raw_graph(graph, args.tokens))
     res.update(raw_graph(graph_ops, args.tokens, "ops: "))
+    per_kernel: dict[str, float] = {}
+    for name, (g, count) in kernels.items():
+        t = raw_graph(g, args.tokens).get("GPU-only time of one replay")
+        if t is not None:
+            per_kernel[name] = t * 1e3 / count  # us per launch
     torch_error = None
     if not sim:
         t, torch_error = torch_modes(args.hidden, args.layers, args.tokens)
@@ -208,6 +240,11 @@ def main() -> int:
     if "ops: GPU-only time of one replay" in res:
         r = res["ops: GPU-only time of one replay"] / res["GPU-only time of one replay"]
         checks.append(f"- ops step (rms_norm, cuBLASLt GEMV, add) vs hand-written kernels, GPU-only per token: {r:.3f}x")
+    for kind in ("rms_norm", "matvec", "add"):
+        if f"{kind} hand" in per_kernel:
+            hand, via_ops = per_kernel[f"{kind} hand"], per_kernel[f"{kind} ops"]
+            faster = "ops" if via_ops < hand else "hand-written"
+            checks.append(f"- {kind}: hand-written {hand:.2f} us, ops {via_ops:.2f} us per launch (GPU-only): {faster} is faster")
     if torch_error:
         checks.append(f"- torch: {torch_error}")
     dev = trio_cuda.current_device()
@@ -223,7 +260,7 @@ def main() -> int:
     day = dt.date.today().isoformat()
     (out / f"decode-{day}.md").write_text(text)
     (out / f"decode-{day}.json").write_text(
-        json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res}, indent=2)
+        json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res, "us_per_kernel": per_kernel}, indent=2)
     )
     return 0
 

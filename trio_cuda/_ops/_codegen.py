@@ -244,13 +244,14 @@ def block_reduce(var: str, combine: str, sm: str = "sm") -> list[str]:
 UNROLL = 4  # columns per thread per iteration of a row loop (their loads issue together)
 
 
-def row_loop(load: Callable[[str, str], list[str]], use: Callable[[str, str], list[str]]) -> list[str]:
-    """Statements running over the columns ``c = t_, t_ + 256, ... < k`` of a row, four
-    columns per iteration: the four loads (``load(c, j)``, defining names suffixed ``j``)
-    come before their uses (``use(c, j)``), so each thread keeps four memory reads in
-    flight (one read at a time leaves HBM idle); then the remaining columns one by one."""
-    step = 256 * UNROLL
-    cols = [f"c + {256 * j}" if j else "c" for j in range(UNROLL)]
+def row_loop(load: Callable[[str, str], list[str]], use: Callable[[str, str], list[str]], unroll: int = UNROLL) -> list[str]:
+    """Statements running over the columns ``c = t_, t_ + 256, ... < k`` of a row,
+    ``unroll`` columns per iteration: their loads (``load(c, j)``, defining names suffixed
+    ``j``) come before their uses (``use(c, j)``), so each thread keeps that many memory
+    reads in flight (one read at a time leaves HBM idle); then the remaining columns one
+    by one. Read-only passes take 8, passes that also write 4."""
+    step = 256 * unroll
+    cols = [f"c + {256 * j}" if j else "c" for j in range(unroll)]
     lines = ["c = t_", f"while c + {step - 256} < k:"]
     for j, col in enumerate(cols):
         lines += [f"    {line}" for line in load(col, str(j))]

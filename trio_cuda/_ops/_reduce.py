@@ -164,7 +164,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
         body = [
             "sm = cuda.shared.array(256, A)",
             f"acc = {_init(kind, acc)}",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"]),
+            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"], 8),
             *block_reduce("acc", combine),
             "if t_ == 0:",
             f"    out[row] = O({final})",
@@ -254,10 +254,10 @@ def _softmax_kernel(log: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     body = [
         "sm = cuda.shared.array(256, A)",
         "mx = A(-math.inf)",
-        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"]),
+        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"], 8),
         *block_reduce("mx", _MAX),
         "s = A(0)",
-        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"s += math.exp(v{j})"]),
+        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"s += math.exp(v{j})"], 8),
         *block_reduce("s", "{p} + {q}"),
         "ls = math.log(s)",
         "rs = A(1) / s",
@@ -346,7 +346,7 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
         body = [
             "sm = cuda.shared.array(256, A)",
             "s = A(0)",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"s += v{j} * v{j}"]),
+            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"s += v{j} * v{j}"], 8),
             *block_reduce("s", "{p} + {q}"),
             "r = A(1) / math.sqrt(s / A(k) + eps)",
             *row_loop(
@@ -365,7 +365,7 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
             "    x0 = A(x[row, 0])",
             "s = A(0)",
             "q2 = A(0)",
-            *row_loop(lambda c, j: [f"d{j} = A(x[row, {c}]) - x0"], lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"]),
+            *row_loop(lambda c, j: [f"d{j} = A(x[row, {c}]) - x0"], lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"], 8),
             *block_reduce("s", "{p} + {q}"),
             *block_reduce("q2", "{p} + {q}", "sq"),
             "md = s / A(k)",
