@@ -82,7 +82,7 @@ def _check_matvec(y: Any, a: Any, x: Any) -> None:
 def matvec(y: Any, a: Any, x: Any) -> None:
     """``y = a @ x``: ``a`` (n, k), ``x`` (k,), ``y`` a partition of (n,) in tiles of 8.
 
-    Each block computes 8 rows, 32 threads per row, coalesced along the row, eight
+    Each block computes 8 rows, 32 threads per row, coalesced along the row, four
     columns per thread per step.
     """
     partial = cuda.shared.array((MATVEC_ROWS, WARP), float64)
@@ -93,14 +93,12 @@ def matvec(y: Any, a: Any, x: Any) -> None:
     if r < a.shape[0]:
         n = a.shape[1]
         k = lane
-        # eight columns per step (a constant trip count: the compiler unrolls it and
-        # issues the eight reads together), then the rest one by one
-        while k + 7 * WARP < n:
-            part = 0.0
-            for u in range(8):
-                part += a[r, k + u * WARP] * x[k + u * WARP]
-            acc += part
-            k += 8 * WARP
+        # four columns per step, loads first: four reads in flight per thread
+        while k + 3 * WARP < n:
+            a0, a1, a2, a3 = a[r, k], a[r, k + WARP], a[r, k + 2 * WARP], a[r, k + 3 * WARP]
+            x0, x1, x2, x3 = x[k], x[k + WARP], x[k + 2 * WARP], x[k + 3 * WARP]
+            acc += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+            k += 4 * WARP
         while k < n:
             acc += a[r, k] * x[k]
             k += WARP
