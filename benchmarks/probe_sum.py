@@ -15,7 +15,6 @@ from trio_cuda import api, lowlevel, ops
 
 async def main() -> None:
     import torch
-
     from cuda.bindings import driver as cu
 
     stream = trio_cuda.device(0).create_stream()
