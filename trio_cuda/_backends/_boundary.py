@@ -35,6 +35,7 @@ import numpy as np
 __all__ = [
     "ArrayArg",
     "Backend",
+    "CollectiveCall",
     "DeviceDriver",
     "GemmDesc",
     "GemmOperand",
@@ -92,6 +93,21 @@ class GemmOperand:
     ld: int
     col_major: bool
     batch_stride: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCall:
+    """One rank's part of a collective: its device, the stream it runs on, its send and
+    receive buffers (device addresses; equal for in-place) and NCCL's count (elements:
+    of the whole buffer for all_reduce and broadcast, per rank for all_gather's send and
+    reduce_scatter's receive)."""
+
+    rank: int
+    driver: DeviceDriver
+    stream: Any
+    send: int
+    recv: int
+    count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,3 +383,29 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def new_waker(self) -> Waker:
         """A waker that lives for the rest of the process."""
+
+    # -- collectives (NCCL on CUDA, emulated on the simulated device) -----------------
+    @abc.abstractmethod
+    def communicators(self, drivers: Sequence[DeviceDriver]) -> Any:
+        """Communicators for collectives among ``drivers`` in this process (rank ``i`` is
+        ``drivers[i]``)."""
+
+    @abc.abstractmethod
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
+        """This process's communicator as ``rank`` of ``nranks`` processes that share
+        ``unique_id`` (blocks until every rank has joined)."""
+
+    @abc.abstractmethod
+    def unique_id(self) -> bytes:
+        """A new id for process_communicator, to hand to every rank."""
+
+    @abc.abstractmethod
+    def collective(
+        self, kind: str, comms: Any, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int
+    ) -> None:
+        """Enqueue one collective (``all_reduce``, ``broadcast``, ``all_gather``,
+        ``reduce_scatter``), every call of this process on its stream, as one group."""
+
+    @abc.abstractmethod
+    def close_communicators(self, comms: Any) -> None:
+        """Release communicators (their devices' contexts may be gone after a reset)."""

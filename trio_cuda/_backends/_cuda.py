@@ -39,7 +39,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
 from ._cublaslt import WORKSPACE, Gemms
 
 __all__ = ["CudaBackend", "check"]
@@ -667,6 +667,24 @@ class CudaDevice(DeviceDriver):
             cu.cuGraphDestroy(graph.graph)
 
 
+# ncclDataType_t and ncclRedOp_t values
+_NCCL_TYPES = {
+    "int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
+    "float16": 6, "float32": 7, "float64": 8, "bfloat16": 9,
+}  # fmt: skip
+_NCCL_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+
+
+def _nccl() -> tuple[Any, Any]:
+    """nccl4py's Python layer and raw bindings (imported on the first collective)."""
+    try:
+        import nccl.bindings.nccl as bindings
+        import nccl.core as core
+    except ImportError as exc:
+        raise LaunchError(f"collectives need nccl4py and NCCL (pip install 'trio-cuda[cuda]'): {exc}") from exc
+    return core, bindings
+
+
 class CudaBackend(Backend):
     name = "cuda"
     # Measured on an H200: a parked wait wakes ~0.25 ms after its event (host function,
@@ -701,3 +719,64 @@ class CudaBackend(Backend):
         w = _SemWaker()
         _wakers.append(w)
         return w
+
+    # -- collectives: NCCL through nccl4py's raw-pointer bindings ----------------------
+    def communicators(self, drivers: Sequence[DeviceDriver]) -> list[Any]:
+        nccl, _ = _nccl()
+        ordinals = [d.ordinal for d in drivers]
+        for d in drivers:
+            d._current()  # type: ignore[attr-defined]  # the primary contexts exist before NCCL uses them
+        try:
+            comms: list[Any] = list(nccl.Communicator.init_all(ordinals))
+        except Exception as exc:
+            raise LaunchError(f"NCCL could not make communicators for devices {ordinals}: {exc}") from exc
+        return comms
+
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
+        nccl, _ = _nccl()
+        driver._current()  # type: ignore[attr-defined]  # NCCL takes the calling thread's device
+        try:
+            return [nccl.Communicator.init(nranks, rank, nccl.UniqueId.from_bytes(unique_id))]
+        except Exception as exc:
+            raise LaunchError(f"NCCL could not join rank {rank} of {nranks}: {exc}", device=driver.ordinal) from exc
+
+    def unique_id(self) -> bytes:
+        nccl, _ = _nccl()
+        return bytes(nccl.get_unique_id())
+
+    def collective(
+        self, kind: str, comms: Any, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int
+    ) -> None:
+        _, b = _nccl()
+        dt = _NCCL_TYPES[dtype.name]
+        red = _NCCL_OPS[op]
+        b.group_start()
+        try:
+            for c in calls:
+                comm = b.Comm(comms[c.rank if len(comms) > 1 else 0].ptr)
+                stream = int(c.stream)
+                if kind == "all_reduce":
+                    b.all_reduce(c.send, c.recv, c.count, dt, red, comm, stream)
+                elif kind == "broadcast":
+                    b.broadcast(c.send, c.recv, c.count, dt, root, comm, stream)
+                elif kind == "all_gather":
+                    b.all_gather(c.send, c.recv, c.count, dt, comm, stream)
+                else:
+                    b.reduce_scatter(c.send, c.recv, c.count, dt, red, comm, stream)
+        except Exception as exc:
+            try:
+                b.group_end()
+            except Exception:
+                pass
+            raise LaunchError(f"NCCL {kind} could not be enqueued: {exc}", op=f"collective {kind}") from exc
+        try:
+            b.group_end()
+        except Exception as exc:
+            raise LaunchError(f"NCCL {kind} could not be enqueued: {exc}", op=f"collective {kind}") from exc
+
+    def close_communicators(self, comms: Any) -> None:
+        for c in comms:
+            try:
+                c.destroy()
+            except Exception:  # a context gone with a reset: nothing left to release
+                pass

@@ -46,7 +46,7 @@ import numpy as np
 
 from .._config import env_flag, env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, DeviceDriver, GemmDesc, GemmOperand, KernelSource, Waker, gemm_dtype
+from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, GemmOperand, KernelSource, Waker, gemm_dtype
 
 __all__ = ["SimBackend"]
 
@@ -738,6 +738,108 @@ def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int
         raise LaunchError(f"grid too large: {grid}", device=ordinal, op=name)
 
 
+# -- collectives ---------------------------------------------------------------------------
+def reduce_arrays(op: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """NCCL's reduction ``op`` of equal-shaped arrays, in their dtype, rank by rank."""
+    r = arrays[0].copy()
+    with np.errstate(all="ignore"):
+        for x in arrays[1:]:
+            if op in ("sum", "avg"):
+                r = r + x
+            elif op == "prod":
+                r = r * x
+            elif op == "max":
+                r = np.maximum(r, x)
+            else:
+                r = np.minimum(r, x)
+        if op == "avg":
+            r = (r / len(arrays)).astype(r.dtype) if r.dtype.kind == "f" or r.dtype.name == "bfloat16" else r // len(arrays)
+    return r.astype(arrays[0].dtype, copy=False)
+
+
+class _SimComms:
+    """The simulated devices of one group (rank i is drivers[i])."""
+
+    def __init__(self, drivers: Sequence[_SimDevice]) -> None:
+        self.drivers = list(drivers)
+
+
+class _Rendezvous:
+    """One collective across simulated devices. Each rank's command blocks its stream
+    until every rank has arrived; the last to arrive computes every rank's result and
+    writes it. A rank whose inputs are poisoned (or whose stream saw a failed wait) makes
+    every result poisoned, as on a GPU the data would not be there; a rank whose device
+    faults or is reset before it arrives never will, so the others give up and poison
+    their results instead of hanging."""
+
+    def __init__(self, kind: str, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int) -> None:
+        self.kind, self.calls, self.dtype, self.op, self.root = kind, list(calls), dtype, op, root
+        self.n = len(self.calls)
+        self.arrived: dict[int, DeviceFault | None] = {}
+        self.finished = False
+        self.lost: DeviceFault | None = None
+        self.cond = threading.Condition()
+        self.generations = [c.driver.generation for c in self.calls]  # type: ignore[attr-defined]
+
+    def _sizes(self) -> tuple[int, int]:
+        """(elements sent, elements received) per rank."""
+        count, n = self.calls[0].count, self.n
+        if self.kind == "all_gather":
+            return count, count * n
+        if self.kind == "reduce_scatter":
+            return count * n, count
+        return count, count
+
+    def arrive(self, rank: int, bad: DeviceFault | None) -> None:
+        with self.cond:
+            self.arrived[rank] = bad
+            if len(self.arrived) == self.n:
+                self._complete()
+                self.finished = True
+                self.cond.notify_all()
+                return
+            while not self.finished and self.lost is None:
+                self.cond.wait(0.005)
+                for c, gen in zip(self.calls, self.generations, strict=True):
+                    d: Any = c.driver
+                    if c.rank in self.arrived:
+                        continue
+                    if d._fault is not None or d.generation != gen:
+                        what = "faulted" if d._fault is not None else "was reset"
+                        self.lost = DeviceFault(
+                            f"collective {self.kind}: device {d.ordinal} (rank {c.rank}) {what} before its part ran",
+                            op=f"collective {self.kind}",
+                        )
+                        self.cond.notify_all()
+                        break
+            if self.lost is not None and not self.finished:
+                me: Any = self.calls[rank].driver
+                me._poison((self.calls[rank].recv,), DeviceFault(self.lost.message, device=me.ordinal, op=self.lost.op))
+
+    def _complete(self) -> None:
+        bad = next((b for b in self.arrived.values() if b is not None), None)
+        if bad is not None:
+            for c in self.calls:
+                d: Any = c.driver
+                d._poison((c.recv,), DeviceFault(bad.message, device=d.ordinal, op=f"collective {self.kind}"))
+            return
+        dt, isz = self.dtype, self.dtype.itemsize
+        sent, received = self._sizes()
+        inputs = [c.driver._bytes(c.send, sent * isz).view(dt).copy() for c in self.calls]  # type: ignore[attr-defined]
+        if self.kind == "all_reduce":
+            r = reduce_arrays(self.op, inputs)
+            outs = [r] * self.n
+        elif self.kind == "broadcast":
+            outs = [inputs[self.root]] * self.n
+        elif self.kind == "all_gather":
+            outs = [np.concatenate(inputs)] * self.n
+        else:  # reduce_scatter
+            r = reduce_arrays(self.op, inputs)
+            outs = [r[i * received : (i + 1) * received] for i in range(self.n)]
+        for c, out in zip(self.calls, outs, strict=True):
+            c.driver._bytes(c.recv, received * isz).view(dt)[...] = out  # type: ignore[attr-defined]
+
+
 class SimBackend(Backend):
     name = "sim"
     # Simulated kernels run on Python threads: a long-polling trio thread would hold the
@@ -760,3 +862,43 @@ class SimBackend(Backend):
         w = _SimWaker()
         _wakers.append(w)
         return w
+
+    def communicators(self, drivers: Sequence[DeviceDriver]) -> _SimComms:
+        return _SimComms([d for d in drivers if isinstance(d, _SimDevice)])
+
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
+        raise LaunchError(
+            "the simulated device has no multi-process collectives (its devices live in one process): "
+            "use a Group of simulated devices"
+        )
+
+    def unique_id(self) -> bytes:
+        raise LaunchError("the simulated device has no multi-process collectives: use a Group of simulated devices")
+
+    def collective(
+        self, kind: str, comms: Any, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int
+    ) -> None:
+        for c in calls:
+            d: Any = c.driver
+            d._check()
+            d._live(c.stream)
+            if c.stream.capture is not None:
+                raise GraphCaptureError("collectives cannot be captured in a graph", device=d.ordinal)
+        rdv = _Rendezvous(kind, calls, dtype, op, root)
+        for c in calls:
+            d = c.driver
+
+            def run(c: CollectiveCall = c, d: Any = d) -> None:
+                stream: Any = c.stream
+                bad = stream.error
+                if bad is None:
+                    a = d._alloc_at(c.send)
+                    if a is not None and a.poison is not None:
+                        bad = a.poison
+                rdv.arrive(c.rank, bad)
+
+            # always: it runs after a failed wait too (it then poisons every result)
+            c.stream.enqueue(_Command(run, f"collective {kind}", (), (c.recv,), always=True))
+
+    def close_communicators(self, comms: Any) -> None:
+        pass

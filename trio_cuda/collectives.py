@@ -1,0 +1,323 @@
+"""Collectives across devices as DeviceOps: NCCL on CUDA, emulated on the simulated device.
+
+A :class:`Group` holds the devices of one process (one NCCL communicator each, made on
+the first collective and again after a device reset). Each collective takes one tensor
+(or tensor-producing op) per device, in the group's device order, and returns a DeviceOp
+of the tuple of result tensors::
+
+    group = collectives.Group([0, 1])
+    await group.all_reduce([grad0, grad1])          # in place: every tensor gets the sum
+    await group.broadcast([w0, w1], root=0)         # in place: every tensor gets w0
+    gathered = await group.all_gather([x0, x1])     # new tensors: x0 and x1 stacked on axis 0
+    parts = await group.reduce_scatter([g0, g1])    # new tensors: rank i gets rows i of the sum
+
+The op enqueues the whole collective, one NCCL group call, on a stream of each device;
+it is ordered with every other access to its tensors like any op (it waits for their
+pending writes, later readers and writers wait for it), composes with ``then``/``zip``,
+and is awaited, cancelled and fails like any op. Collectives are not captured in graphs
+(GraphCaptureError).
+
+:class:`ProcessGroup` is the multi-process form, one process (and one device) per rank:
+rank 0 makes an id with :func:`unique_id`, hands it to every rank (a pipe, a file, a
+launcher's environment), and each rank joins with ``ProcessGroup(id, nranks, rank,
+device)``; its collectives take this rank's one tensor. It needs CUDA and NCCL; the
+simulated device emulates collectives across its devices in one process only.
+
+Supported: float16, bfloat16, float32, float64, int8, uint8, int32, uint32, int64,
+uint64 tensors, C-contiguous; reductions "sum", "prod", "max", "min", "avg".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import trio
+
+from ._backends import backend
+from ._backends._boundary import CollectiveCall
+from ._checks import BFLOAT16, is_int
+from ._device import Device
+from ._errors import GraphCaptureError
+from ._op import DeviceOp
+from ._ops._core import TensorOp, alloc, overlaps, tensor_arg
+from ._registry import as_device
+from ._submit import Lane, Plan
+from ._tensor import Tensor
+
+__all__ = ["Group", "ProcessGroup", "unique_id"]
+
+REDUCTIONS = ("sum", "prod", "max", "min", "avg")
+_DTYPES = frozenset(
+    np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64)
+) | {BFLOAT16}
+
+
+def unique_id() -> bytes:
+    """A new id for :class:`ProcessGroup` (CUDA): make it on one rank, give it to all."""
+    return backend().unique_id()
+
+
+class _Base:
+    """What Group and ProcessGroup share: devices, ranks, communicators, the ops."""
+
+    devices: tuple[Device, ...]
+    size: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._comms: Any = None
+        self._generations: tuple[int, ...] | None = None
+        self._closed = False
+
+    # -- communicators ---------------------------------------------------------------
+    def _make(self) -> Any:
+        raise NotImplementedError
+
+    def _communicators(self) -> Any:
+        """The communicators for the devices' current generation (made again after a reset)."""
+        gens = tuple(d.generation for d in self.devices)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this collectives group is closed")
+            if self._comms is None or self._generations != gens:
+                if self._comms is not None:
+                    backend().close_communicators(self._comms)
+                    self._comms = None
+                self._comms = self._make()
+                self._generations = gens
+            return self._comms
+
+    def close(self) -> None:
+        """Release the communicators (after the group's collectives have completed)."""
+        with self._lock:
+            if self._comms is not None:
+                backend().close_communicators(self._comms)
+            self._comms = None
+            self._closed = True
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the collectives -------------------------------------------------------------
+    def _tensors(self, tensors: Any, name: str) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def all_reduce(self, tensors: Any, op: str = "sum") -> DeviceOp[tuple[Tensor, ...]]:
+        """Every tensor becomes the reduction (``op``: sum, prod, max, min, avg) of all of
+        them, in place. Returns the same tensors."""
+        return _op(Collective(self, "all_reduce", self._tensors(tensors, "all_reduce"), (), _reduction(op), 0))
+
+    def broadcast(self, tensors: Any, root: int = 0) -> DeviceOp[tuple[Tensor, ...]]:
+        """Every tensor becomes a copy of rank ``root``'s, in place. Returns the same tensors."""
+        if not is_int(root) or not 0 <= int(root) < self.size:
+            raise ValueError(f"broadcast: root must be a rank in [0, {self.size}), not {root!r}")
+        return _op(Collective(self, "broadcast", self._tensors(tensors, "broadcast"), (), "sum", int(root)))
+
+    def all_gather(self, tensors: Any, *, out: Any = None) -> DeviceOp[tuple[Tensor, ...]]:
+        """Each rank gets every rank's tensor, concatenated along axis 0 in rank order: a
+        new tensor of shape ``(size * n, ...)`` per rank (or into ``out=``, one per rank)."""
+        ins = self._tensors(tensors, "all_gather")
+        outs = self._tensors(out, "all_gather") if out is not None else ()
+        return _op(Collective(self, "all_gather", ins, outs, "sum", 0))
+
+    def reduce_scatter(self, tensors: Any, op: str = "sum", *, out: Any = None) -> DeviceOp[tuple[Tensor, ...]]:
+        """The reduction of all tensors, split along axis 0 into ``size`` equal parts:
+        rank ``i`` gets part ``i``, a new tensor (or into ``out=``, one per rank)."""
+        ins = self._tensors(tensors, "reduce_scatter")
+        outs = self._tensors(out, "reduce_scatter") if out is not None else ()
+        return _op(Collective(self, "reduce_scatter", ins, outs, _reduction(op), 0))
+
+
+def _op(c: Collective) -> DeviceOp[tuple[Tensor, ...]]:
+    return cast("DeviceOp[tuple[Tensor, ...]]", c)
+
+
+def _reduction(op: Any) -> str:
+    if op not in REDUCTIONS:
+        raise ValueError(f"collectives: op must be one of {', '.join(REDUCTIONS)}, not {op!r}")
+    return str(op)
+
+
+def _operand(x: Any, name: str) -> Any:
+    if isinstance(x, (Tensor, DeviceOp)):
+        return x
+    raise TypeError(f"{name}: expected a tensor or a tensor-producing op per rank, not {type(x).__name__}")
+
+
+class Group(_Base):
+    """The devices of this process that take part in collectives (rank ``i`` is
+    ``devices[i]``): ordinals or Device objects, distinct."""
+
+    def __init__(self, devices: Sequence[int | Device]) -> None:
+        super().__init__()
+        if isinstance(devices, (int, Device)) or not isinstance(devices, Sequence) or not devices:
+            raise ValueError(f"Group: give a non-empty list of devices, not {devices!r}")
+        devs = tuple(as_device(d) for d in devices)
+        if len(set(devs)) != len(devs):
+            raise ValueError(f"Group: a device appears twice in {[d.ordinal for d in devs]}")
+        self.devices = devs
+        self.size = len(devs)
+
+    def _make(self) -> Any:
+        return backend().communicators([d._driver for d in self.devices])
+
+    def _tensors(self, tensors: Any, name: str) -> tuple[Any, ...]:
+        if isinstance(tensors, (Tensor, DeviceOp)) or not isinstance(tensors, Sequence):
+            raise TypeError(f"{name}: give one tensor per device of the group (a list of {self.size})")
+        if len(tensors) != self.size:
+            raise ValueError(f"{name}: {len(tensors)} tensors for a group of {self.size} devices")
+        return tuple(_operand(t, name) for t in tensors)
+
+    def __repr__(self) -> str:
+        return f"<trio_cuda Group of devices {[d.ordinal for d in self.devices]}>"
+
+
+class ProcessGroup(_Base):
+    """This process's rank in a collective of ``nranks`` processes sharing ``unique_id``
+    (from :func:`unique_id` on one rank). Joining blocks until every rank has joined: in
+    trio code use ``await ProcessGroup.join(...)``, which waits in a worker thread."""
+
+    def __init__(self, unique_id: bytes, nranks: int, rank: int, device: int | Device | None = None) -> None:
+        super().__init__()
+        if not isinstance(unique_id, (bytes, bytearray)):
+            raise TypeError(
+                f"ProcessGroup: unique_id must be bytes (from collectives.unique_id()), not {type(unique_id).__name__}"
+            )
+        if not is_int(nranks) or int(nranks) < 1:
+            raise ValueError(f"ProcessGroup: nranks must be a positive int, not {nranks!r}")
+        if not is_int(rank) or not 0 <= int(rank) < int(nranks):
+            raise ValueError(f"ProcessGroup: rank must be in [0, {nranks}), not {rank!r}")
+        self.rank, self.nranks = int(rank), int(nranks)
+        self.devices = (as_device(device),)
+        self.size = self.nranks
+        self._id = bytes(unique_id)
+        self._communicators()  # join now: every rank blocks here until all have joined
+
+    @classmethod
+    async def join(cls, unique_id: bytes, nranks: int, rank: int, device: int | Device | None = None) -> ProcessGroup:
+        """Join from trio code: the blocking join runs in a worker thread."""
+        return await trio.to_thread.run_sync(cls, unique_id, nranks, rank, device)
+
+    def _make(self) -> Any:
+        if self._generations is not None:
+            raise RuntimeError("ProcessGroup: the device was reset; every rank must join a new group")
+        return backend().process_communicator(self.devices[0]._driver, self._id, self.nranks, self.rank)
+
+    def _tensors(self, tensors: Any, name: str) -> tuple[Any, ...]:
+        if isinstance(tensors, Sequence) and not isinstance(tensors, (Tensor, DeviceOp)):
+            if len(tensors) != 1:
+                raise ValueError(f"{name}: a process group takes this rank's one tensor")
+            tensors = tensors[0]
+        return (_operand(tensors, name),)
+
+    def __repr__(self) -> str:
+        return f"<trio_cuda ProcessGroup rank {self.rank} of {self.nranks} on device {self.devices[0].ordinal}>"
+
+
+class Collective(TensorOp):
+    """One collective over a group's tensors (see the module doc)."""
+
+    __slots__ = ("_group", "_kind", "_n", "_op", "_root", "name")
+
+    def __init__(self, group: _Base, kind: str, ins: tuple[Any, ...], outs: tuple[Any, ...], op: str, root: int) -> None:
+        self._group = group
+        self._kind = kind
+        self._op = op
+        self._root = root
+        self._n = len(ins)
+        self.name = f"collectives.{kind}"
+        super().__init__((*ins, *outs))
+
+    def _result_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        size = self._group.size
+        if self._kind == "all_gather":
+            return (size * shape[0], *shape[1:]) if shape else (size,)
+        if self._kind == "reduce_scatter":
+            if not shape or shape[0] % size:
+                raise ValueError(f"{self.name}: axis 0 of {shape} must split into {size} equal parts")
+            return (shape[0] // size, *shape[1:])
+        return shape
+
+    def _check(self, *args: Any) -> None:
+        name = self.name
+        ins = [tensor_arg(t, name, "tensor") for t in args[: self._n]]
+        outs = [tensor_arg(t, name, "out= tensor") for t in args[self._n :]]
+        first = ins[0]
+        for i, t in enumerate(ins):
+            dev = self._group.devices[i]
+            if t.device is not dev:
+                raise ValueError(
+                    f"{name}: rank {i}'s tensor is on device {t.device.ordinal}, the group's rank {i} is device {dev.ordinal}"
+                )
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise ValueError(
+                    f"{name}: every rank's tensor must have one shape and dtype; {first.shape} {first.dtype} and {t.shape} {t.dtype}"
+                )
+            if not t.is_contiguous:
+                raise ValueError(f"{name}: tensors must be C-contiguous (rank {i}'s is a strided view; copy it with .copy())")
+        if first.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name}: dtype {first.dtype} is not supported (float16, bfloat16, float32, float64, 8/32/64-bit ints)"
+            )
+        shape = self._result_shape(first.shape)
+        if outs:
+            if len(outs) != len(ins):
+                raise ValueError(f"{name}: out= needs one tensor per rank ({len(ins)}), got {len(outs)}")
+            for i, (o, t) in enumerate(zip(outs, ins, strict=True)):
+                if o.shape != shape or o.dtype != first.dtype:
+                    raise ValueError(f"{name}: rank {i}'s out= must be {shape} {first.dtype}, not {o.shape} {o.dtype}")
+                if o.device is not t.device:
+                    raise ValueError(f"{name}: rank {i}'s out= is on device {o.device.ordinal}, its tensor on {t.device.ordinal}")
+                if not o.is_contiguous:
+                    raise ValueError(f"{name}: out= tensors must be C-contiguous")
+                if overlaps(o, t):
+                    raise ValueError(f"{name}: rank {i}'s out= overlaps its input; use separate memory")
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
+        if plan.capture is not None:
+            raise GraphCaptureError(f"{self.name}: collectives cannot be captured in a graph")
+        ins: list[Tensor] = list(args[: self._n])
+        given: list[Tensor] = list(args[self._n :])
+        lanes = [lane.on(t.device) for t in ins]
+        for t in (*ins, *given):
+            plan.use(t._buffer, t)
+        if self._kind in ("all_reduce", "broadcast"):
+            outs = ins
+        elif given:
+            outs = given
+        else:
+            shape = self._result_shape(ins[0].shape)
+            outs = [alloc(plan, ln, shape, ins[0].dtype, self.name) for ln in lanes]
+        if ins[0].size:
+            plan.step(lane, _collective_step, (self, lanes, ins, outs))
+            plan.ops.append(self.name)
+        return tuple(outs)
+
+
+def _collective_step(lane: Lane, arg: tuple[Collective, list[Lane], list[Tensor], list[Tensor]]) -> None:
+    op, lanes, ins, outs = arg
+    group = op._group
+    for ln, i, o in zip(lanes, ins, outs, strict=True):
+        if o._buffer is not i._buffer:
+            ln.read(i._buffer, i._tracked)
+        ln.write(o._buffer, o._tracked)
+    comms = group._communicators()
+    first = ins[0]
+    count = first.size // group.size if op._kind == "reduce_scatter" else first.size
+    base = group.rank if isinstance(group, ProcessGroup) else 0
+    calls = [
+        CollectiveCall(base + r, ln.device._driver, ln.stream.handle, i.ptr, o.ptr, count)
+        for r, (ln, i, o) in enumerate(zip(lanes, ins, outs, strict=True))
+    ]
+    backend().collective(op._kind, comms, calls, first.dtype, op._op, op._root)
+    for ln, i, o in zip(lanes, ins, outs, strict=True):
+        seq = ln.end()
+        ln.wrote(o._buffer, seq, o._tracked)
+        if o._buffer is not i._buffer:
+            ln.was_read(i._buffer, seq, i._tracked)
