@@ -578,3 +578,56 @@ async def test_ops_in_concurrent_tasks_on_several_streams() -> None:
         for i in range(8):
             n.start_soon(worker, i)
     assert len(outs) == 8
+
+
+# -- found by an adversarial review -------------------------------------------------------------------
+async def test_out_of_another_dtype_is_cast_into_for_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """out= may be any dtype the result casts to (same_kind): the library computes in the
+    result's dtype and casts into out=, never writes the wrong bytes (or past its end)."""
+    a, b = data((6, 5)), data((5, 4))
+    x, y = await up(a), await up(b)
+    o64 = await api.zeros((6, 4), np.float64)
+    close(await ops.matmul(x, y, out=o64).to_host(), (a @ b).astype(np.float64), np.float32)
+    o16 = await api.zeros((6, 4), np.float16)
+    close(await ops.linear(x, y.T, out=o16).to_host(), (a @ b).astype(np.float16))
+    s64 = await api.zeros((6,), np.float64)
+    close(await ops.sum(x, axis=1, out=s64).to_host(), a.sum(axis=1).astype(np.float64), np.float32)
+    i32 = await api.zeros((6,), np.int32)
+    np.testing.assert_array_equal(await ops.argmax(x, 1, out=i32).to_host(), a.argmax(1).astype(np.int32))
+    sm = await api.zeros((6, 5), np.float64)
+    e = np.exp(a - a.max(-1, keepdims=True))
+    close(await ops.softmax(x, out=sm).to_host(), (e / e.sum(-1, keepdims=True)).astype(np.float64), np.float32)
+    rn = await api.zeros((6, 5), np.float16)
+    want = a / np.sqrt((a.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    close(await ops.rms_norm(x, out=rn).to_host(), want.astype(np.float16))
+    np.testing.assert_array_equal(await (x + 1).to_host(), a + 1)  # the device is fine
+
+
+async def test_checks_that_need_no_gpu_run_when_the_op_is_made() -> None:
+    i8 = await up(data((4,), np.int8))
+    with pytest.raises(OverflowError):
+        ops.where(i8, i8, 1000)  # the scalar does not fit int8
+    if trio_cuda.device_count() > 1:
+        other = await api.zeros((4,), device=1)
+        with pytest.raises(ValueError, match="devices"):
+            ops.add(await api.zeros((4,)), other)
+        with pytest.raises(ValueError, match="device"):
+            ops.uniform((4,), seed=1, device=0, out=other)
+    with pytest.raises(ValueError, match="overflows"):
+        ops.uniform((4,), seed=1, low=-3e38, high=3e38)
+    with pytest.raises(ValueError, match="2\\*\\*64"):
+        ops.uniform((4,), seed=1, offset=2**64 - 2)
+    x = await api.arange(8, dtype=np.float32)
+    np.testing.assert_array_equal(await ops.copy(x.partition((4,))).to_host(), np.arange(8, dtype=np.float32))
+
+
+async def test_row_ops_loop_over_rows_past_the_grid(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda._ops import _core
+
+    monkeypatch.setattr(_core, "MAX_ROW_BLOCKS", 3)  # 10 rows on 3 blocks: each block takes several rows
+    a = data((10, 300))
+    x = await up(a)
+    close(await ops.sum(x, axis=1).to_host(), a.sum(axis=1), np.float32)
+    np.testing.assert_array_equal(await ops.argmax(x, axis=1).to_host(), a.argmax(axis=1))
+    e = np.exp(a - a.max(-1, keepdims=True))
+    close(await ops.softmax(x).to_host(), e / e.sum(-1, keepdims=True))

@@ -24,7 +24,7 @@ from . import _op
 from ._op import DeviceOp
 from ._ops import _create, _elementwise, _matmul, _random, _reduce
 from ._ops._elementwise import contiguous, copy_into
-from ._tensor import Tensor
+from ._tensor import Partition, Tensor
 
 # abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
 # shadow the builtins (use ops.sum, ...).
@@ -294,6 +294,8 @@ def astype(x: TensorLike, dtype: Any, *, copy: bool = True, out: TensorLike = No
 
 def copy(x: TensorLike, *, out: TensorLike = None) -> Op:
     """A C-contiguous copy of ``x`` (of any view)."""
+    if isinstance(x, Partition):
+        x = x.tensor
     return _elementwise.astype(x, _dtype_of(x), copy=True, out=out) if isinstance(x, Tensor) else _copy_op(x, out)
 
 

@@ -276,8 +276,11 @@ def row_kernel(
 
     def build() -> Kernel:
         fname = f"{op}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
-        src = f"def {fname}({', '.join(params)}):\n    row = cuda.blockIdx.x\n    t_ = cuda.threadIdx.x\n"
-        src += "".join(f"    {line}\n" for line in body)
+        # rows beyond the grid (2**31 - 1 blocks at most): each block takes every
+        # gridDim.x-th row; the barrier keeps a row's shared memory from the next row's
+        src = f"def {fname}({', '.join(params)}):\n    row = cuda.blockIdx.x\n    t_ = cuda.threadIdx.x\n    while row < m:\n"
+        src += "".join(f"        {line}\n" for line in body)
+        src += "        cuda.syncthreads()\n        row += cuda.gridDim.x\n"
         return make_kernel(fname, src, globals_, sim, rows_geometry)
 
     return cached(("row", key), build)

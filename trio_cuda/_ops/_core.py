@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 THREADS = 256  # threads per block of the elementwise and row kernels
+MAX_ROW_BLOCKS = 1 << 20  # row kernels loop over rows past this many blocks
 
 
 # -- operands ---------------------------------------------------------------------------
@@ -290,13 +291,18 @@ def output(
     device: Device,
     reads: Sequence[Tensor | None] = (),
     inplace_ok: bool = False,
+    casts: bool = False,
 ) -> Out:
     """``out=`` checked, or a new tensor. ``reads``: the op's tensor inputs; with
-    ``inplace_ok`` an input that is exactly ``out=`` (same view) is fine (elementwise)."""
+    ``inplace_ok`` an input that is exactly ``out=`` (same view) is fine (elementwise).
+    An ``out=`` of another dtype than the result gets a temporary of the result's dtype,
+    cast into it at the end, unless the op's kernel casts as it stores (``casts``)."""
     if out is None:
         return Out(alloc(plan, lane, shape, dtype, name), None)
     t = check_out(name, out, shape, dtype, device)
     plan.use(t._buffer, t)
+    if t.dtype != dtype and not casts:
+        return Out(alloc(plan, lane, shape, dtype, name), t)
     for r in reads:
         if r is not None and overlaps(r, t) and not (inplace_ok and same_view(r, t)):
             return Out(alloc(plan, lane, shape, dtype, name), t)
@@ -327,7 +333,7 @@ def unrolled_geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def rows_geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """One block of 256 threads per row: the number of rows is the last argument."""
-    return (max(1, int(args[-1])),), (THREADS,)
+    return (min(max(1, int(args[-1])), MAX_ROW_BLOCKS),), (THREADS,)
 
 
 def as_dtype(dtype: Any) -> np.dtype[Any]:

@@ -161,7 +161,7 @@ def _plan_elementwise(
     shape = broadcast_shape(name, *(t.shape for t in tensors))
     for t in tensors:
         plan.use(t._buffer, t)
-    res = output(plan, ln, name, out, shape, result, dev, tensors, inplace_ok=True)
+    res = output(plan, ln, name, out, shape, result, dev, tensors, inplace_ok=True, casts=True)
     dst = res.t
     if 0 in shape:
         return finish(plan, ln, res, name)
@@ -213,8 +213,9 @@ class Elementwise(TensorOp):
         for x in operands:
             if not isinstance(x, Tensor):
                 _scalar(x, compute_dtype(loop), self.name)
+        dev = device_of(self.name, tensors)
         if out is not None:
-            check_out(self.name, out, shape, result, device_of(self.name, tensors))
+            check_out(self.name, out, shape, result, dev)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
         operands, out = args[:-1], args[-1]
@@ -242,8 +243,12 @@ class Where(TensorOp):
         result = promote(self.name, [x, y])
         tensors = [v for v in (cond, x, y) if isinstance(v, Tensor)]
         shape = broadcast_shape(self.name, *(t.shape for t in tensors))
+        for v in (x, y):
+            if not isinstance(v, Tensor):
+                _scalar(v, compute_dtype(result), self.name)
+        dev = device_of(self.name, tensors)
         if out is not None:
-            check_out(self.name, out, shape, result, device_of(self.name, tensors))
+            check_out(self.name, out, shape, result, dev)
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
         cond, x, y, out = args

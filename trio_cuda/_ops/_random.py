@@ -206,12 +206,19 @@ def random(dist: str, shape: Any, seed: Any, a: Any, b: Any, dtype: Any, offset:
         with np.errstate(over="ignore"):
             if not (np.isfinite(dt.type(a)) and np.isfinite(dt.type(b))):
                 raise ValueError(f"{name}: low and high must be finite in {dt}, not {a!r}, {b!r}")
+            work = np.float64 if dt == np.float64 else np.float32  # the kernels' arithmetic
+            if not np.isfinite(work(b) - work(a)):
+                raise ValueError(f"{name}: high - low overflows {np.dtype(work)} ({a!r}, {b!r}); use a narrower range")
     if dist == "normal" and float(b) < 0:
         raise ValueError(f"{name}: std must not be negative, not {b!r}")
+    if int(offset) + math.prod(shp) > 2**64:
+        raise ValueError(f"{name}: offset + size exceeds 2**64 counters: the numbers would repeat")
     dev = as_device(device) if device is not None else None
     if out is not None:
         from ._core import tensor_arg
 
         out = tensor_arg(out, name, "out= tensor")
+        if dev is not None and out.device is not dev:
+            raise ValueError(f"{name}: out= is on device {out.device.ordinal}, not the device asked for ({dev.ordinal})")
         dev = out.device
     return Random(dist, (shp, dt, int(seed), int(offset), a, b, dev, out))
