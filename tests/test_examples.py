@@ -14,7 +14,14 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 @pytest.mark.parametrize(
     "name,args",
-    [("async_add.py", []), ("async_saxpy.py", []), ("cuda_graphs_deviceop.py", ["--tokens", "1"])],
+    [
+        ("async_add.py", []),
+        ("async_saxpy.py", []),
+        ("cuda_graphs_deviceop.py", ["--tokens", "1"]),
+        # small sizes on both backends (the full-size runs are recorded in benchmarks/results)
+        ("async_mlp.py", ["--batch", "96", "--features", "24", "--hidden", "40", "--reps", "1"]),
+        ("train_mlp_ddp.py", ["--steps", "60", "--batch", "96", "--features", "16", "--hidden", "32", "--outputs", "4"]),
+    ],
 )
 def test_example_runs_and_checks_itself(name: str, args: list[str]) -> None:
     r = subprocess.run(
