@@ -48,23 +48,34 @@ class Model:
         self.h, self.hn, self.q, self.o = bufs
         self.embedding = embedding
 
-    def step(self) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+    def step(self, add_kernel: bool = True) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
         """One decode step over all layers, as one DAG of 4 kernels per layer: for each
         kind the faster of trio_cuda.ops and the hand-written kernels of
         trio_cuda.kernels, as measured by benchmarks/bench_decode.py on an H200
         (2026-11-30, hidden 2048, GPU-only per launch): ops.rms_norm 2.7 us vs 4.0,
         ops.matmul (cuBLASLt GEMV) 4.6 us vs 11.3 for the matvec kernel, and the
-        hand-written add 1.05 us vs 1.12 for ops.add."""
+        hand-written add 1.05 us vs 1.12 for ops.add (``add_kernel=False``: ops.add, the
+        step with trio_cuda.ops only)."""
         h1 = self.h.reshape(self.hidden)
+
+        def residual() -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+            if add_kernel:
+                return add(h1.partition((min(self.hidden, 256),)), h1, self.o)
+            return ops.add(h1, self.o, out=h1)
+
         op: trio_cuda.DeviceOp = trio_cuda.value(None)  # type: ignore[type-arg]
         for w_norm, wq, wo in self.weights:
             op = (
                 op.then(lambda _, w_norm=w_norm: ops.rms_norm(self.h, w_norm, EPS, out=self.hn))
                 .then(lambda _, wq=wq: ops.matmul(wq, self.hn.reshape(self.hidden), out=self.q))
                 .then(lambda _, wo=wo: ops.matmul(wo, self.q, out=self.o))
-                .then(lambda _: add(h1.partition((min(self.hidden, 256),)), h1, self.o))
+                .then(lambda _: residual())
             )
         return op.map(lambda _: self.h)
+
+    def step_ops(self) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+        """The same step with trio_cuda.ops only (rms_norm, cuBLASLt GEMVs, add)."""
+        return self.step(add_kernel=False)
 
     def step_kernels(self) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
         """The same step with the hand-written kernels only (rms_norm, matvec, add)."""
@@ -78,19 +89,6 @@ class Model:
                 .then(lambda _, wq=wq: matvec(self.q.partition((MATVEC_ROWS,)), wq, hn1))
                 .then(lambda _, wo=wo: matvec(self.o.partition((MATVEC_ROWS,)), wo, self.q))
                 .then(lambda _: add(h1.partition((min(hdim, 256),)), h1, self.o))
-            )
-        return op.map(lambda _: self.h)
-
-    def step_ops(self) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
-        """The same step with trio_cuda.ops only (rms_norm, cuBLASLt GEMVs, add)."""
-        h1 = self.h.reshape(self.hidden)
-        op: trio_cuda.DeviceOp = trio_cuda.value(None)  # type: ignore[type-arg]
-        for w_norm, wq, wo in self.weights:
-            op = (
-                op.then(lambda _, w_norm=w_norm: ops.rms_norm(self.h, w_norm, EPS, out=self.hn))
-                .then(lambda _, wq=wq: ops.matmul(wq, self.hn.reshape(self.hidden), out=self.q))
-                .then(lambda _, wo=wo: ops.matmul(wo, self.q, out=self.o))
-                .then(lambda _: ops.add(h1, self.o, out=h1))
             )
         return op.map(lambda _: self.h)
 
