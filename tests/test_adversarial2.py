@@ -408,3 +408,14 @@ def test_memory_freed_earlier_on_a_stream_serves_its_later_allocations() -> None
         TRIO_CUDA_STAGING_CAP_MB="0",
     )
     _ok(r)
+
+
+async def test_two_read_backs_of_one_staging_size_in_one_submission_do_not_hang() -> None:
+    """One idle staging buffer of a size, two slots of it in one submission: the plan
+    gives the taken one back and asks for both; asking only about the missing one made
+    it count the returned buffer twice and retry forever."""
+    c = await api.ones((3000,))  # 12000 bytes: a 16 KiB staging bucket, not prefilled
+    await c.to_host()  # one such buffer pinned, now idle
+    with trio.fail_after(20):
+        a, b = await trio_cuda.zip(c.to_host(), c.to_host())
+    assert a.sum() == 3000 and b.sum() == 3000

@@ -671,24 +671,29 @@ class Plan:
         for dev in self.generations:
             pool_of(dev).drain()
         taken: list[_StagingSlot] = []
-        missing: dict[Device, list[int]] = {}
+        wanted: dict[Device, list[int]] = {}  # every slot this try fills, per device
+        short: set[Device] = set()
         for slot in self.staging:
             if slot.staging is not None:
                 continue
+            wanted.setdefault(slot.device, []).append(slot.nbytes)
             st = pool_of(slot.device).take(slot.nbytes, slot.host_hold)
             if st is None:
-                missing.setdefault(slot.device, []).append(slot.nbytes)
+                short.add(slot.device)
             else:
                 slot.staging = st
                 taken.append(slot)
-        if not missing:
+        if not short:
             return None
         for slot in taken:  # give them back: the retry takes everything in one hold
             st = slot.staging
             assert st is not None
             st._give_back()
             slot.staging = None
-        return Need("staging", [(d, pool_of(d).missing(sizes)) for d, sizes in missing.items()])
+        # what the pool lacks for all of them at once: the ones given back count only once
+        # (asking about the missing sizes alone counts a returned buffer for two slots,
+        # and the retry would find the same shortage forever)
+        return Need("staging", [(d, pool_of(d).missing(wanted[d])) for d in short])
 
     def _enqueue(self) -> Need | None:
         lanes = self.lanes
