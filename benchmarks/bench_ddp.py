@@ -94,7 +94,7 @@ def _torch_worker(rank: int, world: int, per_device: int, f: int, h: int, o: int
     torch.cuda.synchronize()
     rate = steps / (time.perf_counter() - t0)
     if rank == 0:
-        q.put((rate, float(loss)))
+        q.put((rate, float(loss.detach())))
     dist.destroy_process_group()
 
 
@@ -116,7 +116,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--outputs", type=int, default=256)
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--lr", type=float, default=0.5)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
     if trio_cuda.backend_name() != "cuda":
