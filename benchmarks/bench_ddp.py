@@ -129,7 +129,10 @@ def main() -> int:
         pr, pl = torch_run(n, *sizes)
         rows.append({"devices": n, "trio_steps_s": tr, "torch_steps_s": pr, "trio_loss": tl, "torch_loss": pl})
         print(f"{n} device(s): trio-cuda {tr:.1f} steps/s, PyTorch DDP {pr:.1f} steps/s, ratio {tr / pr:.3f}", flush=True)
-    flops = 6 * args.per_device * (args.features * args.hidden + args.hidden * args.outputs)
+    # per GPU and step: forward 2BP, weight gradients 2BP, and the input gradient of the
+    # second layer only (2B h o; nothing needs the first layer's)
+    params = args.features * args.hidden + args.hidden * args.outputs
+    flops = 4 * args.per_device * params + 2 * args.per_device * args.hidden * args.outputs
     lines = [
         "| devices | trio-cuda steps/s | PyTorch DDP steps/s | ratio (target >= 0.9) | trio TFLOP/s per GPU |",
         "|---|---|---|---|---|",
