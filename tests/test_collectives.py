@@ -278,3 +278,25 @@ def test_two_processes_all_reduce_through_a_unique_id() -> None:
     outs = [p.communicate(timeout=120) for p in procs]
     for r, (p, (out, err)) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0 and f"rank {r} ok" in out, out + err[-3000:]
+
+
+async def test_a_cancelled_wait_leaves_the_collective_running_and_ordered() -> None:
+    """A cancel before the await submits nothing; a cancel while the submission waits
+    returns at once, the collective still runs (it was enqueued), and later reads of its
+    tensors are ordered after it."""
+    g = group()
+    arrays = data(g.size, (1 << 12,), np.float32)
+    ts = await per_device(arrays)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await g.all_reduce(ts)
+    assert scope.cancelled_caught
+    np.testing.assert_array_equal(await ts[0].to_host(), arrays[0])  # nothing ran
+    with trio_cuda.use_device(g.devices[0]):
+        await sleep(counter(), 1000)  # loaded: the next launch is at once
+        slow = sleep(counter(), 300_000_000).then(lambda _: ops.multiply(ts[0], 1.0, out=ts[0]))
+    with trio.move_on_after(0.05) as scope:
+        await g.all_reduce([slow, *ts[1:]])  # waits behind a 0.3 s kernel on device 0
+    assert scope.cancelled_caught
+    for t in ts:
+        np.testing.assert_allclose(await t.to_host(), np.sum(arrays, axis=0), rtol=1e-6)
