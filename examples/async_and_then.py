@@ -167,4 +167,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(trio.run(main))
+    sys.exit(trio.run(trio_cuda.trace.traced, main))  # --trace FILE: write a trace of the run

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import trio
 
+import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import saxpy
 
@@ -26,4 +27,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(trio.run(main))
+    sys.exit(trio.run(trio_cuda.trace.traced, main))  # --trace FILE: write a trace of the run

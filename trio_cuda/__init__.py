@@ -13,6 +13,8 @@ The backend (CUDA or the simulated device) is chosen when this package is import
 import it before ``numba.cuda``.
 """
 
+from typing import TYPE_CHECKING
+
 from ._backends import select as _select
 
 _select()
@@ -80,6 +82,21 @@ __all__ = [
     "kernel",
     "lowlevel",
     "ops",
+    "trace",
     "use_device",
     "value",
 ]
+
+
+if TYPE_CHECKING:
+    from . import trace as trace
+
+
+def __getattr__(name: str) -> object:
+    # trio_cuda.trace (a callable module: trio_cuda.trace(path) opens a trace) is imported
+    # on first use, so that ``python -m trio_cuda.trace`` runs it fresh
+    if name == "trace":
+        import importlib
+
+        return importlib.import_module(".trace", __name__)
+    raise AttributeError(f"module 'trio_cuda' has no attribute {name!r}")

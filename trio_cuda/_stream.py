@@ -19,6 +19,7 @@ import collections
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from . import _trace
 from ._guard import LOCK, check_blocking_allowed
 
 if TYPE_CHECKING:
@@ -230,6 +231,8 @@ class Stream:
         if ev.done:
             return False
         self.device._driver.wait_event(self.handle, ev.handle, ordering_only=ordering_only)
+        if _trace.active is not None:
+            _trace.active.wait(self, other, seq)
         if len(waited) > 32:
             self._waited = waited = {t: v for t, v in waited.items() if t.wref is not None and t.wref() is not None}
         waited[token] = ev.seq

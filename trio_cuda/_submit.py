@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from . import _trace
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
@@ -451,6 +452,7 @@ class Plan:
     event: Event | None = None
     oom_retried = False
     started = False  # driver calls were made (a failure from here on is partial)
+    _trace: dict[str, Any] | None = None  # while a trace is open (see _trace)
 
     def __init__(self, stream: Stream, capture: Capture | None = None) -> None:
         if capture is not None:
@@ -757,8 +759,12 @@ class Plan:
                 cap.join(lane.stream)
         _tls.submitting = True
         try:
-            for fn, lane, arg in self.steps:
-                fn(lane, arg)
+            tracer = _trace.active
+            if tracer is None:
+                for fn, lane, arg in self.steps:
+                    fn(lane, arg)
+            else:
+                tracer.run_steps(self, self.steps)
             if cap is None:
                 self.event = ev = self.root.finish()
                 if ev is not None:
@@ -816,8 +822,12 @@ class Plan:
         tls = _tls
         tls.submitting = True
         try:
-            for fn, ln, arg in self.steps:
-                fn(ln, arg)
+            tracer = _trace.active
+            if tracer is None:
+                for fn, ln, arg in self.steps:
+                    fn(ln, arg)
+            else:
+                tracer.run_steps(self, self.steps)
             self.event = lane.finish()
         finally:
             tls.submitting = False
@@ -955,6 +965,8 @@ def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan
         check_not_nested("executing a DeviceOp")
     with LOCK:
         plan = Plan(stream, capture)
+        if _trace.active is not None:
+            _trace.active.begin(plan)
         tls.submitting = True
         try:
             value = plan.walk(op)
@@ -1075,7 +1087,7 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     if stream is None:
         stream = current_device().policy.next_stream()
     submit_now = op._submit_now
-    if submit_now is not None:
+    if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
             value, ev, name = done
@@ -1109,7 +1121,7 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
     if stream is None:
         stream = current_device().policy.next_stream()
     submit_now = op._submit_now
-    if submit_now is not None:
+    if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
             value, ev, name = done

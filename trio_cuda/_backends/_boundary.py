@@ -329,6 +329,20 @@ class DeviceDriver(abc.ABC):
     def launch(self, prepared: Any, stream: Any) -> None:
         """Enqueue a prepared launch. Raises LaunchError if the launch is refused."""
 
+    # -- tracing (trio_cuda.trace) ----------------------------------------------------
+    @abc.abstractmethod
+    def trace_clock(self) -> Any:
+        """A reference point that timestamps are measured from (may block briefly)."""
+
+    @abc.abstractmethod
+    def timestamp(self, stream: Any) -> Any:
+        """Enqueue a timestamp on ``stream``: it is taken when the stream reaches it."""
+
+    @abc.abstractmethod
+    def timestamp_seconds(self, reference: Any, stamp: Any) -> float | None:
+        """The time of ``stamp`` on the host's ``time.perf_counter`` clock, or None if the
+        stream has not reached it (never blocks)."""
+
     # -- libraries ------------------------------------------------------------
     @abc.abstractmethod
     def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:

@@ -540,6 +540,30 @@ class CudaDevice(DeviceDriver):
             raise error(err, f"copy from device {src_driver.ordinal}", self, launch=True)
 
     # -- libraries ------------------------------------------------------------------
+    # -- tracing: timing events, only while a trace is open ------------------------------
+    def trace_clock(self) -> tuple[Any, float]:
+        """A timing event recorded and waited for now, and the host time just after."""
+        self._current()
+        ev = check(cu.cuEventCreate(0), "cuEventCreate", self)
+        check(cu.cuEventRecord(ev, 0), "cuEventRecord", self)
+        check(cu.cuEventSynchronize(ev), "cuEventSynchronize", self)
+        return ev, time.perf_counter()
+
+    def timestamp(self, stream: Any) -> Any:
+        self._current()
+        ev = check(cu.cuEventCreate(0), "cuEventCreate", self)
+        check(cu.cuEventRecord(ev, stream), "cuEventRecord", self)
+        return ev
+
+    def timestamp_seconds(self, reference: tuple[Any, float], stamp: Any) -> float | None:
+        self._current()
+        ref, host = reference
+        err, ms = cu.cuEventElapsedTime(ref, stamp)
+        cu.cuEventDestroy(stamp)
+        if err != _SUCCESS:
+            return None  # not reached (or the device faulted): left out of the trace
+        return host + float(ms) / 1e3
+
     def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:
         self._current()
         err, status = cu.cuStreamIsCapturing(stream)

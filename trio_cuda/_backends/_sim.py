@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -563,6 +564,19 @@ class _SimDevice(DeviceDriver):
         return self.total_memory - self._in_use, self.total_memory
 
     # -- libraries ------------------------------------------------------------
+    # -- tracing ----------------------------------------------------------------
+    def trace_clock(self) -> Any:
+        return None  # simulated streams run on host threads: stamps are host times
+
+    def timestamp(self, stream: _SimStream) -> list[float]:
+        stamp: list[float] = []
+        if stream.capture is None and stream.generation == self.generation:
+            stream.enqueue(_Command(lambda: stamp.append(time.perf_counter()), "timestamp", always=True))
+        return stamp
+
+    def timestamp_seconds(self, reference: Any, stamp: list[float]) -> float | None:
+        return stamp[0] if stamp else None
+
     def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: _SimStream) -> None:
         """numpy's matmul with cuBLASLt's arithmetic: float32 accumulation for half types
         (float64 for float64), TF32 rounding of float32 inputs when allowed, the epilogue

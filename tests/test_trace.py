@@ -1,0 +1,147 @@
+"""trio_cuda.trace: the trace file's shape (every op, stream tracks, flows), waits
+between streams, devices, the picture, and the trace's own life cycle."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import _trace, api, lowlevel, ops
+
+from .conftest import needs_devices
+
+
+def spans(events: dict, cat: str) -> list[dict]:
+    return [e for e in events["traceEvents"] if e.get("ph") == "X" and e.get("cat") == cat]
+
+
+def check_schema(events: dict) -> None:
+    """Every event has the fields Chrome/Perfetto need; every track is named; flows pair up."""
+    assert set(events) >= {"traceEvents", "displayTimeUnit", "otherData"}
+    named = {(e["pid"], e["tid"]) for e in events["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
+    starts, finishes = {}, {}
+    for e in events["traceEvents"]:
+        assert e["ph"] in ("M", "X", "s", "f"), e
+        if e["ph"] == "X":
+            assert {"name", "pid", "tid", "ts", "dur", "cat"} <= set(e) and e["dur"] > 0 and e["ts"] >= 0, e
+            assert (e["pid"], e["tid"]) in named, e
+        elif e["ph"] == "s":
+            starts[e["id"]] = e
+        elif e["ph"] == "f":
+            finishes[e["id"]] = e
+    assert set(starts) == set(finishes), "every flow has a start and an end"
+    for i, s in starts.items():
+        assert finishes[i]["ts"] >= s["ts"] - 1e-3, (s, finishes[i])
+
+
+async def test_every_submission_and_op_is_in_the_file(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "run.json"
+    a = np.arange(1000, dtype=np.float32)
+    results = {}
+
+    async def task(i: int) -> None:
+        x = await api.from_host(a)
+        results[i] = await ((x * float(i) + 1.0).sum()).to_host()
+
+    async with trio_cuda.trace(path) as tr:
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(task, i, name=f"worker {i}")
+    assert _trace.active is None
+    events = json.loads(path.read_text())
+    assert events == tr.events
+    check_schema(events)
+    assert events["otherData"]["unfinished"] == 0
+    assert events["otherData"]["submissions"] == 6  # an upload and an expression per task
+    device_ops = [e["name"] for e in spans(events, "device")]
+    for name in ("kernel ops.multiply", "kernel ops.add", "kernel ops.sum", "copy host->device", "copy device->host"):
+        assert device_ops.count(name) == 3, (name, device_ops)
+    host = spans(events, "host")
+    tracks = {
+        e["args"]["name"] for e in events["traceEvents"] if e.get("ph") == "M" and e["pid"] == 0 and e["name"] == "thread_name"
+    }
+    assert tracks == {"worker 0", "worker 1", "worker 2"}
+    assert len(host) == 6
+    flows = [e for e in events["traceEvents"] if e.get("ph") == "s" and e["cat"] == "submit"]
+    assert len(flows) == len(device_ops)  # one arrow from its submission to each op
+    for i in range(3):
+        assert results[i] == pytest.approx(float((a * i + 1).sum()))
+
+
+async def test_a_wait_between_streams_is_an_arrow(tmp_path: pathlib.Path) -> None:
+    dev = trio_cuda.current_device()
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    x = await api.zeros((1 << 12,))
+    async with trio_cuda.trace(tmp_path / "w.json") as tr:
+        first = await lowlevel.submit(ops.add(x, 1.0, out=x), s1)  # a write on stream 1
+        second = await lowlevel.submit(ops.multiply(x, 3.0, out=x), s2)  # stream 2 must wait for it
+        await first.wait()
+        await second.wait()
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    assert events["otherData"]["stream_waits"] >= 1
+    waits = [e for e in events["traceEvents"] if e.get("ph") == "s" and e["cat"] == "wait"]
+    assert waits, "the stream wait has an arrow"
+    ops_by_id = {}
+    for e in spans(events, "device"):
+        ops_by_id[e["name"]] = e
+    add_op, mul_op = ops_by_id["kernel ops.add"], ops_by_id["kernel ops.multiply"]
+    assert (add_op["pid"], add_op["tid"]) != (mul_op["pid"], mul_op["tid"])
+    assert mul_op["ts"] >= add_op["ts"] + add_op["dur"] - 1e-3  # the device ran them in order
+    np.testing.assert_array_equal(await x.to_host(), np.full(1 << 12, 3.0, np.float32))
+
+
+@needs_devices(2)
+async def test_each_device_has_its_own_tracks(tmp_path: pathlib.Path) -> None:
+    async with trio_cuda.trace(tmp_path / "d.json") as tr:
+        y = await api.dup(api.arange(64, dtype=np.float32) * 2, device=1)
+        z = await (y + 1).to_host()
+    np.testing.assert_array_equal(z, np.arange(64) * 2 + 1)
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    procs = {e["args"]["name"] for e in events["traceEvents"] if e.get("ph") == "M" and e["name"] == "process_name"}
+    assert {"host", "device 0", "device 1"} <= procs
+    on_1 = [e["name"] for e in spans(events, "device") if e["pid"] == 2]
+    assert "kernel ops.add" in on_1
+
+
+async def test_the_plain_with_never_blocks_and_traces_do_not_nest(tmp_path: pathlib.Path) -> None:
+    with trio_cuda.trace(tmp_path / "p.json") as tr:
+        with pytest.raises(RuntimeError, match="nest"):
+            trio_cuda.trace().__enter__()
+        await (await api.ones((8,)) * 2)
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    assert events["otherData"]["ops"] == len(spans(events, "device")) + events["otherData"]["unfinished"]
+    assert _trace.active is None
+    with pytest.raises(ValueError):
+        with trio_cuda.trace():
+            raise ValueError("the block fails")
+    assert _trace.active is None  # closed anyway
+
+
+def test_the_picture_is_drawn(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "run.json"
+
+    async def main() -> None:
+        async with trio_cuda.trace(path):
+            await (await api.arange(32, dtype=np.float32) + 1).to_host()
+
+    trio.run(main)
+    png = tmp_path / "run.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "trio_cuda.trace", str(path), "--png", str(png)], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert "RuntimeWarning" not in r.stderr

@@ -1,0 +1,149 @@
+"""What a trace records while ``trio_cuda.trace(...)`` is open (see trio_cuda/trace.py).
+
+``active`` is the open tracer or None; the submission path checks it once per
+submission (its whole cost when no trace is open). While a trace is open:
+
+* each submission's host span: from planning to the end of its enqueue (task, thread);
+* each step that enqueues device work (a kernel, a copy, a GEMM, a collective, a graph
+  launch): its stream and device, and a timestamp on its stream before and after it (on
+  CUDA timing events, on the simulated device the host time at which its stream thread
+  reached them), so the trace shows when the device ran it;
+* each cross-stream wait the runtime enqueued (which stream waits for which point).
+
+Nothing here blocks: timestamps that have not been reached when the trace closes are
+left out (and counted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Tracer", "active"]
+
+active: Tracer | None = None
+
+# steps that enqueue no device work of their own (joins, bookkeeping)
+_SILENT = frozenset({"_join", "_mark_done", "_depend_shared"})
+_LABELS = {
+    "_h2d_step": "copy host->device",
+    "_d2h_step": "copy device->host",
+    "_d2d_step": "copy device->device",
+    "_fill_step": "fill",
+    "_gemm_step": "matmul (cuBLASLt)",
+    "_graph_step": "graph launch",
+    "_collective_step": "collective",
+}
+
+
+def step_label(fn: Callable[..., Any], arg: Any) -> str:
+    name = getattr(fn, "__name__", "step")
+    if name in ("_launch_step", "_prepared_step"):
+        k = arg[0] if isinstance(arg, tuple) and arg else None
+        kname = getattr(k, "name", None) or getattr(getattr(k, "kernel", None), "name", None)
+        return f"kernel {kname}" if kname else "kernel"
+    if name == "_collective_step":
+        op = arg[0]
+        return str(getattr(op, "name", "collective"))
+    return _LABELS.get(name, name.strip("_").removesuffix("_step"))
+
+
+class Tracer:
+    """The records of one open trace (under the runtime's LOCK where the runtime is)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.lock = threading.Lock()
+        self.clocks: dict[int, tuple[Any, Any]] = {}  # device ordinal -> (driver, reference)
+        self.streams: dict[int, tuple[int, int]] = {}  # id(stream) -> (device, number)
+        self.subs: list[dict[str, Any]] = []
+        self.ops: list[dict[str, Any]] = []
+        self.waits: list[dict[str, Any]] = []
+        self._ids = itertools.count()
+
+    # -- streams and clocks --------------------------------------------------------------
+    def stream_label(self, stream: Any) -> tuple[int, int]:
+        key = id(stream)
+        got = self.streams.get(key)
+        if got is None:
+            dev = stream.device.ordinal
+            got = self.streams[key] = (dev, sum(1 for d, _ in self.streams.values() if d == dev))
+        return got
+
+    def _clock(self, device: Any) -> tuple[Any, Any]:
+        c = self.clocks.get(device.ordinal)
+        if c is None:
+            driver = device._driver
+            c = self.clocks[device.ordinal] = (driver, driver.trace_clock())
+        return c
+
+    # -- hooks of the submission path --------------------------------------------------------
+    def begin(self, plan: Any) -> None:
+        plan._trace = {"t_begin": time.perf_counter()}
+
+    def run_steps(self, plan: Any, steps: list[tuple[Callable[[Any, Any], None], Any, Any]]) -> None:
+        """Run the plan's steps (its enqueue), timestamping those that enqueue device work."""
+        info = getattr(plan, "_trace", None) or {"t_begin": time.perf_counter()}
+        sub = next(self._ids)
+        task = None
+        try:
+            import trio
+
+            task = trio.lowlevel.current_task().name
+        except RuntimeError:
+            pass
+        info.update(id=sub, task=task, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8])
+        for fn, lane, arg in steps:
+            name = getattr(fn, "__name__", "")
+            if name in _SILENT:
+                fn(lane, arg)
+                continue
+            stream = lane.stream
+            driver, _ = self._clock(lane.device)
+            t_enq = time.perf_counter()
+            before = driver.timestamp(stream.handle)
+            fn(lane, arg)
+            after = driver.timestamp(stream.handle)
+            dev, num = self.stream_label(stream)
+            self.ops.append(
+                {
+                    "name": step_label(fn, arg),
+                    "device": dev,
+                    "stream": num,
+                    "sub": sub,
+                    "seq": stream.seq,
+                    "before": before,
+                    "after": after,
+                    "t_enq": t_enq,
+                }
+            )
+        info["t_end"] = time.perf_counter()
+        self.subs.append(info)
+
+    def wait(self, stream: Any, other: Any, seq: int) -> None:
+        self.waits.append(
+            {
+                "stream": self.stream_label(stream),
+                "other": self.stream_label(other),
+                "seq": seq,
+                "at_seq": stream.seq,
+                "t": time.perf_counter(),
+            }
+        )
+
+
+def start() -> Tracer:
+    global active
+    if active is not None:
+        raise RuntimeError("a trace is already open (traces do not nest)")
+    active = Tracer()
+    return active
+
+
+def stop(tracer: Tracer) -> None:
+    global active
+    if active is tracer:
+        active = None

@@ -1,0 +1,289 @@
+"""Traces of what ran where: ``with trio_cuda.trace("run.json"):``.
+
+While the block runs, every submission is recorded: its host span (the trio task or
+thread that submitted it, from planning to the end of its enqueue) and each op it
+enqueued, with its device, its stream, and the time the device ran it (on CUDA from
+timing events recorded around each op only while a trace is open; on the simulated
+device the host times at which its stream threads ran it). Cross-stream waits the
+runtime inserted are recorded too. When the block ends the trace is written as Chrome /
+Perfetto trace JSON (open it at https://ui.perfetto.dev or chrome://tracing): one track
+per host task and per device stream, flow arrows from each submission to its device
+work and from the work a stream waited for to the work that waited.
+
+``async with trio_cuda.trace(path):`` first waits (in a worker thread) for the traced
+devices to finish, so every op has its device times; the plain ``with`` never blocks and
+leaves out ops that have not run yet when it closes (counted in the file's
+``otherData.unfinished``). ``python -m trio_cuda.trace run.json --png run.png`` draws a
+timeline picture of a trace file (needs matplotlib).
+
+Cost: when no trace is open, one check of a module global per submission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import types
+import zlib
+from typing import Any
+
+import trio
+
+from . import _trace
+
+__all__ = ["Trace", "draw", "main", "trace", "traced"]
+
+
+class Trace:
+    """An open trace (see the module doc); ``events`` holds the trace once it is closed."""
+
+    def __init__(self, path: str | pathlib.Path | None = None) -> None:
+        self.path = pathlib.Path(path) if path is not None else None
+        self.events: dict[str, Any] | None = None  # the trace, once closed
+        self._tracer: _trace.Tracer | None = None
+
+    def __enter__(self) -> Trace:
+        self._tracer = _trace.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    async def __aenter__(self) -> Trace:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        tracer = self._tracer
+        if tracer is not None:
+            _trace.stop(tracer)  # no more records; the devices finish what was traced
+            from ._registry import device
+
+            for ordinal in list(tracer.clocks):
+                await trio.to_thread.run_sync(device(ordinal).synchronize)
+        self._close()
+
+    def _close(self) -> None:
+        tracer = self._tracer
+        if tracer is None:
+            return
+        _trace.stop(tracer)
+        self._tracer = None
+        self.events = build(tracer)
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.events))
+
+
+def trace(path: str | pathlib.Path | None = None) -> Trace:
+    """Record a trace while the ``with`` (or ``async with``) block runs; write it to
+    ``path`` (Chrome/Perfetto JSON) when it ends."""
+    return Trace(path)
+
+
+async def traced(main: Any, *args: Any) -> Any:
+    """``await main(*args)``, traced into FILE when the command line has ``--trace FILE``
+    (taken out of ``sys.argv`` first): the examples run as
+    ``trio.run(trio_cuda.trace.traced, main)``."""
+    argv = sys.argv
+    path = None
+    for i, a in enumerate(argv):
+        if a == "--trace" and i + 1 < len(argv):
+            path = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if a.startswith("--trace="):
+            path = a.split("=", 1)[1]
+            del argv[i]
+            break
+    if path is None:
+        return await main(*args)
+    async with Trace(path):
+        result = await main(*args)
+    print(f"trace written to {path} (python -m trio_cuda.trace {path} --png PICTURE draws it)", file=sys.stderr)
+    return result
+
+
+def build(tracer: _trace.Tracer) -> dict[str, Any]:
+    """The Chrome trace of a closed tracer."""
+    t0 = tracer.t0
+
+    def us(t: float) -> float:
+        return round((t - t0) * 1e6, 3)
+
+    events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "host"}}]
+    tids: dict[str, int] = {}
+    for sub in tracer.subs:
+        who = sub["task"] or f"thread {sub['thread']}"
+        if who not in tids:
+            tids[who] = len(tids) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tids[who], "args": {"name": who}})
+        sub["tid"] = tids[who]
+        names = (
+            ", ".join(sub["ops"]) or ", ".join(dict.fromkeys(o["name"] for o in tracer.ops if o["sub"] == sub["id"])) or "nothing"
+        )
+        events.append(
+            {
+                "ph": "X",
+                "cat": "host",
+                "name": f"submit {names}",
+                "pid": 0,
+                "tid": sub["tid"],
+                "ts": us(sub["t_begin"]),
+                "dur": max(us(sub["t_end"]) - us(sub["t_begin"]), 0.001),
+                "args": {"submission": sub["id"], "thread": sub["thread"]},
+            }
+        )
+    subs = {s["id"]: s for s in tracer.subs}
+    seen_devices: set[int] = set()
+    for dev, num in sorted(set(tracer.streams.values())):
+        if dev not in seen_devices:
+            seen_devices.add(dev)
+            events.append({"ph": "M", "name": "process_name", "pid": dev + 1, "args": {"name": f"device {dev}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": dev + 1, "tid": num + 1, "args": {"name": f"stream {num}"}})
+    unfinished = 0
+    placed: list[dict[str, Any]] = []
+    flow = 0
+    for op in tracer.ops:
+        driver, ref = tracer.clocks[op["device"]]
+        start = driver.timestamp_seconds(ref, op["before"])
+        end = driver.timestamp_seconds(ref, op["after"])
+        if start is None or end is None:
+            unfinished += 1
+            continue
+        op["start"], op["end"] = start, max(end, start)
+        placed.append(op)
+        pid, tid = op["device"] + 1, op["stream"] + 1
+        events.append(
+            {
+                "ph": "X",
+                "cat": "device",
+                "name": op["name"],
+                "pid": pid,
+                "tid": tid,
+                "ts": us(start),
+                "dur": max(us(op["end"]) - us(start), 0.001),
+                "args": {"submission": op["sub"], "device": op["device"], "stream": op["stream"]},
+            }
+        )
+        owner = subs.get(op["sub"])
+        if owner is not None:  # submission -> its device work
+            flow += 1
+            events.append(
+                {
+                    "ph": "s",
+                    "cat": "submit",
+                    "name": "submit",
+                    "id": flow,
+                    "pid": 0,
+                    "tid": owner["tid"],
+                    # from the moment it was enqueued (host and GPU clocks agree to microseconds)
+                    "ts": min(us(op["t_enq"]), us(start)),
+                }
+            )
+            events.append(
+                {"ph": "f", "bp": "e", "cat": "submit", "name": "submit", "id": flow, "pid": pid, "tid": tid, "ts": us(start)}
+            )
+    by_stream: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for op in placed:
+        by_stream.setdefault((op["device"], op["stream"]), []).append(op)
+    for w in tracer.waits:  # the work waited for -> the first work after the wait
+        src = next((o for o in by_stream.get(w["other"], ()) if o["seq"] >= w["seq"]), None)
+        dst = next((o for o in by_stream.get(w["stream"], ()) if o["seq"] > w["at_seq"]), None)
+        if src is None or dst is None:
+            continue
+        flow += 1
+        events.append(
+            {
+                "ph": "s",
+                "cat": "wait",
+                "name": "stream wait",
+                "id": flow,
+                "pid": src["device"] + 1,
+                "tid": src["stream"] + 1,
+                "ts": min(us(src["end"]), us(dst["start"])),
+            }
+        )
+        events.append(
+            {
+                "ph": "f",
+                "bp": "e",
+                "cat": "wait",
+                "name": "stream wait",
+                "id": flow,
+                "pid": dst["device"] + 1,
+                "tid": dst["stream"] + 1,
+                "ts": us(dst["start"]),
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "trio_cuda.trace",
+            "submissions": len(tracer.subs),
+            "ops": len(tracer.ops),
+            "unfinished": unfinished,
+            "stream_waits": len(tracer.waits),
+        },
+    }
+
+
+def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None = None) -> None:
+    """A timeline picture of a trace: a row per host task and per device stream."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"drawing a trace needs matplotlib (pip install matplotlib): {exc}") from exc
+    names: dict[tuple[int, int], str] = {}
+    procs: dict[int, str] = {}
+    for e in trace_json["traceEvents"]:
+        if e.get("ph") == "M" and e["name"] == "process_name":
+            procs[e["pid"]] = e["args"]["name"]
+    for e in trace_json["traceEvents"]:
+        if e.get("ph") == "M" and e["name"] == "thread_name":
+            names[(e["pid"], e["tid"])] = f"{procs.get(e['pid'], e['pid'])}: {e['args']['name']}"
+    rows = sorted(names)
+    spans = [e for e in trace_json["traceEvents"] if e.get("ph") == "X"]
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    for i, key in enumerate(rows):
+        for e in spans:
+            if (e["pid"], e["tid"]) == key:
+                color = f"C{zlib.crc32(e['name'].encode()) % 10}"
+                ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 1e-3))], (i - 0.4, 0.8), facecolors=color)
+    ax.set_yticks(range(len(rows)), [names[k] for k in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the trace opened")
+    ax.set_title(title or "trio_cuda trace")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trio_cuda.trace run.json --png run.png``."""
+    ap = argparse.ArgumentParser(prog="python -m trio_cuda.trace", description="draw a trio_cuda trace")
+    ap.add_argument("trace", type=pathlib.Path, help="a trace written by trio_cuda.trace")
+    ap.add_argument("--png", type=pathlib.Path, required=True, help="the picture to write")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    data = json.loads(args.trace.read_text())
+    draw(data, args.png, args.title or args.trace.name)
+    print(f"wrote {args.png}: {data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions")
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    """``trio_cuda.trace`` is this module and the function: ``trio_cuda.trace(path)``."""
+
+    def __call__(self, path: str | pathlib.Path | None = None) -> Trace:
+        return Trace(path)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    sys.exit(main())
