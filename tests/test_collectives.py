@@ -300,3 +300,56 @@ async def test_a_cancelled_wait_leaves_the_collective_running_and_ordered() -> N
     assert scope.cancelled_caught
     for t in ts:
         np.testing.assert_allclose(await t.to_host(), np.sum(arrays, axis=0), rtol=1e-6)
+
+
+# -- found by an adversarial review ------------------------------------------------------------------
+async def test_a_closed_group_is_refused_before_its_inputs_run() -> None:
+    g = group()
+    ts = await per_device([np.full(4, 2.0, np.float32) for _ in range(g.size)])
+    g.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        g.all_reduce([ops.multiply(t, 10.0, out=t) for t in ts])
+    np.testing.assert_array_equal(await ts[0].to_host(), [2, 2, 2, 2])
+
+
+async def test_avg_truncates_integers_toward_zero_and_does_not_overflow_halves() -> None:
+    g = collectives.Group([0, 1])
+    ints = await per_device([np.array([-1, 3, -3], np.int32), np.array([0, 0, 0], np.int32)])
+    await g.all_reduce(ints, op="avg")
+    np.testing.assert_array_equal(await ints[0].to_host(), [0, 1, -1])  # trunc(sum / n), as NCCL
+    halves = await per_device([np.full(2, 40000.0, np.float16)] * 2)
+    await g.all_reduce(halves, op="avg")
+    np.testing.assert_array_equal(await halves[1].to_host(), np.full(2, 40000.0, np.float16))
+
+
+@pytest.mark.sim_only
+async def test_a_reset_during_a_collective_fails_it_without_faulting_or_hanging_the_others() -> None:
+    g = collectives.Group([0, 1])
+    ts = await per_device([np.full(32, 1.0, np.float32), np.full(32, 2.0, np.float32)])
+    with trio_cuda.use_device(1):
+        await sleep(counter(), 1000)
+        slow = sleep(counter(), 300_000_000).then(lambda _: ops.multiply(ts[1], 1.0, out=ts[1]))
+    failed: list[BaseException] = []
+
+    async def collective(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            with trio.fail_after(20):
+                await _submit_and_signal(g, ts, slow, task_status)
+        except (trio_cuda.DeviceReset, trio_cuda.DeviceFault) as err:
+            failed.append(err)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(collective)  # enqueued: rank 0 arrives, rank 1 waits behind 0.3 s
+        await trio.to_thread.run_sync(g.devices[0].reset)
+    assert failed, "the collective reports the reset"
+    assert not g.devices[1].is_faulted
+    np.testing.assert_array_equal(await api.full((3,), 2.0, device=1).to_host(), [2, 2, 2])
+    fresh = await per_device([np.ones(4, np.float32), np.ones(4, np.float32)])
+    await g.all_reduce(fresh)  # the group works again, and a full rewrite clears old marks
+    np.testing.assert_array_equal(await fresh[0].to_host(), [2, 2, 2, 2])
+
+
+async def _submit_and_signal(g: collectives.Group, ts: list, slow: object, task_status: trio.TaskStatus[None]) -> None:
+    pending = await trio_cuda.lowlevel.submit(g.all_reduce([ts[0], slow]))
+    task_status.started()
+    await pending.wait()

@@ -755,6 +755,10 @@ def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int
 # -- collectives ---------------------------------------------------------------------------
 def reduce_arrays(op: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
     """NCCL's reduction ``op`` of equal-shaped arrays, in their dtype, rank by rank."""
+    dtype = arrays[0].dtype
+    if op == "avg" and (dtype == np.float16 or dtype.name == "bfloat16"):
+        # half types average in float32 (a sum of large halves would overflow first)
+        return reduce_arrays(op, [a.astype(np.float32) for a in arrays]).astype(dtype)
     r = arrays[0].copy()
     with np.errstate(all="ignore"):
         for x in arrays[1:]:
@@ -766,8 +770,12 @@ def reduce_arrays(op: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
                 r = np.maximum(r, x)
             else:
                 r = np.minimum(r, x)
-        if op == "avg":
-            r = (r / len(arrays)).astype(r.dtype) if r.dtype.kind == "f" or r.dtype.name == "bfloat16" else r // len(arrays)
+        if op == "avg":  # NCCL's: the sum divided, integers truncated toward zero
+            n = len(arrays)
+            if r.dtype.kind in "iu":
+                r = np.where(r >= 0, r // n, -((-r) // n)).astype(r.dtype)
+            else:
+                r = (r / r.dtype.type(n)).astype(r.dtype)
     return r.astype(arrays[0].dtype, copy=False)
 
 
@@ -804,39 +812,56 @@ class _Rendezvous:
             return count * n, count
         return count, count
 
+    def _gone(self) -> DeviceFault | None:
+        """A fault naming a rank whose device faulted or was reset since the collective
+        was enqueued (its memory and its part are gone), or None."""
+        for c, gen in zip(self.calls, self.generations, strict=True):
+            d: Any = c.driver
+            if d._fault is not None or d.generation != gen:
+                what = "faulted" if d._fault is not None else "was reset"
+                return DeviceFault(
+                    f"collective {self.kind}: device {d.ordinal} (rank {c.rank}) {what} before the collective completed",
+                    op=f"collective {self.kind}",
+                )
+        return None
+
     def arrive(self, rank: int, bad: DeviceFault | None) -> None:
         with self.cond:
             self.arrived[rank] = bad
             if len(self.arrived) == self.n:
-                self._complete()
-                self.finished = True
-                self.cond.notify_all()
+                try:
+                    self._complete()
+                finally:  # whatever happens, no rank waits any longer
+                    self.finished = True
+                    self.cond.notify_all()
                 return
             while not self.finished and self.lost is None:
                 self.cond.wait(0.005)
-                for c, gen in zip(self.calls, self.generations, strict=True):
-                    d: Any = c.driver
-                    if c.rank in self.arrived:
-                        continue
-                    if d._fault is not None or d.generation != gen:
-                        what = "faulted" if d._fault is not None else "was reset"
-                        self.lost = DeviceFault(
-                            f"collective {self.kind}: device {d.ordinal} (rank {c.rank}) {what} before its part ran",
-                            op=f"collective {self.kind}",
-                        )
+                if not self.finished:
+                    self.lost = self._gone()
+                    if self.lost is not None:
                         self.cond.notify_all()
-                        break
             if self.lost is not None and not self.finished:
                 me: Any = self.calls[rank].driver
-                me._poison((self.calls[rank].recv,), DeviceFault(self.lost.message, device=me.ordinal, op=self.lost.op))
+                if me.generation == self.generations[rank]:
+                    me._poison((self.calls[rank].recv,), DeviceFault(self.lost.message, device=me.ordinal, op=self.lost.op))
 
     def _complete(self) -> None:
-        bad = next((b for b in self.arrived.values() if b is not None), None)
-        if bad is not None:
-            for c in self.calls:
-                d: Any = c.driver
+        bad = next((b for b in self.arrived.values() if b is not None), None) or self._gone()
+        if bad is None:
+            try:
+                self._compute()
+                return
+            except IndexError:
+                bad = self._gone()  # a device reset while its memory was being read or written
+                if bad is None:
+                    raise  # an address that was never valid: a fault, as on a GPU
+        for c, gen in zip(self.calls, self.generations, strict=True):
+            d: Any = c.driver
+            if d.generation == gen:  # a reset device's memory is gone: nothing to mark
                 d._poison((c.recv,), DeviceFault(bad.message, device=d.ordinal, op=f"collective {self.kind}"))
-            return
+
+    def _compute(self) -> None:
         dt, isz = self.dtype, self.dtype.itemsize
         sent, received = self._sizes()
         inputs = [c.driver._bytes(c.send, sent * isz).view(dt).copy() for c in self.calls]  # type: ignore[attr-defined]
@@ -850,8 +875,15 @@ class _Rendezvous:
         else:  # reduce_scatter
             r = reduce_arrays(self.op, inputs)
             outs = [r[i * received : (i + 1) * received] for i in range(self.n)]
+        if self._gone() is not None:
+            raise IndexError("a device of the collective was reset")  # handled by _complete
         for c, out in zip(self.calls, outs, strict=True):
-            c.driver._bytes(c.recv, received * isz).view(dt)[...] = out  # type: ignore[attr-defined]
+            d = c.driver
+            d._bytes(c.recv, received * isz).view(dt)[...] = out  # type: ignore[attr-defined]
+            if d._whole(c.recv, received * isz):  # type: ignore[attr-defined]
+                a = d._alloc_at(c.recv)  # type: ignore[attr-defined]
+                if a is not None:
+                    a.poison = None  # written whole: an earlier failure's mark is gone
 
 
 class SimBackend(Backend):
