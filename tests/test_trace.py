@@ -4,6 +4,7 @@ between streams, devices, the picture, and the trace's own life cycle."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -145,3 +146,47 @@ def test_the_picture_is_drawn(tmp_path: pathlib.Path) -> None:
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert "RuntimeWarning" not in r.stderr
+
+
+async def test_statistics_count_bytes_queues_and_notifier_paths() -> None:
+    import gc
+
+    dev = trio_cuda.current_device()
+    before = dev.statistics()
+    x = await api.zeros((1000,), np.float64)  # 8000 bytes
+    mid = dev.statistics()
+    assert mid.bytes_allocated - before.bytes_allocated == 8000
+    assert mid.notifier_fast_path + mid.notifier_slow_path > before.notifier_fast_path + before.notifier_slow_path
+    assert len(mid.queue_depths) == mid.streams and all(d >= 0 for d in mid.queue_depths)
+    del x
+    gc.collect()
+    await api.zeros((1,))  # a submission flushes the deferred free
+    after = dev.statistics()
+    assert after.bytes_freed - mid.bytes_freed >= 8000
+    assert after.bytes_in_use <= mid.bytes_in_use - 8000 + 8
+
+
+def test_nvtx_ranges_name_every_op(tmp_path: pathlib.Path) -> None:
+    """TRIO_CUDA_NVTX=1: each op's enqueue is an NVTX range named after it (a stand-in
+    nvtx module records the calls; the real one talks to Nsight Systems)."""
+    (tmp_path / "nvtx.py").write_text(
+        "calls = []\n"
+        "def push_range(message, domain=None):\n    calls.append(('push', message, domain))\n"
+        "def pop_range(domain=None):\n    calls.append(('pop', None, domain))\n"
+    )
+    program = (
+        "import numpy as np, trio, nvtx, trio_cuda\n"
+        "from trio_cuda import api\n"
+        "async def main():\n"
+        "    x = await api.from_host(np.arange(4, dtype=np.float32))\n"
+        "    assert (await (x * 2).to_host() == np.arange(4) * 2).all()\n"
+        "trio.run(main)\n"
+        "names = [m for kind, m, d in nvtx.calls if kind == 'push']\n"
+        "assert all(d == 'trio_cuda' for _, _, d in nvtx.calls)\n"
+        "assert sum(1 for k, _, _ in nvtx.calls if k == 'push') == sum(1 for k, _, _ in nvtx.calls if k == 'pop')\n"
+        "assert names == ['copy host->device', 'kernel ops.multiply', 'copy device->host'], names\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TRIO_CUDA_NVTX="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]

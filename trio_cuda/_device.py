@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed
+from ._notifier import _paths as _notifier_paths
 from ._stream import Event, Stream, dropped_stream
 
 if TYPE_CHECKING:
@@ -63,6 +64,15 @@ class DeviceStatistics:
         staging_pins: Pinned buffers allocated for it so far.
         staging_unpins: Pinned buffers released (idle beyond the cap).
         faulted: Whether the device is faulted (and refuses work until reset).
+        bytes_allocated: Bytes of device memory allocated so far (all allocations).
+        bytes_freed: Bytes of device memory whose free was enqueued so far.
+        queue_depths: Per live stream of the device, the points of work enqueued on it
+            that are not yet known to have completed (``seq - done_seq``; the runtime
+            learns of completions when it polls or waits, so this is an upper bound).
+        notifier_fast_path: Awaits (of any device, process-wide) that completed while
+            polling between trio checkpoints.
+        notifier_slow_path: Awaits (process-wide) that parked until the notifier's helper
+            thread woke them.
     """
 
     ordinal: int
@@ -82,11 +92,18 @@ class DeviceStatistics:
     staging_pins: int
     staging_unpins: int
     faulted: bool
+    bytes_allocated: int = 0
+    bytes_freed: int = 0
+    queue_depths: tuple[int, ...] = ()
+    notifier_fast_path: int = 0
+    notifier_slow_path: int = 0
 
 
 class _Counters:
     __slots__ = (
         "allocations",
+        "bytes_allocated",
+        "bytes_freed",
         "copies",
         "frees",
         "graph_launches",
@@ -103,6 +120,7 @@ class _Counters:
         self.submissions = self.launches = self.graph_launches = self.allocations = 0
         self.frees = self.copies = self.stream_waits = self.streams_destroyed = 0
         self.staging_bytes = self.staging_pins = self.staging_unpins = 0
+        self.bytes_allocated = self.bytes_freed = 0
 
 
 _default_policy_factory: Callable[[Device], SchedulingPolicy] | None = None
@@ -436,6 +454,7 @@ class Device:
             raise DeviceOutOfMemory(err.message, device=self.ordinal, op=what) from None
         self._bytes_in_use += nbytes
         self._stats.allocations += 1
+        self._stats.bytes_allocated += nbytes
         return ptr
 
     def _free_now(self, ptr: int, nbytes: int, stream: Stream) -> None:
@@ -443,6 +462,7 @@ class Device:
         self._driver.free(ptr, stream.handle)
         self._bytes_in_use -= nbytes
         self._stats.frees += 1
+        self._stats.bytes_freed += nbytes
 
     def _defer_free(self, generation: int, ptr: int, nbytes: int, accesses: list[tuple[Stream, int]]) -> None:
         # Called from Buffer.__del__ in any thread: no lock, just queue it.
@@ -479,6 +499,7 @@ class Device:
             self._driver.free(ptr, target.handle)
             target.mark()
             self._stats.frees += 1
+            self._stats.bytes_freed += nbytes
 
     def memory_in_use(self) -> int:
         """Bytes of device memory held by live tensors (and frees not yet enqueued)."""
@@ -635,4 +656,9 @@ class Device:
             staging_pins=c.staging_pins,
             staging_unpins=c.staging_unpins,
             faulted=self.is_faulted,
+            bytes_allocated=c.bytes_allocated,
+            bytes_freed=c.bytes_freed,
+            queue_depths=tuple(max(0, st.seq - st.done_seq) for st in list(self._streams)),
+            notifier_fast_path=_notifier_paths[0],
+            notifier_slow_path=_notifier_paths[1],
         )

@@ -12,6 +12,10 @@ submission (its whole cost when no trace is open). While a trace is open:
 
 Nothing here blocks: timestamps that have not been reached when the trace closes are
 left out (and counted).
+
+With ``TRIO_CUDA_NVTX=1`` (and the ``nvtx`` package installed) every op's enqueue is
+also an NVTX range named after the op, on the thread that enqueues it, so Nsight Systems
+shows the ops' names next to the CUDA calls they make; it is on for the whole process.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 
 __all__ = ["Tracer", "active"]
 
-active: Tracer | None = None
+active: Tracer | _Nvtx | None = None
 
 # steps that enqueue no device work of their own (joins, bookkeeping)
 _SILENT = frozenset({"_join", "_mark_done", "_depend_shared"})
@@ -51,10 +55,48 @@ def step_label(fn: Callable[..., Any], arg: Any) -> str:
     return _LABELS.get(name, name.strip("_").removesuffix("_step"))
 
 
+class _Nvtx:
+    """Only NVTX ranges (TRIO_CUDA_NVTX=1 with no trace open)."""
+
+    def __init__(self, nvtx: Any) -> None:
+        self.nvtx = nvtx
+
+    def begin(self, plan: Any) -> None:
+        pass
+
+    def wait(self, stream: Any, other: Any, seq: int) -> None:
+        pass
+
+    def run_steps(self, plan: Any, steps: list[tuple[Callable[[Any, Any], None], Any, Any]]) -> None:
+        push, pop = self.nvtx.push_range, self.nvtx.pop_range
+        for fn, lane, arg in steps:
+            if getattr(fn, "__name__", "") in _SILENT:
+                fn(lane, arg)
+                continue
+            push(step_label(fn, arg), domain="trio_cuda")
+            try:
+                fn(lane, arg)
+            finally:
+                pop(domain="trio_cuda")
+
+
+def _nvtx_from_env() -> _Nvtx | None:
+    from ._config import env_flag
+
+    if not env_flag("TRIO_CUDA_NVTX"):
+        return None
+    try:
+        import nvtx
+    except ImportError as exc:
+        raise ImportError(f"TRIO_CUDA_NVTX=1 needs the nvtx package (pip install nvtx): {exc}") from exc
+    return _Nvtx(nvtx)
+
+
 class Tracer:
     """The records of one open trace (under the runtime's LOCK where the runtime is)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nvtx: _Nvtx | None = None) -> None:
+        self.nvtx = nvtx
         self.t0 = time.perf_counter()
         self.lock = threading.Lock()
         self.clocks: dict[int, tuple[Any, Any]] = {}  # device ordinal -> (driver, reference)
@@ -88,14 +130,17 @@ class Tracer:
         """Run the plan's steps (its enqueue), timestamping those that enqueue device work."""
         info = getattr(plan, "_trace", None) or {"t_begin": time.perf_counter()}
         sub = next(self._ids)
-        task = None
+        task = task_key = None
         try:
             import trio
 
-            task = trio.lowlevel.current_task().name
+            current = trio.lowlevel.current_task()
+            task, task_key = current.name, id(current)
         except RuntimeError:
             pass
-        info.update(id=sub, task=task, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8])
+        info.update(
+            id=sub, task=task, task_key=task_key, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8]
+        )
         for fn, lane, arg in steps:
             name = getattr(fn, "__name__", "")
             if name in _SILENT:
@@ -105,7 +150,14 @@ class Tracer:
             driver, _ = self._clock(lane.device)
             t_enq = time.perf_counter()
             before = driver.timestamp(stream.handle)
-            fn(lane, arg)
+            if self.nvtx is not None:
+                self.nvtx.nvtx.push_range(step_label(fn, arg), domain="trio_cuda")
+                try:
+                    fn(lane, arg)
+                finally:
+                    self.nvtx.nvtx.pop_range(domain="trio_cuda")
+            else:
+                fn(lane, arg)
             after = driver.timestamp(stream.handle)
             dev, num = self.stream_label(stream)
             self.ops.append(
@@ -135,15 +187,19 @@ class Tracer:
         )
 
 
+_nvtx_only = _nvtx_from_env()
+active = _nvtx_only
+
+
 def start() -> Tracer:
     global active
-    if active is not None:
+    if isinstance(active, Tracer):
         raise RuntimeError("a trace is already open (traces do not nest)")
-    active = Tracer()
-    return active
+    tracer = active = Tracer(_nvtx_only)
+    return tracer
 
 
 def stop(tracer: Tracer) -> None:
     global active
     if active is tracer:
-        active = None
+        active = _nvtx_only

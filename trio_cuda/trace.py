@@ -112,13 +112,17 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
         return round((t - t0) * 1e6, 3)
 
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "host"}}]
-    tids: dict[str, int] = {}
+    tids: dict[Any, int] = {}  # a track per trio task (or thread)
+    named: dict[str, int] = {}
     for sub in tracer.subs:
-        who = sub["task"] or f"thread {sub['thread']}"
-        if who not in tids:
-            tids[who] = len(tids) + 1
-            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tids[who], "args": {"name": who}})
-        sub["tid"] = tids[who]
+        key = sub["task_key"] if sub["task"] else ("thread", sub["thread"])
+        if key not in tids:
+            tids[key] = len(tids) + 1
+            who = sub["task"] or f"thread {sub['thread']}"
+            named[who] = named.get(who, 0) + 1
+            label = who if named[who] == 1 else f"{who} [{named[who]}]"
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tids[key], "args": {"name": label}})
+        sub["tid"] = tids[key]
         names = (
             ", ".join(sub["ops"]) or ", ".join(dict.fromkeys(o["name"] for o in tracer.ops if o["sub"] == sub["id"])) or "nothing"
         )
@@ -254,6 +258,13 @@ def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None 
             if (e["pid"], e["tid"]) == key:
                 color = f"C{zlib.crc32(e['name'].encode()) % 10}"
                 ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 1e-3))], (i - 0.4, 0.8), facecolors=color)
+    seen: dict[str, str] = {}
+    for e in spans:
+        seen.setdefault(e["name"], f"C{zlib.crc32(e['name'].encode()) % 10}")
+    from matplotlib.patches import Rectangle
+
+    handles = [Rectangle((0, 0), 1, 1, color=c) for c in list(seen.values())[:12]]
+    ax.legend(handles, list(seen)[:12], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     ax.set_yticks(range(len(rows)), [names[k] for k in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the trace opened")
