@@ -190,3 +190,17 @@ def test_nvtx_ranges_name_every_op(tmp_path: pathlib.Path) -> None:
     env = dict(os.environ, TRIO_CUDA_NVTX="1", PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+async def test_a_graph_capture_inside_a_trace_records_no_timestamps_but_its_launch_is_traced(tmp_path: pathlib.Path) -> None:
+    x = await api.zeros((64,))
+    async with trio_cuda.trace(tmp_path / "g.json") as tr:
+        graph = ops.add(x, 1.0, out=x).graph()  # captured: nothing runs, no timestamp nodes
+        await graph.launch()
+        await graph.launch()
+    np.testing.assert_array_equal(await x.to_host(), np.full(64, 2.0, np.float32))
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    names = [e["name"] for e in spans(events, "device")]
+    assert names.count("graph launch") == 2 and "kernel ops.add" not in names
