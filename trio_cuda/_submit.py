@@ -759,12 +759,7 @@ class Plan:
                 cap.join(lane.stream)
         _tls.submitting = True
         try:
-            tracer = _trace.active
-            if tracer is None:
-                for fn, lane, arg in self.steps:
-                    fn(lane, arg)
-            else:
-                tracer.run_steps(self, self.steps)
+            self._run_steps()
             if cap is None:
                 self.event = ev = self.root.finish()
                 if ev is not None:
@@ -797,6 +792,15 @@ class Plan:
             self._done.set()
         return None
 
+    def _run_steps(self) -> None:
+        """The driver calls of every step, in order (through the open trace, if any)."""
+        tracer = _trace.active
+        if tracer is None:
+            for fn, lane, arg in self.steps:
+                fn(lane, arg)
+        else:
+            tracer.run_steps(self, self.steps)
+
     def _enqueue_one(self, lane: Lane) -> None:
         """_enqueue for a plan of one lane that allocates and copies nothing from the host."""
         s = lane.stream
@@ -822,12 +826,7 @@ class Plan:
         tls = _tls
         tls.submitting = True
         try:
-            tracer = _trace.active
-            if tracer is None:
-                for fn, ln, arg in self.steps:
-                    fn(ln, arg)
-            else:
-                tracer.run_steps(self, self.steps)
+            self._run_steps()
             self.event = lane.finish()
         finally:
             tls.submitting = False

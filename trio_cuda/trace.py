@@ -171,23 +171,10 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
             }
         )
         owner = subs.get(op["sub"])
-        if owner is not None:  # submission -> its device work
+        if owner is not None:  # submission -> its device work, from the moment it was
+            # enqueued (host and GPU clocks agree to microseconds)
             flow += 1
-            events.append(
-                {
-                    "ph": "s",
-                    "cat": "submit",
-                    "name": "submit",
-                    "id": flow,
-                    "pid": 0,
-                    "tid": owner["tid"],
-                    # from the moment it was enqueued (host and GPU clocks agree to microseconds)
-                    "ts": min(us(op["t_enq"]), us(start)),
-                }
-            )
-            events.append(
-                {"ph": "f", "bp": "e", "cat": "submit", "name": "submit", "id": flow, "pid": pid, "tid": tid, "ts": us(start)}
-            )
+            events += _flow("submit", "submit", flow, (0, owner["tid"], min(us(op["t_enq"]), us(start))), (pid, tid, us(start)))
     by_stream: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for op in placed:
         by_stream.setdefault((op["device"], op["stream"]), []).append(op)
@@ -197,29 +184,8 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
         if src is None or dst is None:
             continue
         flow += 1
-        events.append(
-            {
-                "ph": "s",
-                "cat": "wait",
-                "name": "stream wait",
-                "id": flow,
-                "pid": src["device"] + 1,
-                "tid": src["stream"] + 1,
-                "ts": min(us(src["end"]), us(dst["start"])),
-            }
-        )
-        events.append(
-            {
-                "ph": "f",
-                "bp": "e",
-                "cat": "wait",
-                "name": "stream wait",
-                "id": flow,
-                "pid": dst["device"] + 1,
-                "tid": dst["stream"] + 1,
-                "ts": us(dst["start"]),
-            }
-        )
+        to = (dst["device"] + 1, dst["stream"] + 1, us(dst["start"]))
+        events += _flow("wait", "stream wait", flow, (src["device"] + 1, src["stream"] + 1, min(us(src["end"]), to[2])), to)
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -231,6 +197,14 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
             "stream_waits": len(tracer.waits),
         },
     }
+
+
+def _flow(cat: str, name: str, fid: int, src: tuple[int, int, float], dst: tuple[int, int, float]) -> list[dict[str, Any]]:
+    """An arrow from (pid, tid, ts) to (pid, tid, ts): Chrome's flow start and end events."""
+    return [
+        {"ph": "s", "cat": cat, "name": name, "id": fid, "pid": src[0], "tid": src[1], "ts": src[2]},
+        {"ph": "f", "bp": "e", "cat": cat, "name": name, "id": fid, "pid": dst[0], "tid": dst[1], "ts": dst[2]},
+    ]
 
 
 def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None = None) -> None:
