@@ -37,6 +37,7 @@ from ._errors import (  # noqa: E402
     NestedExecutionError,
     OpAlreadyExecuted,
 )
+from ._external import external  # noqa: E402
 from ._graph import CudaGraph, GraphScope, capture_graph  # noqa: E402
 from ._kernel import Kernel, kernel  # noqa: E402
 from ._op import DeviceOp, ScheduledOp, SharedOp, value  # noqa: E402
@@ -78,6 +79,7 @@ __all__ = [
     "current_device",
     "device",
     "device_count",
+    "external",
     "devices",
     "kernel",
     "lowlevel",

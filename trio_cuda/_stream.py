@@ -161,6 +161,18 @@ class Stream:
         self._final = None
         self.capture = None
 
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol (version 0, the ``CUstream`` handle as an int), so
+        libraries that take stream objects (cuda.core, CuPy, PyTorch's ExternalStream
+        through ``int(...)[1]``) can enqueue on this stream."""
+        handle = self.handle
+        if handle is None or self.generation != self.device.generation:
+            raise ValueError("this stream has no live CUDA stream (destroyed, or its device was reset)")
+        try:
+            return (0, int(handle))
+        except TypeError:
+            raise TypeError("the simulated device's streams are not CUDA streams") from None
+
     def __repr__(self) -> str:
         return f"<trio_cuda.Stream of device {self.device.ordinal} at {id(self):#x}>"
 

@@ -1,0 +1,89 @@
+"""trio_cuda.external: a foreign stream-aware call as an op, ordered like any op; the
+stream protocol of trio_cuda.Stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import trio_cuda
+from trio_cuda import api, lowlevel, ops
+
+from .conftest import ON_CUDA, needs_devices
+
+
+async def test_fn_gets_the_ops_stream_once_and_its_result_is_the_output() -> None:
+    dev = trio_cuda.current_device()
+    s = dev.create_stream()
+    x = await api.zeros((16,))
+    calls: list[object] = []
+
+    def fn(stream: trio_cuda.Stream) -> str:
+        calls.append(stream)
+        return "enqueued"
+
+    pending = await lowlevel.submit(trio_cuda.external(fn, writes=[x]), s)
+    assert calls == [s]
+    assert await pending.wait() == "enqueued"
+
+
+async def test_writes_order_later_readers_and_reads_wait_for_writers() -> None:
+    """A write declared by an external call on one stream: a later reader on another
+    stream waits for it (a cross-stream wait is enqueued); a pending write before it on
+    another stream is waited for too."""
+    dev = trio_cuda.current_device()
+    a, b = dev.create_stream(), dev.create_stream()
+    x = await api.zeros((1 << 12,))
+    w0 = dev.statistics().stream_waits
+    first = await lowlevel.submit(ops.add(x, 1.0, out=x), a)  # a pending write on stream a
+    ext = await lowlevel.submit(trio_cuda.external(lambda s: None, reads=[x], name="reader"), b)
+    w1 = dev.statistics().stream_waits
+    assert w1 > w0  # b waits for a's write before the external call's work
+    later = await lowlevel.submit(ops.multiply(x, 2.0, out=x), a)  # must wait for b's read
+    assert dev.statistics().stream_waits > w1
+    for p in (first, ext, later):
+        await p.wait()
+    np.testing.assert_array_equal(await x.to_host(), np.full(1 << 12, 2.0, np.float32))
+
+
+async def test_inputs_may_be_ops_and_it_composes_in_a_dag() -> None:
+    x = await api.arange(8, dtype=np.float32)
+    seen: list[int] = []
+    ext = trio_cuda.external(lambda s: seen.append(1) or 7, reads=[x + 1])
+    value, y = await trio_cuda.zip(ext, ops.multiply(x, 7.0))
+    assert value == 7 and seen == [1]
+    np.testing.assert_array_equal(await y.to_host(), np.arange(8) * 7)
+
+
+async def test_bad_arguments_and_a_failing_call() -> None:
+    x = await api.zeros((4,))
+    with pytest.raises(TypeError, match="callable"):
+        trio_cuda.external(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="list of tensors"):
+        trio_cuda.external(lambda s: None, reads=x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="entries"):
+        trio_cuda.external(lambda s: None, writes=[np.zeros(3)])
+
+    def broken(stream: object) -> None:
+        raise RuntimeError("the library refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        await trio_cuda.external(broken, writes=[x])
+    np.testing.assert_array_equal(await (x + 1).to_host(), [1, 1, 1, 1])  # the device works
+
+
+@needs_devices(2)
+async def test_tensors_of_two_devices_are_refused() -> None:
+    x, y = await api.zeros((4,)), await api.zeros((4,), device=1)
+    with pytest.raises(ValueError, match="devices"):
+        trio_cuda.external(lambda s: None, reads=[x], writes=[y])
+
+
+async def test_the_stream_protocol() -> None:
+    s = trio_cuda.current_device().create_stream()
+    if ON_CUDA:
+        version, handle = s.__cuda_stream__()
+        assert version == 0 and handle == int(s.handle) and handle != 0
+    else:
+        with pytest.raises(TypeError, match="simulated"):
+            s.__cuda_stream__()
