@@ -20,6 +20,7 @@ from ._backends import select as _select
 _select()
 
 from . import (  # noqa: E402
+    _interop,  # noqa: F401  (Tensor.__dlpack__ and the CUDA Array Interface)
     api,
     lowlevel,
     ops,

@@ -135,6 +135,21 @@ class Tensor(TensorMath):
         extra = "" if self._tracked else " untracked"
         return f"<trio_cuda.Tensor shape={self.shape} dtype={self.dtype} device={self.device.ordinal}{extra}>"
 
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
+        """DLPack export without a copy (see trio_cuda._interop): ``torch.from_dlpack(t)``,
+        ``cupy.from_dlpack(t)``; on the simulated device ``numpy.from_dlpack(t)``. The
+        consumer's ``stream`` waits for the tensor's pending write."""
+        return _ext("dlpack")(self, stream, max_version, dl_device, copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return _ext("dlpack_device")(self)  # type: ignore[no-any-return]
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface, version 3 (CUDA only), with the stream of the pending
+        write (consumers wait on it), or None when the data is ready."""
+        return _ext("cuda_array_interface")(self)  # type: ignore[no-any-return]
+
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
         raise TypeError(
             "a trio_cuda.Tensor lives in device memory; copy it to the host with "

@@ -329,6 +329,10 @@ class DeviceDriver(abc.ABC):
     def launch(self, prepared: Any, stream: Any) -> None:
         """Enqueue a prepared launch. Raises LaunchError if the launch is refused."""
 
+    def foreign_stream(self, handle: int) -> Any:
+        """Another library's stream (an int handle) as this driver takes streams."""
+        raise TypeError(f"device {self.ordinal} has no CUDA streams (the simulated device)")
+
     # -- tracing (trio_cuda.trace) ----------------------------------------------------
     @abc.abstractmethod
     def trace_clock(self) -> Any:

@@ -540,6 +540,9 @@ class CudaDevice(DeviceDriver):
             raise error(err, f"copy from device {src_driver.ordinal}", self, launch=True)
 
     # -- libraries ------------------------------------------------------------------
+    def foreign_stream(self, handle: int) -> Any:
+        return cu.CUstream(handle)
+
     # -- tracing: timing events, only while a trace is open ------------------------------
     def trace_clock(self) -> tuple[Any, float]:
         """A timing event recorded and waited for now, and the host time just after."""

@@ -1,0 +1,64 @@
+"""Zero-copy export: DLPack (numpy on the simulated device; PyTorch and CuPy on CUDA)
+and the CUDA Array Interface, ordered after pending writes, memory kept alive."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import trio_cuda
+from trio_cuda import _interop, api, lowlevel, ops
+
+from .conftest import ON_CUDA
+
+
+@pytest.mark.sim_only
+async def test_numpy_reads_the_simulated_devices_memory_without_a_copy() -> None:
+    a = np.arange(24, dtype=np.float32).reshape(4, 6)
+    t = await api.from_host(a)
+    view = np.from_dlpack(t)
+    np.testing.assert_array_equal(view, a)
+    await ops.add(t, 1.0, out=t)  # the device writes: the view sees it (same memory)
+    np.testing.assert_array_equal(view, a + 1)
+    np.testing.assert_array_equal(np.from_dlpack(t.T[1:, ::2]), (a + 1).T[1:, ::2])  # strided views
+    assert t.__dlpack_device__() == (1, 0)
+    with pytest.raises(AttributeError, match="simulated"):
+        t.__cuda_array_interface__  # noqa: B018
+    with pytest.raises(BufferError, match="stream"):
+        t.__dlpack__(stream=1)
+
+
+@pytest.mark.sim_only
+async def test_the_export_waits_for_the_pending_write_and_keeps_the_memory() -> None:
+    x = await api.zeros((1 << 14,))
+    from trio_cuda.kernels import sleep
+
+    from .conftest import counter
+
+    await sleep(counter(), 1000)
+    dev = trio_cuda.current_device()
+    s = dev.create_stream()
+    await lowlevel.submit(sleep(counter(), 50_000_000).then(lambda _, t=x: ops.add(t, 5.0, out=t)), s)  # pending
+    view = np.from_dlpack(x)  # waits for the write
+    assert (view == 5).all()
+    alive = len(_interop._alive)
+    del x
+    gc.collect()
+    assert (view == 5).all()  # the tensor is gone, the memory is not
+    del view
+    gc.collect()
+    assert len(_interop._alive) < alive  # released with the last consumer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and PyTorch")
+async def test_torch_and_the_cuda_array_interface_share_the_memory() -> None:
+    torch = pytest.importorskip("torch")
+    t = await api.from_host(np.arange(8, dtype=np.float32))
+    tt = torch.from_dlpack(t)
+    assert tt.data_ptr() == t.ptr and tt.device.type == "cuda"
+    assert (tt.cpu().numpy() == np.arange(8)).all()
+    cai = t.__cuda_array_interface__
+    assert cai["data"][0] == t.ptr and cai["version"] == 3 and cai["shape"] == (8,)

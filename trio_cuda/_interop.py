@@ -1,0 +1,187 @@
+"""Zero-copy export of tensors to other libraries: DLPack and the CUDA Array Interface.
+
+``Tensor.__dlpack__`` / ``__dlpack_device__`` (the DLPack Python protocol) and, on CUDA,
+``Tensor.__cuda_array_interface__`` (version 3) hand other libraries the tensor's memory
+without a copy. The export honours the DLPack stream contract: the consumer's stream (an
+int: 1 the legacy default stream, 2 the per-thread default stream, -1 no
+synchronization, otherwise a ``cudaStream_t``) is made to wait for the tensor's pending
+write. The CUDA Array Interface names the stream of the pending write instead (or none
+when the data is ready), and consumers wait on it.
+
+On the simulated device a tensor's memory is host memory, so DLPack exports it as a CPU
+tensor (``numpy.from_dlpack(t)`` is a view of the simulated device's memory, taken after
+the pending write completed); there is no CUDA Array Interface there.
+
+Only this direction exists: importing foreign arrays (``api.from_dlpack``) is not done yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+from ._checks import BFLOAT16
+from ._guard import LOCK
+from ._op import extensions
+from ._tensor import Tensor
+
+__all__: list[str] = []
+
+_KDL_CPU, _KDL_CUDA = 1, 2
+_KINDS = {"i": 0, "u": 1, "f": 2, "b": 6}  # kDLInt, kDLUInt, kDLFloat, kDLBool
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+_alive: dict[int, Any] = {}  # address of a managed tensor -> what keeps its memory alive
+_alive_lock = threading.Lock()
+
+
+def _delete_managed(managed: Any) -> None:
+    with _alive_lock:
+        _alive.pop(ctypes.cast(managed, ctypes.c_void_p).value or 0, None)
+
+
+_delete = _DELETER(_delete_managed)
+
+
+# The capsule's destructor gets the dying capsule as a raw pointer: touching it as a Python
+# object there would resurrect it, so the capsule functions take void pointers.
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
+_PyCapsule_New.restype = ctypes.py_object
+_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CAPSULE_DESTRUCTOR]
+_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_NAME = ctypes.c_char_p(b"dltensor")  # capsules keep a pointer to their name: it lives as long as the module
+
+
+def _capsule_gone(capsule: int) -> None:
+    # Never consumed (a consumer renames it "used_dltensor" and calls the deleter itself).
+    if _PyCapsule_IsValid(capsule, b"dltensor"):
+        ptr = _PyCapsule_GetPointer(capsule, b"dltensor")
+        with _alive_lock:  # what the deleter would do, without calling through the struct
+            _alive.pop(ptr, None)
+
+
+_capsule_destructor = _CAPSULE_DESTRUCTOR(_capsule_gone)
+
+
+def _backend(t: Tensor) -> str:
+    return str(t.device._backend_name)
+
+
+def dlpack_device(t: Tensor) -> tuple[int, int]:
+    if _backend(t) == "cuda":
+        return (_KDL_CUDA, t.device.ordinal)
+    return (_KDL_CPU, 0)
+
+
+def _dtype(t: Tensor) -> _DLDataType:
+    dt = t.dtype
+    if dt == BFLOAT16:
+        return _DLDataType(4, 16, 1)  # kDLBfloat
+    code = _KINDS.get(dt.kind)
+    if code is None:
+        raise BufferError(f"DLPack: dtype {dt} has no DLPack type")
+    return _DLDataType(code, dt.itemsize * 8, 1)
+
+
+def _pending_write(t: Tensor) -> Any:
+    """The event of the tensor's pending write, or None (under the runtime lock)."""
+    buf = t._buffer
+    if buf.ptr is None:
+        raise BufferError("DLPack: the tensor's submission has not allocated it yet; await it first")
+    if buf.generation != t.device.generation:
+        raise BufferError("DLPack: the tensor's device was reset; its memory is gone")
+    w = buf.writer
+    if w is None:
+        return None
+    stream, seq = w
+    if seq <= stream.done_seq or stream.generation != stream.device.generation:
+        return None
+    return stream.event_at(seq)
+
+
+def dlpack(t: Tensor, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
+    if copy:
+        raise BufferError("DLPack: trio-cuda exports without copying (copy=True is not supported)")
+    if dl_device is not None and tuple(dl_device) != dlpack_device(t):
+        raise BufferError(f"DLPack: the tensor is on {dlpack_device(t)}, not {tuple(dl_device)}")
+    dev = t.device
+    cuda = _backend(t) == "cuda"
+    if not cuda and stream is not None:
+        raise BufferError("DLPack: the simulated device exports CPU tensors; stream must be None")
+    with LOCK:
+        ev = _pending_write(t)
+        if ev is not None and cuda and stream != -1:  # the consumer's stream waits for the write
+            dev._driver.wait_event(dev._driver.foreign_stream(1 if stream is None else int(stream)), ev.handle)
+    if ev is not None and not cuda:
+        dev.wait_blocking(ev)  # the simulated device: the host reads the memory itself
+    managed = _DLManagedTensor()
+    shape = (ctypes.c_int64 * max(t.ndim, 1))(*t.shape)
+    strides = (ctypes.c_int64 * max(t.ndim, 1))(*(s // t.dtype.itemsize for s in t.strides))
+    if cuda:
+        data, holder = t.ptr, (t, None)
+    else:
+        driver: Any = dev._driver
+        host = driver._bytes(t._buffer.ptr, t._buffer.nbytes)  # the simulated device's memory
+        data, holder = host.ctypes.data + t._offset, (t, host)
+    managed.dl_tensor = _DLTensor(data, _DLDevice(*dlpack_device(t)), t.ndim, _dtype(t), shape, strides if t.ndim else None, 0)
+    managed.deleter = _delete
+    with _alive_lock:
+        _alive[ctypes.addressof(managed)] = (managed, shape, strides, holder)
+    return _PyCapsule_New(ctypes.addressof(managed), _NAME, _capsule_destructor)
+
+
+def cuda_array_interface(t: Tensor) -> dict[str, Any]:
+    if _backend(t) != "cuda":
+        raise AttributeError("the simulated device's tensors have no CUDA Array Interface (use numpy.from_dlpack)")
+    with LOCK:
+        ev = _pending_write(t)
+        stream = None
+        if ev is not None:
+            w = t._buffer.writer
+            assert w is not None
+            stream = int(w[0].handle) or None
+    return {
+        "shape": t.shape,
+        "typestr": t.dtype.str if t.dtype != BFLOAT16 else "<V2",
+        "data": (t.ptr, False),
+        "version": 3,
+        "strides": None if t.is_contiguous else t.strides,
+        "stream": stream,
+    }
+
+
+extensions.update({"dlpack": dlpack, "dlpack_device": dlpack_device, "cuda_array_interface": cuda_array_interface})
