@@ -87,3 +87,30 @@ async def test_the_stream_protocol() -> None:
     else:
         with pytest.raises(TypeError, match="simulated"):
             s.__cuda_stream__()
+
+
+async def test_an_external_stream_runs_ops_and_is_never_destroyed_here() -> None:
+    dev = trio_cuda.current_device()
+    if not ON_CUDA:
+        with pytest.raises(TypeError, match="CUDA streams"):
+            lowlevel.external_stream(12345)
+        return
+    from cuda.bindings import driver as cu
+
+    err, raw = cu.cuStreamCreate(0)
+    assert err == cu.CUresult.CUDA_SUCCESS
+    s = lowlevel.external_stream(int(raw))
+    assert s.__cuda_stream__() == (0, int(raw))
+    x = await api.zeros((64,))
+    pending = await lowlevel.submit(ops.add(x, 3.0, out=x), s)
+    await pending.wait()
+    np.testing.assert_array_equal(await x.to_host(), np.full(64, 3.0, np.float32))
+    del s, pending
+    import gc
+
+    gc.collect()
+    await api.zeros((1,))  # housekeeping ran: the library's stream must still be usable
+    assert cu.cuStreamSynchronize(raw)[0] == cu.CUresult.CUDA_SUCCESS
+    cu.cuStreamDestroy(raw)
+    with pytest.raises(TypeError, match="int"):
+        dev.external_stream("0x1")  # type: ignore[arg-type]

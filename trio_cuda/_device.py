@@ -231,6 +231,19 @@ class Device:
             self._streams.add(s)
             return s
 
+    def external_stream(self, handle: int) -> Stream:
+        """Another library's stream of this device (a ``cudaStream_t`` as an int) as a
+        trio_cuda Stream: ops may be submitted on it and are ordered like on any stream;
+        trio-cuda never destroys it (see :func:`trio_cuda.lowlevel.external_stream`)."""
+        if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+            raise TypeError(f"external_stream: the handle must be a stream's address as an int, not {handle!r}")
+        with LOCK:
+            self.check_usable()
+            s = Stream._new(self, self._driver.foreign_stream(handle))
+            s._foreign = True
+            self._streams.add(s)
+            return s
+
     def _current_stream(self, s: Stream) -> None:
         """Give ``s`` a driver stream of the current generation (after a reset). Under LOCK.
 
@@ -240,6 +253,11 @@ class Device:
         if s._dropped:
             raise dropped_stream(s)
         if s.generation != self.generation:
+            if s._foreign:
+                raise ValueError(
+                    f"an external stream of device {self.ordinal} belongs to the device's state before its reset; "
+                    "wrap the library's new stream with lowlevel.external_stream"
+                )
             s._bind(self._driver.create_stream())
 
     def _utility_stream(self) -> Stream:
@@ -283,6 +301,12 @@ class Device:
         while dead:
             s = dead.popleft()
             if s.generation != gen or s.handle is None:
+                continue
+            if s._foreign:  # another library owns it: what it holds waits for its own work
+                if s.seq > s.done_seq or s._keep:
+                    s._final = s.event_at(s.seq)
+                    self._lingering.append((s._final, s._keep))
+                s.handle = None
                 continue
             if s.seq > s.done_seq or s._keep:
                 # Its last work may still run: an event after it stands in for the stream

@@ -105,6 +105,7 @@ class Stream:
         "__weakref__",
         "_dropped",
         "_final",
+        "_foreign",
         "_keep",
         "_last_event",
         "_token",
@@ -130,6 +131,7 @@ class Stream:
     _keep: collections.deque[tuple[int, Any]]
     _final: Event | None  # after the handle is destroyed: an event after its last work
     _dropped: bool  # its last reference went away: it is (being) destroyed
+    _foreign: bool  # another library's stream (lowlevel.external_stream): never destroyed here
     _wref: weakref.ref[Stream]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -142,6 +144,7 @@ class Stream:
         self.device = device
         self.capture = None
         self._dropped = False
+        self._foreign = False
         self._wref = weakref.ref(self)
         self._bind(handle)
         return self

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._device import Device
 from ._errors import GraphCaptureError
 from ._guard import LOCK
 from ._notifier import NotifierStatistics, notifier, wait_event
 from ._op import ScheduledOp
+from ._registry import as_device
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin
 from ._stream import Event, Stream
 from ._submit import SubmissionStatistics, Submitted, submit_async
@@ -40,6 +42,7 @@ __all__ = [
     "SubmissionStatistics",
     "Submitted",
     "accesses",
+    "external_stream",
     "notifier_statistics",
     "record",
     "stream_wait",
@@ -59,6 +62,17 @@ def record(stream: Stream) -> Event:
         if stream.capture is not None:
             raise GraphCaptureError("the stream is recording a graph capture", device=stream.device.ordinal)
         return stream.event_at(stream.mark())
+
+
+def external_stream(handle: int, device: Device | int | None = None) -> Stream:
+    """Another library's CUDA stream (``torch.cuda.Stream().cuda_stream``,
+    ``cupy.cuda.Stream().ptr``, a ``cudaStream_t`` as an int) of ``device`` (default: the
+    current device) as a :class:`~trio_cuda.Stream`: submit ops on it with
+    :func:`submit` or ``op.schedule``; they are ordered with the library's own work on that
+    stream and, like on any stream, with trio-cuda's other streams. trio-cuda never
+    destroys it; after a reset of the device it refuses use. CUDA only (the simulated
+    device has no CUDA streams: TypeError)."""
+    return as_device(device).external_stream(handle)
 
 
 def stream_wait(stream: Stream, event: Event) -> None:
