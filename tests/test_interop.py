@@ -7,6 +7,7 @@ import gc
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda
 from trio_cuda import _interop, api, lowlevel, ops
@@ -62,3 +63,52 @@ async def test_torch_and_the_cuda_array_interface_share_the_memory() -> None:
     assert (tt.cpu().numpy() == np.arange(8)).all()
     cai = t.__cuda_array_interface__
     assert cai["data"][0] == t.ptr and cai["version"] == 3 and cai["shape"] == (8,)
+
+
+@pytest.mark.sim_only
+async def test_a_numpy_array_is_adopted_without_a_copy_and_let_go_after_use() -> None:
+    import weakref
+
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    t = api.from_dlpack(a)
+    assert t.shape == (3, 4) and t.dtype == np.float32
+    np.testing.assert_array_equal(await (t * 2).to_host(), np.arange(12).reshape(3, 4) * 2)
+    await ops.add(t, 1.0, out=t)  # the device writes the array's own memory
+    np.testing.assert_array_equal(a, np.arange(12).reshape(3, 4) + 1)
+    v = api.asarray(a[:, ::-2])  # a strided, reversed view
+    np.testing.assert_array_equal(await v.to_host(), a[:, ::-2])
+    assert api.asarray(t) is t
+    owner = weakref.ref(a)
+    del a, v
+    gc.collect()
+    assert owner() is not None  # the tensor keeps the array alive
+    del t
+    gc.collect()
+    dev = trio_cuda.current_device()
+    await api.zeros((1,))  # the next submission queues the release after the accesses
+    await trio.to_thread.run_sync(dev.synchronize)  # completes them and retires the release
+    gc.collect()
+    assert owner() is None
+
+
+@pytest.mark.sim_only
+async def test_adoption_refuses_what_it_cannot_take() -> None:
+    with pytest.raises(TypeError, match="__dlpack__"):
+        api.from_dlpack([1, 2, 3])
+    with pytest.raises(TypeError, match="not supported"):
+        api.from_dlpack(np.zeros(3, np.complex64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and PyTorch")
+async def test_a_torch_tensor_is_adopted_and_ordered_after_its_stream() -> None:
+    torch = pytest.importorskip("torch")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.full((1 << 20,), 2.0, device="cuda")
+        torch.cuda._sleep(10_000_000)  # a long kernel on the producer's stream
+        x.mul_(3.0)
+    t = api.from_dlpack(x)
+    assert t.ptr == x.data_ptr()
+    got = await (t + 1).to_host()  # ordered after the producer's work on its stream
+    assert (got == 7.0).all()

@@ -99,6 +99,23 @@ class DeviceStatistics:
     notifier_slow_path: int = 0
 
 
+class _Released:
+    """A foreign buffer's release, run when its stream point completes."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def stream_done(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # a library's deleter failing must not break the runtime
+                pass
+
+
 class _Counters:
     __slots__ = (
         "allocations",
@@ -154,7 +171,7 @@ class Device:
     _dead_streams: collections.deque[Stream]
     _lingering: list[tuple[Event, collections.deque[tuple[int, Any]]]]
     _event_pool: collections.deque[tuple[int, Any]]
-    _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]]]]
+    _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]], Any]]
     _dead_graphs: collections.deque[tuple[int, Any]]
     _bytes_in_use: int
     _stats: _Counters
@@ -488,9 +505,12 @@ class Device:
         self._stats.frees += 1
         self._stats.bytes_freed += nbytes
 
-    def _defer_free(self, generation: int, ptr: int, nbytes: int, accesses: list[tuple[Stream, int]]) -> None:
-        # Called from Buffer.__del__ in any thread: no lock, just queue it.
-        self._dead_buffers.append((generation, ptr, nbytes, accesses))
+    def _defer_free(
+        self, generation: int, ptr: int, nbytes: int, accesses: list[tuple[Stream, int]], release: Any = None
+    ) -> None:
+        # Called from Buffer.__del__ in any thread: no lock, just queue it. With
+        # ``release`` (foreign memory): call it after the accesses instead of freeing.
+        self._dead_buffers.append((generation, ptr, nbytes, accesses, release))
 
     def flush_frees(self) -> None:
         """Enqueue deferred frees, each after every pending access to its memory (under LOCK)."""
@@ -499,7 +519,10 @@ class Device:
             return
         gen = self.generation
         while pending:
-            g, ptr, nbytes, accesses = pending.popleft()
+            g, ptr, nbytes, accesses, release = pending.popleft()
+            if release is not None:
+                self._release_foreign(g, release, accesses)
+                continue
             if g != gen:
                 continue  # memory of a reset device is gone already
             self._bytes_in_use -= nbytes
@@ -524,6 +547,22 @@ class Device:
             target.mark()
             self._stats.frees += 1
             self._stats.bytes_freed += nbytes
+
+    def _release_foreign(self, g: int, release: Any, accesses: list[tuple[Stream, int]]) -> None:
+        """Let another library's memory go once trio-cuda's accesses are done (under LOCK)."""
+        if g != self.generation:
+            _Released(release).stream_done()  # the device was reset: nothing of ours is pending
+            return
+        target = self._utility_stream()
+        for s, seq in accesses:
+            if s.generation != s.device.generation or s.device._resetting:
+                continue
+            try:
+                target.wait_for(s, seq, ordering_only=True)
+            except DeviceError:
+                pass  # that device faulted: its work will never touch this memory
+        target.keep(_Released(release))
+        target.mark()
 
     def memory_in_use(self) -> int:
         """Bytes of device memory held by live tensors (and frees not yet enqueued)."""

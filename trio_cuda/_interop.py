@@ -12,7 +12,13 @@ On the simulated device a tensor's memory is host memory, so DLPack exports it a
 tensor (``numpy.from_dlpack(t)`` is a view of the simulated device's memory, taken after
 the pending write completed); there is no CUDA Array Interface there.
 
-Only this direction exists: importing foreign arrays (``api.from_dlpack``) is not done yet.
+The other direction, ``api.from_dlpack(obj)`` / ``api.asarray(obj)``, makes a tensor of
+another library's array without a copy: on CUDA of a DLPack producer (PyTorch, CuPy) or
+a ``__cuda_array_interface__`` one (numba), on the simulated device of a CPU DLPack
+producer (numpy). The tensor's stream of first use is ordered after the producer's
+pending work (DLPack: the producer makes the stream wait; the CUDA Array Interface: an
+event on its ``stream``), the owner is kept alive while trio-cuda uses the memory, and
+let go once the last view is dropped and trio-cuda's accesses are done.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import ctypes
 import threading
 from typing import Any
 
+import numpy as np
+
 from ._checks import BFLOAT16
 from ._guard import LOCK
 from ._op import extensions
-from ._tensor import Tensor
+from ._tensor import Tensor, c_strides
 
-__all__: list[str] = []
+__all__ = ["from_dlpack"]
 
 _KDL_CPU, _KDL_CUDA = 1, 2
 _KINDS = {"i": 0, "u": 1, "f": 2, "b": 6}  # kDLInt, kDLUInt, kDLFloat, kDLBool
@@ -83,6 +91,10 @@ _PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
 _PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
 _PyCapsule_GetPointer.restype = ctypes.c_void_p
 _PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+# the same two on a live capsule object
+_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+_SetName = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(("PyCapsule_SetName", ctypes.pythonapi))
+_USED = ctypes.c_char_p(b"used_dltensor")
 _NAME = ctypes.c_char_p(b"dltensor")  # capsules keep a pointer to their name: it lives as long as the module
 
 
@@ -182,6 +194,107 @@ def cuda_array_interface(t: Tensor) -> dict[str, Any]:
         "strides": None if t.is_contiguous else t.strides,
         "stream": stream,
     }
+
+
+_FROM_DL = {(0, 8): np.int8, (0, 16): np.int16, (0, 32): np.int32, (0, 64): np.int64, (1, 8): np.uint8,
+             (1, 16): np.uint16, (1, 32): np.uint32, (1, 64): np.uint64, (2, 16): np.float16, (2, 32): np.float32,
+             (2, 64): np.float64, (6, 8): np.bool_}  # fmt: skip
+
+
+def _layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """(lowest byte offset, bytes spanned) of a strided array (0-size: (0, 0))."""
+    if 0 in shape:
+        return 0, 0
+    lo = sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
+    hi = sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0) + itemsize
+    return lo, hi - lo
+
+
+def _adopt(
+    dev: Any, data: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any], owner: Any, release: Any
+) -> Tensor:
+    from ._memory import ForeignBuffer
+
+    lo, nbytes = _layout(shape, strides, dtype.itemsize)
+    driver = dev._driver
+    ptr = driver.adopt(data + lo, nbytes, owner) if nbytes else 0
+
+    def let_go() -> None:
+        if nbytes:
+            driver.release_adopted(ptr)
+        release()
+
+    buf = ForeignBuffer(dev, nbytes, ptr, let_go)
+    return Tensor._new(buf, shape, dtype, -lo, strides)
+
+
+def from_dlpack(obj: Any, *, device: Any = None) -> Tensor:
+    """A tensor of another library's array, without a copy (see the module doc)."""
+    from ._registry import as_device
+
+    if isinstance(obj, Tensor):
+        return obj
+    dev = as_device(device)
+    cuda = dev._backend_name == "cuda"
+    if not hasattr(obj, "__dlpack__"):
+        if cuda and hasattr(obj, "__cuda_array_interface__"):
+            return _from_cai(obj, dev)
+        raise TypeError(f"from_dlpack: {type(obj).__name__} has no __dlpack__ (nor __cuda_array_interface__)")
+    kind, dev_id = obj.__dlpack_device__()
+    if cuda and (kind != _KDL_CUDA or dev_id != dev.ordinal):
+        raise ValueError(f"from_dlpack: the array is on DLPack device {(kind, dev_id)}, not CUDA device {dev.ordinal}")
+    if not cuda and kind != _KDL_CPU:
+        raise ValueError("from_dlpack: the simulated device adopts CPU arrays (numpy); this one is not on the CPU")
+    stream = None
+    if cuda:
+        stream = dev.policy.next_stream()
+        with LOCK:
+            dev._current_stream(stream)
+        capsule = obj.__dlpack__(stream=int(stream.handle))  # the producer makes our stream wait
+    else:
+        capsule = obj.__dlpack__()
+    ptr = _GetPointer(capsule, b"dltensor")
+    if not ptr:
+        raise BufferError("from_dlpack: not a DLPack capsule")
+    managed = ctypes.cast(ptr, ctypes.POINTER(_DLManagedTensor))
+    dl = managed.contents.dl_tensor
+    code, bits, lanes = dl.dtype.code, dl.dtype.bits, dl.dtype.lanes
+    if lanes != 1 or ((code, bits) not in _FROM_DL and (code, bits) != (4, 16)):
+        raise TypeError(f"from_dlpack: DLPack type (code {code}, {bits} bits, {lanes} lanes) is not supported")
+    dtype = np.dtype(BFLOAT16) if (code, bits) == (4, 16) else np.dtype(_FROM_DL[(code, bits)])
+    shape = tuple(int(dl.shape[i]) for i in range(dl.ndim))
+    if dl.strides:
+        strides = tuple(int(dl.strides[i]) * dtype.itemsize for i in range(dl.ndim))
+    else:
+        strides = c_strides(shape, dtype.itemsize)
+    _SetName(capsule, _USED)  # ours now: its deleter runs when trio-cuda lets the memory go
+    deleter = managed.contents.deleter
+
+    def release() -> None:
+        if deleter:
+            deleter(managed)
+
+    t = _adopt(dev, int(dl.data or 0) + int(dl.byte_offset), shape, strides, dtype, capsule, release)
+    if stream is not None:
+        with LOCK:
+            t._buffer.writer = (stream, stream.mark())  # the producer's work is before this point
+    return t
+
+
+def _from_cai(obj: Any, dev: Any) -> Tensor:
+    cai = obj.__cuda_array_interface__
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(cai["shape"])
+    strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dtype.itemsize)
+    t = _adopt(dev, int(cai["data"][0]), shape, strides, dtype, obj, lambda: None)
+    producer = cai.get("stream")
+    if producer:
+        stream = dev.policy.next_stream()
+        with LOCK:
+            dev._current_stream(stream)
+            dev._driver.wait_foreign(stream.handle, dev._driver.foreign_stream(int(producer)))
+            t._buffer.writer = (stream, stream.mark())
+    return t
 
 
 extensions.update({"dlpack": dlpack, "dlpack_device": dlpack_device, "cuda_array_interface": cuda_array_interface})

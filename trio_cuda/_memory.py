@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Stream
 
-__all__ = ["Buffer"]
+__all__ = ["Buffer", "ForeignBuffer"]
 
 
 class Buffer:
@@ -117,3 +117,28 @@ class Buffer:
                 self.device._defer_free(self.generation, ptr, self.nbytes, self.accesses())
             except Exception:  # interpreter shutdown
                 pass
+
+
+class ForeignBuffer(Buffer):
+    """Memory another library owns, seen as a buffer (``api.from_dlpack``). Internal.
+
+    trio-cuda never frees it: when the last view is dropped, ``release`` (which lets the
+    owner go) runs once every pending access of trio-cuda's streams has completed.
+    """
+
+    __slots__ = ("release",)
+
+    def __init__(self, device: Device, nbytes: int, ptr: int, release: Any) -> None:
+        super().__init__(device, nbytes, None)
+        self.ptr = ptr
+        self.owner = None
+        self.release = release
+
+    def __del__(self) -> None:
+        release, self.release = self.release, None
+        if release is None:
+            return
+        try:
+            self.device._defer_free(self.generation, 0, 0, self.accesses(), release)
+        except Exception:  # interpreter shutdown
+            pass

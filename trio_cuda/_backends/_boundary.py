@@ -329,8 +329,21 @@ class DeviceDriver(abc.ABC):
     def launch(self, prepared: Any, stream: Any) -> None:
         """Enqueue a prepared launch. Raises LaunchError if the launch is refused."""
 
+    def adopt(self, address: int, nbytes: int, owner: Any) -> int:
+        """Memory another library owns (at ``address``, ``owner`` keeps it alive) as a
+        device address of this driver, without a copy. On CUDA the address itself."""
+        return address
+
+    def release_adopted(self, ptr: int) -> None:
+        """Forget memory :meth:`adopt` made visible (the owner lets it go next)."""
+        del ptr  # on CUDA the address was the library's own: nothing to forget
+
     def foreign_stream(self, handle: int) -> Any:
         """Another library's stream (an int handle) as this driver takes streams."""
+        raise TypeError(f"device {self.ordinal} has no CUDA streams (the simulated device)")
+
+    def wait_foreign(self, stream: Any, foreign: Any) -> None:
+        """Order ``stream`` after the work enqueued so far on a foreign stream."""
         raise TypeError(f"device {self.ordinal} has no CUDA streams (the simulated device)")
 
     # -- tracing (trio_cuda.trace) ----------------------------------------------------

@@ -543,6 +543,15 @@ class CudaDevice(DeviceDriver):
     def foreign_stream(self, handle: int) -> Any:
         return cu.CUstream(handle)
 
+    def wait_foreign(self, stream: Any, foreign: Any) -> None:
+        self._current()
+        ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate", self)
+        try:
+            check(cu.cuEventRecord(ev, foreign), "cuEventRecord", self)
+            check(cu.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent", self)
+        finally:
+            cu.cuEventDestroy(ev)
+
     # -- tracing: timing events, only while a trace is open ------------------------------
     def trace_clock(self) -> tuple[Any, float]:
         """A timing event recorded and waited for now, and the host time just after."""

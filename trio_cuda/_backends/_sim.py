@@ -36,6 +36,7 @@ What is simulated, and how:
 from __future__ import annotations
 
 import bisect
+import ctypes
 import queue
 import threading
 import time
@@ -229,6 +230,7 @@ class _SimDevice(DeviceDriver):
         self._wakers: set[Waker] = set()
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
+        self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -449,6 +451,28 @@ class _SimDevice(DeviceDriver):
             bisect.insort(self._bases, ptr)
             self._in_use += size
         return ptr
+
+    def adopt(self, address: int, nbytes: int, owner: Any) -> int:
+        """Host memory another library owns (``owner`` keeps it alive) as memory of this
+        simulated device, without a copy: a device address that reaches it."""
+        self._check()
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(address))[:nbytes]
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        a = _Alloc.__new__(_Alloc)
+        a.data, a.nbytes, a.poison = view, nbytes, None
+        with self._lock:
+            ptr = self._next
+            self._next += size
+            self._allocs[ptr] = a
+            bisect.insort(self._bases, ptr)
+        self._adopted[ptr] = owner
+        return ptr
+
+    def release_adopted(self, ptr: int) -> None:
+        with self._lock:
+            if self._allocs.pop(ptr, None) is not None:
+                del self._bases[bisect.bisect_left(self._bases, ptr)]
+        self._adopted.pop(ptr, None)
 
     def free(self, ptr: int, stream: _SimStream) -> None:
         gen = self.generation
