@@ -112,3 +112,37 @@ async def test_a_torch_tensor_is_adopted_and_ordered_after_its_stream() -> None:
     assert t.ptr == x.data_ptr()
     got = await (t + 1).to_host()  # ordered after the producer's work on its stream
     assert (got == 7.0).all()
+
+
+# -- found by an adversarial review -------------------------------------------------------------
+@pytest.mark.sim_only
+async def test_adopted_memory_outlives_a_reset_while_a_kernel_still_writes_it() -> None:
+    """A reset while a kernel writes adopted memory: the simulated stream thread finishes
+    the kernel after the reset returns, so the owner must still be alive then."""
+    import weakref
+
+    from trio_cuda.kernels import sleep
+
+    dev = trio_cuda.current_device()
+    big = np.zeros(1 << 22, np.int32)  # large enough to be its own mapping
+    alive = weakref.ref(big)
+    t = api.from_dlpack(big[:1])
+    del big
+    await sleep(t.partition((1,)), 1000)  # loaded
+    started = await lowlevel.submit(sleep(t.partition((1,)), 300_000_000))
+    del t, started
+    gc.collect()
+    await trio.to_thread.run_sync(dev.reset)
+    await api.zeros((1,))  # housekeeping runs the release
+    gc.collect()
+    assert alive() is not None  # the running kernel's view keeps the owner
+    await trio.to_thread.run_sync(dev.synchronize)
+
+
+async def test_empty_tensors_export_and_tensors_stay_on_their_device() -> None:
+    empty = await api.zeros((3, 0))
+    if not ON_CUDA:
+        assert np.from_dlpack(empty).shape == (3, 0)
+    if trio_cuda.device_count() > 1:
+        with pytest.raises(ValueError, match=r"api\.dup"):
+            api.asarray(empty, device=1)

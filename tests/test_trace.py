@@ -204,3 +204,47 @@ async def test_a_graph_capture_inside_a_trace_records_no_timestamps_but_its_laun
     check_schema(events)
     names = [e["name"] for e in spans(events, "device")]
     assert names.count("graph launch") == 2 and "kernel ops.add" not in names
+
+
+# -- found by an adversarial review -------------------------------------------------------------
+async def test_the_trace_is_written_when_the_block_is_cancelled_or_fails(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "c.json"
+    with trio.move_on_after(0.2):
+        async with trio_cuda.trace(path) as tr:
+            await (await api.ones((8,)) + 1)
+            await trio.sleep_forever()
+    assert path.exists() and tr.events is not None and _trace.active is None
+    with pytest.raises(ValueError, match="own"):
+        async with trio_cuda.trace(tmp_path / "f.json") as tr2:
+            await (await api.ones((8,)) * 2)
+            raise ValueError("the body's own error")
+    assert tr2.events is not None and (tmp_path / "f.json").exists()
+
+
+async def test_each_task_has_its_own_track_even_when_ids_are_reused(tmp_path: pathlib.Path) -> None:
+    async with trio_cuda.trace() as tr:
+        for k in range(12):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_one_submission, name=f"task {k}")
+    events = tr.events
+    assert events is not None
+    host_tracks = [e for e in events["traceEvents"] if e.get("ph") == "M" and e["pid"] == 0 and e["name"] == "thread_name"]
+    assert sorted(e["args"]["name"] for e in host_tracks) == sorted(f"task {k}" for k in range(12))
+
+
+async def _one_submission() -> None:
+    await api.zeros((4,))
+
+
+async def test_a_submission_failing_part_way_keeps_its_span(tmp_path: pathlib.Path) -> None:
+    def broken(stream: object) -> None:
+        raise RuntimeError("refused")
+
+    x = await api.zeros((4,))
+    async with trio_cuda.trace() as tr:
+        with pytest.raises(RuntimeError):
+            await trio_cuda.zip(ops.add(x, 1.0, out=x), trio_cuda.external(broken, writes=[x]))
+    events = tr.events
+    assert events is not None
+    subs = {e["args"]["submission"] for e in spans(events, "host")}
+    assert all(e["args"]["submission"] in subs for e in spans(events, "device"))

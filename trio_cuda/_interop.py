@@ -67,6 +67,7 @@ class _DLManagedTensor(ctypes.Structure):
 _DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
 _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
 
+_EMPTY = np.zeros(1, np.uint8)
 _alive: dict[int, Any] = {}  # address of a managed tensor -> what keeps its memory alive
 _alive_lock = threading.Lock()
 
@@ -164,7 +165,10 @@ def dlpack(t: Tensor, stream: Any = None, max_version: Any = None, dl_device: An
     shape = (ctypes.c_int64 * max(t.ndim, 1))(*t.shape)
     strides = (ctypes.c_int64 * max(t.ndim, 1))(*(s // t.dtype.itemsize for s in t.strides))
     if cuda:
-        data, holder = t.ptr, (t, None)
+        holder: tuple[Any, ...]
+        data, holder = t.ptr, (t,)
+    elif not t._buffer.nbytes:  # nothing to point at: any valid address will do
+        data, holder = _EMPTY.ctypes.data, (t, _EMPTY)
     else:
         driver: Any = dev._driver
         host = driver._bytes(t._buffer.ptr, t._buffer.nbytes)  # the simulated device's memory
@@ -232,9 +236,11 @@ def from_dlpack(obj: Any, *, device: Any = None) -> Tensor:
     """A tensor of another library's array, without a copy (see the module doc)."""
     from ._registry import as_device
 
-    if isinstance(obj, Tensor):
-        return obj
     dev = as_device(device)
+    if isinstance(obj, Tensor):
+        if device is not None and obj.device is not dev:
+            raise ValueError(f"from_dlpack: the tensor is on device {obj.device.ordinal}, not {dev.ordinal}; use api.dup")
+        return obj
     cuda = dev._backend_name == "cuda"
     if not hasattr(obj, "__dlpack__"):
         if cuda and hasattr(obj, "__cuda_array_interface__"):
@@ -274,7 +280,9 @@ def from_dlpack(obj: Any, *, device: Any = None) -> Tensor:
         if deleter:
             deleter(managed)
 
-    t = _adopt(dev, int(dl.data or 0) + int(dl.byte_offset), shape, strides, dtype, capsule, release)
+    # the owner: the producer itself too, so that memory a simulated stream thread still
+    # touches after a reset stays alive through its views
+    t = _adopt(dev, int(dl.data or 0) + int(dl.byte_offset), shape, strides, dtype, (obj, capsule), release)
     if stream is not None:
         with LOCK:
             t._buffer.writer = (stream, stream.mark())  # the producer's work is before this point

@@ -135,46 +135,48 @@ class Tracer:
             import trio
 
             current = trio.lowlevel.current_task()
-            task, task_key = current.name, id(current)
+            task, task_key = current.name, current  # the task itself: ids are reused
         except RuntimeError:
             pass
         info.update(
             id=sub, task=task, task_key=task_key, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8]
         )
         capturing = getattr(plan, "capture", None) is not None
-        for fn, lane, arg in steps:
-            name = getattr(fn, "__name__", "")
-            if name in _SILENT or capturing:  # a capture records no timestamps (they would be graph nodes)
-                fn(lane, arg)
-                continue
-            stream = lane.stream
-            driver, _ = self._clock(lane.device)
-            t_enq = time.perf_counter()
-            before = driver.timestamp(stream.handle)
-            if self.nvtx is not None:
-                self.nvtx.nvtx.push_range(step_label(fn, arg), domain="trio_cuda")
-                try:
+        try:
+            for fn, lane, arg in steps:
+                name = getattr(fn, "__name__", "")
+                if name in _SILENT or capturing:  # a capture records no timestamps (they would be graph nodes)
                     fn(lane, arg)
-                finally:
-                    self.nvtx.nvtx.pop_range(domain="trio_cuda")
-            else:
-                fn(lane, arg)
-            after = driver.timestamp(stream.handle)
-            dev, num = self.stream_label(stream)
-            self.ops.append(
-                {
-                    "name": step_label(fn, arg),
-                    "device": dev,
-                    "stream": num,
-                    "sub": sub,
-                    "seq": stream.seq,
-                    "before": before,
-                    "after": after,
-                    "t_enq": t_enq,
-                }
-            )
-        info["t_end"] = time.perf_counter()
-        self.subs.append(info)
+                    continue
+                stream = lane.stream
+                driver, _ = self._clock(lane.device)
+                t_enq = time.perf_counter()
+                before = driver.timestamp(stream.handle)
+                if self.nvtx is not None:
+                    self.nvtx.nvtx.push_range(step_label(fn, arg), domain="trio_cuda")
+                    try:
+                        fn(lane, arg)
+                    finally:
+                        self.nvtx.nvtx.pop_range(domain="trio_cuda")
+                else:
+                    fn(lane, arg)
+                after = driver.timestamp(stream.handle)
+                dev, num = self.stream_label(stream)
+                self.ops.append(
+                    {
+                        "name": step_label(fn, arg),
+                        "device": dev,
+                        "stream": num,
+                        "sub": sub,
+                        "seq": stream.seq,
+                        "before": before,
+                        "after": after,
+                        "t_enq": t_enq,
+                    }
+                )
+        finally:  # a submission that fails part-way keeps its span with the ops it enqueued
+            info["t_end"] = time.perf_counter()
+            self.subs.append(info)
 
     def wait(self, stream: Any, other: Any, seq: int) -> None:
         self.waits.append(

@@ -54,15 +54,21 @@ class Trace:
     async def __aenter__(self) -> Trace:
         return self.__enter__()
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: Any, *exc: object) -> None:
         tracer = self._tracer
-        if tracer is not None:
-            _trace.stop(tracer)  # no more records; the devices finish what was traced
-            from ._registry import device
+        try:
+            if tracer is not None and exc_type is None:
+                _trace.stop(tracer)  # no more records; the devices finish what was traced
+                from ._errors import DeviceError
+                from ._registry import device
 
-            for ordinal in list(tracer.clocks):
-                await trio.to_thread.run_sync(device(ordinal).synchronize)
-        self._close()
+                for ordinal in list(tracer.clocks):
+                    try:
+                        await trio.to_thread.run_sync(device(ordinal).synchronize)
+                    except DeviceError:
+                        pass  # a fault: its ops stay unfinished in the trace; the next use reports it
+        finally:  # written on every exit (a failing or cancelled block included)
+            self._close()
 
     def _close(self) -> None:
         tracer = self._tracer

@@ -456,7 +456,9 @@ class _SimDevice(DeviceDriver):
         """Host memory another library owns (``owner`` keeps it alive) as memory of this
         simulated device, without a copy: a device address that reaches it."""
         self._check()
-        view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(address))[:nbytes]
+        raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(address)
+        raw._owner = owner  # type: ignore[attr-defined]  # every view of the memory keeps its owner alive
+        view = np.ctypeslib.as_array(raw)[:nbytes]
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
         a = _Alloc.__new__(_Alloc)
         a.data, a.nbytes, a.poison = view, nbytes, None
