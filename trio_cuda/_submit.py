@@ -783,14 +783,18 @@ class Plan:
         self.state = ENQUEUED
         _counts["enqueued"] += 1
         if self.shared:
-            for op in self.shared:
-                if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
-                    st = op._state
-                    op._state = Done(st.value, self.root.stream, 0, st.pending)
+            self._settle_shared(self.root.stream)
         self._release()
         if self._done is not None:
             self._done.set()
         return None
+
+    def _settle_shared(self, stream: Stream) -> None:
+        """Shared ops this plan claimed that no step marked (no device work) are done."""
+        for op in self.shared:
+            if op._state.__class__ is Claimed:
+                st = op._state
+                op._state = Done(st.value, stream, 0, st.pending)
 
     def _run_steps(self) -> None:
         """The driver calls of every step, in order (through the open trace, if any)."""
@@ -834,10 +838,7 @@ class Plan:
         self.state = ENQUEUED
         _counts["enqueued"] += 1
         if self.shared:
-            for op in self.shared:
-                if op._state.__class__ is Claimed:  # a shared op no step marked (no device work)
-                    st = op._state
-                    op._state = Done(st.value, s, 0, st.pending)
+            self._settle_shared(s)
         lane.plan = None  # type: ignore[assignment]
         if self._done is not None:
             self._done.set()

@@ -173,53 +173,57 @@ def elementwise_kernel(
 
 
 # -- bit-exact conversions for bfloat16 (on integer views) ----------------------------------------
-def f32_to_bf16_kernel(rank: int) -> Kernel:
-    """out (uint16 view of bfloat16) = round-to-nearest-even of a0 (uint32 view of float32)."""
-    key = ("f32>bf16", rank)
+def _flat_kernel(key: Any, fname: str, rank: int, body: Callable[[str], list[str]], sim: Callable[..., Any]) -> Kernel:
+    """A ``(out, a0, n)`` kernel, one thread per element: ``body(idx)`` gives the
+    statements for the element at index expression ``idx`` of ``out`` and ``a0``."""
 
     def build() -> Kernel:
-        fname = f"to_bfloat16__r{rank}"
         unravel, idx = _unravel(rank)
-        body = [
-            *unravel,
+        src = f"def {fname}(out, a0, n):\n    i = cuda.grid(1)\n    if i < n:\n"
+        src += "".join(f"        {line}\n" for line in (*unravel, *body(idx)))
+        return make_kernel(fname, src, {}, sim, flat_geometry)
+
+    return cached(key, build)
+
+
+def _to_bf16_sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
+    u = a.astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = np.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    np.copyto(out, (r & 0xFFFF).astype(np.uint16))
+
+
+def _from_bf16_sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
+    np.copyto(out, a.astype(np.uint32) << np.uint32(16))
+
+
+def f32_to_bf16_kernel(rank: int) -> Kernel:
+    """out (uint16 view of bfloat16) = round-to-nearest-even of a0 (uint32 view of float32)."""
+    return _flat_kernel(
+        ("f32>bf16", rank),
+        f"to_bfloat16__r{rank}",
+        rank,
+        lambda idx: [
             f"u = np.uint32(a0[{idx}])",
             "if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):",
             "    r = (u >> np.uint32(16)) | np.uint32(0x40)",
             "else:",
             "    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)",
             f"out[{idx}] = np.uint16(r)",
-        ]
-        src = f"def {fname}(out, a0, n):\n    i = cuda.grid(1)\n    if i < n:\n"
-        src += "".join(f"        {line}\n" for line in body)
-
-        def sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
-            u = a.astype(np.uint64)
-            nan = (u & 0x7FFFFFFF) > 0x7F800000
-            r = np.where(nan, (u >> 16) | 0x40, (u + 0x7FFF + ((u >> 16) & 1)) >> 16)
-            np.copyto(out, (r & 0xFFFF).astype(np.uint16))
-
-        return make_kernel(fname, src, {}, sim, flat_geometry)
-
-    return cached(key, build)
+        ],
+        _to_bf16_sim,
+    )
 
 
 def bf16_to_f32_kernel(rank: int) -> Kernel:
     """out (uint32 view of float32) = a0 (uint16 view of bfloat16) << 16."""
-    key = ("bf16>f32", rank)
-
-    def build() -> Kernel:
-        fname = f"from_bfloat16__r{rank}"
-        unravel, idx = _unravel(rank)
-        body = [*unravel, f"out[{idx}] = np.uint32(a0[{idx}]) << np.uint32(16)"]
-        src = f"def {fname}(out, a0, n):\n    i = cuda.grid(1)\n    if i < n:\n"
-        src += "".join(f"        {line}\n" for line in body)
-
-        def sim(out: np.ndarray, a: np.ndarray, n: int) -> None:
-            np.copyto(out, a.astype(np.uint32) << np.uint32(16))
-
-        return make_kernel(fname, src, {}, sim, flat_geometry)
-
-    return cached(key, build)
+    return _flat_kernel(
+        ("bf16>f32", rank),
+        f"from_bfloat16__r{rank}",
+        rank,
+        lambda idx: [f"out[{idx}] = np.uint32(a0[{idx}]) << np.uint32(16)"],
+        _from_bf16_sim,
+    )
 
 
 # -- row kernels: one block of 256 threads per row of a (rows, cols) view --------------------------

@@ -30,6 +30,7 @@ __all__ = [
     "coalesce",
     "device_of",
     "launch",
+    "one_stride",
     "operand",
     "promote",
     "tensor_arg",
@@ -162,6 +163,23 @@ def compute_dtype(dt: np.dtype[Any]) -> np.dtype[Any]:
 
 
 # -- shapes ---------------------------------------------------------------------------------
+def one_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
+    """The one stride that walks ``shape`` in C order (size-1 dims skipped; 0 when no
+    dim is longer than 1), or None if there is none."""
+    st: int | None = None
+    expect = 0
+    for n, s in zip(reversed(shape), reversed(strides), strict=True):
+        if n == 1:
+            continue
+        if st is None:
+            st, expect = s, s * n
+        elif s != expect:
+            return None
+        else:
+            expect = s * n
+    return st if st is not None else 0
+
+
 def broadcast_shape(name: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
     try:
         return tuple(np.broadcast_shapes(*shapes))

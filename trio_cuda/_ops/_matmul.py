@@ -19,7 +19,7 @@ from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
 from .._submit import Lane, Plan
 from .._tensor import Tensor
-from ._core import TensorOp, alloc, broadcast_shape, check_out, device_of, operand, output, view
+from ._core import TensorOp, alloc, broadcast_shape, check_out, device_of, one_stride, operand, output, view
 from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Linear", "Matmul"]
@@ -53,19 +53,7 @@ def _operand(plan: Plan, lane: Lane, t: Tensor, batch_shape: tuple[int, ...]) ->
     bstrides = [0] * lead + [
         0 if n == 1 and b != 1 else s for n, b, s in zip(t.shape[:-2], batch_shape[lead:], t.strides[:-2], strict=True)
     ]
-    # the batch as one stride (after dropping size-1 dims; 0 without a batch), or None
-    stride: int | None = 0
-    expect: int | None = None
-    for n, s in zip(reversed(batch_shape), reversed(bstrides), strict=True):
-        if n == 1:
-            continue
-        if expect is None:
-            stride, expect = s, s * n
-        elif s != expect:
-            stride = None
-            break
-        else:
-            expect = s * n
+    stride = one_stride(batch_shape, bstrides)  # the batch as one stride (0 without a batch), or None
     rs, cs = t.strides[-2:]
     layout: tuple[bool, int] | None = None
     if stride is not None and stride >= 0 and stride % isz == 0:

@@ -20,7 +20,7 @@ from .._checks import BFLOAT16, is_int, is_scalar
 from .._submit import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import block_reduce, row_kernel, row_loop
-from ._core import TensorOp, alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
+from ._core import TensorOp, alloc, check_out, compute_dtype, launch, one_stride, operand, out_partition, output, view
 from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Norm", "Reduce", "Softmax"]
@@ -51,28 +51,15 @@ def _as_rows(plan: Plan, lane: Lane, x: Tensor, axes: Sequence[int]) -> tuple[Te
     xt = x.transpose(perm)
     m = math.prod(xt.shape[: len(keep)])
     k = math.prod(xt.shape[len(keep) :])
-    strides = _merge(xt.shape[: len(keep)], xt.strides[: len(keep)]), _merge(xt.shape[len(keep) :], xt.strides[len(keep) :])
+    strides = (
+        one_stride(xt.shape[: len(keep)], xt.strides[: len(keep)]),
+        one_stride(xt.shape[len(keep) :], xt.strides[len(keep) :]),
+    )
     if strides[0] is None or strides[1] is None:
         xt = contiguous(plan, lane, xt)
         isz = x.dtype.itemsize
         return view(xt, (m, k), (k * isz, isz)), m, k
     return view(xt, (m, k), (strides[0], strides[1])), m, k
-
-
-def _merge(shape: Sequence[int], strides: Sequence[int]) -> int | None:
-    """The one stride that walks ``shape`` in C order, or None if there is none."""
-    st: int | None = None
-    expect: int | None = None
-    for n, s in zip(reversed(shape), reversed(strides), strict=True):
-        if n == 1:
-            continue
-        if st is None:
-            st, expect = s, s * n
-        elif s != expect:
-            return None
-        else:
-            expect = s * n
-    return st if st is not None else 0
 
 
 def _check_float(name: str, x: Tensor) -> None:
