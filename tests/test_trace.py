@@ -248,3 +248,23 @@ async def test_a_submission_failing_part_way_keeps_its_span(tmp_path: pathlib.Pa
     assert events is not None
     subs = {e["args"]["submission"] for e in spans(events, "host")}
     assert all(e["args"]["submission"] in subs for e in spans(events, "device"))
+
+
+async def test_a_stream_made_after_another_died_gets_its_own_track() -> None:
+    import gc
+
+    dev = trio_cuda.current_device()
+    x = await api.zeros((8,))
+    async with trio_cuda.trace() as tr:
+        for _ in range(6):
+            s = dev.create_stream()  # each one dropped before the next: addresses get reused
+            await (await lowlevel.submit(ops.add(x, 1.0, out=x), s)).wait()
+            del s
+            gc.collect()
+            await api.zeros((1,))  # housekeeping destroys the dropped stream
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    adds = [(e["pid"], e["tid"]) for e in spans(events, "device") if e["name"] == "kernel ops.add"]
+    assert len(adds) == 6 and len(set(adds)) == 6  # one track per stream
+    np.testing.assert_array_equal(await x.to_host(), np.full(8, 6.0, np.float32))

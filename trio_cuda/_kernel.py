@@ -219,7 +219,7 @@ def _check_launch_config(name: str, grid: tuple[int, ...], block: tuple[int, ...
 class _Config:
     """A validated launch of one kernel on one argument geometry and device."""
 
-    __slots__ = ("block", "device", "generation", "grid", "loaded", "proto", "reads", "signature", "writes")
+    __slots__ = ("block", "device", "generation", "grid", "loaded", "name", "proto", "reads", "signature", "writes")
 
     def __init__(
         self,
@@ -229,7 +229,9 @@ class _Config:
         writes: tuple[int, ...],
         reads: tuple[int, ...],
         proto: list[Any],
+        name: str,
     ) -> None:
+        self.name = name  # the kernel's (traces label the launch with it)
         self.device = device
         self.generation = device.generation
         self.grid = grid
@@ -357,7 +359,7 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
     grid3 = ((*tuple(grid), 1, 1, 1))[:3]
     block3 = ((*tuple(block), 1, 1, 1))[:3]
     _check_launch_config(name, grid3, block3, device.ordinal)
-    return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto)  # type: ignore[arg-type]
+    return _Config(device, grid3, block3, tuple(writes), tuple(reads), proto, name)  # type: ignore[arg-type]
 
 
 def _blocks_for(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -46,8 +47,8 @@ _LABELS = {
 def step_label(fn: Callable[..., Any], arg: Any) -> str:
     name = getattr(fn, "__name__", "step")
     if name in ("_launch_step", "_prepared_step"):
-        k = arg[0] if isinstance(arg, tuple) and arg else None
-        kname = getattr(k, "name", None) or getattr(getattr(k, "kernel", None), "name", None)
+        first = arg[0] if isinstance(arg, tuple) and arg else None  # the Kernel, or its launch config
+        kname = getattr(first, "name", None)
         return f"kernel {kname}" if kname else "kernel"
     if name == "_collective_step":
         op = arg[0]
@@ -98,9 +99,11 @@ class Tracer:
     def __init__(self, nvtx: _Nvtx | None = None) -> None:
         self.nvtx = nvtx
         self.t0 = time.perf_counter()
-        self.lock = threading.Lock()
         self.clocks: dict[int, tuple[Any, Any]] = {}  # device ordinal -> (driver, reference)
-        self.streams: dict[int, tuple[int, int]] = {}  # id(stream) -> (device, number)
+        # stream -> (device, number): weak (tracing must not keep streams alive), numbered
+        # per device as they appear (a new stream never takes a dead one's track)
+        self.streams: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.labels: list[tuple[int, int]] = []
         self.subs: list[dict[str, Any]] = []
         self.ops: list[dict[str, Any]] = []
         self.waits: list[dict[str, Any]] = []
@@ -108,11 +111,11 @@ class Tracer:
 
     # -- streams and clocks --------------------------------------------------------------
     def stream_label(self, stream: Any) -> tuple[int, int]:
-        key = id(stream)
-        got = self.streams.get(key)
+        got = self.streams.get(stream)
         if got is None:
             dev = stream.device.ordinal
-            got = self.streams[key] = (dev, sum(1 for d, _ in self.streams.values() if d == dev))
+            got = self.streams[stream] = (dev, sum(1 for d, _ in self.labels if d == dev))
+            self.labels.append(got)
         return got
 
     def _clock(self, device: Any) -> tuple[Any, Any]:
@@ -185,7 +188,6 @@ class Tracer:
                 "other": self.stream_label(other),
                 "seq": seq,
                 "at_seq": stream.seq,
-                "t": time.perf_counter(),
             }
         )
 

@@ -146,7 +146,7 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
         )
     subs = {s["id"]: s for s in tracer.subs}
     seen_devices: set[int] = set()
-    for dev, num in sorted(set(tracer.streams.values())):
+    for dev, num in sorted(tracer.labels):
         if dev not in seen_devices:
             seen_devices.add(dev)
             events.append({"ph": "M", "name": "process_name", "pid": dev + 1, "args": {"name": f"device {dev}"}})
