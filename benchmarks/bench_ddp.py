@@ -15,7 +15,6 @@ Prints a table and writes ``ddp-<date>.md`` / ``.json`` under ``--out``. Needs C
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime as dt
 import json
 import os
@@ -28,32 +27,19 @@ import numpy as np
 import trio
 
 import trio_cuda
-from trio_cuda import collectives, lowlevel
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from train_mlp_ddp import Replica, global_loss, init_weights, make_data, train_step
+from train_mlp_ddp import build, global_loss, make_data, train, train_step
 
 
 async def trio_run(ndev: int, per_device: int, f: int, h: int, o: int, steps: int, lr: float) -> tuple[float, float]:
     devices = trio_cuda.devices()[:ndev]
     batch = per_device * ndev
-    x, t = make_data(batch, f, o)
-    group = collectives.Group(devices)
-    replicas = [Replica(d) for d in devices]
-    for r, xs, ts in zip(replicas, np.split(x, ndev), np.split(t, ndev), strict=True):
-        await r.setup(init_weights(f, h, o), xs, ts, h)
-    for k in range(4):
-        await group.broadcast([r.w[k] for r in replicas], root=0)
+    group, replicas = await build(devices, batch, f, h, o)
     for _ in range(5):  # warm-up: kernels compiled, cuBLASLt plans, NCCL connected
         await train_step(group, replicas, batch, lr)
-    in_flight: collections.deque[Any] = collections.deque()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        in_flight.append(await lowlevel.submit(train_step(group, replicas, batch, lr)))
-        if len(in_flight) > 2:
-            await in_flight.popleft().wait()
-    while in_flight:
-        await in_flight.popleft().wait()
+    await train(group, replicas, batch, lr, steps)
     rate = steps / (time.perf_counter() - t0)
     loss = await global_loss(group, replicas, batch, o)
     group.close()

@@ -26,6 +26,7 @@ import argparse
 import collections
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -111,6 +112,46 @@ def train_step(group: collectives.Group, replicas: list[Replica], n_global: int,
     return reduced.then(lambda _: trio_cuda.zip(*(r.update(lr) for r in replicas)))
 
 
+async def build(
+    devices: list[trio_cuda.Device], batch: int, features: int, hidden: int, outputs: int
+) -> tuple[collectives.Group, list[Replica]]:
+    """The group and one replica per device, each with its shard of the data and rank
+    0's initialization (broadcast)."""
+    n = len(devices)
+    x, t = make_data(batch, features, outputs)
+    weights = init_weights(features, hidden, outputs)
+    group = collectives.Group(devices)
+    replicas = [Replica(d) for d in devices]
+    for r, xs, ts in zip(replicas, np.split(x, n), np.split(t, n), strict=True):
+        await r.setup(weights, xs, ts, hidden)
+    for k in range(4):  # rank 0's initialization everywhere
+        await group.broadcast([r.w[k] for r in replicas], root=0)
+    return group, replicas
+
+
+async def train(
+    group: collectives.Group,
+    replicas: list[Replica],
+    n_global: int,
+    lr: float,
+    steps: int,
+    report: Callable[[int], Awaitable[None]] | None = None,
+) -> None:
+    """``steps`` training steps, each submitted without waiting for the one before: the
+    next step's reads of the weights wait for this step's update on the device, so the
+    host plans step k+1 while the GPUs run step k (at most two steps ahead, which bounds
+    the memory in flight). ``report(step)`` runs after each submission."""
+    in_flight: collections.deque[Any] = collections.deque()
+    for step in range(1, steps + 1):
+        in_flight.append(await lowlevel.submit(train_step(group, replicas, n_global, lr)))
+        if len(in_flight) > 2:
+            await in_flight.popleft().wait()
+        if report is not None:
+            await report(step)
+    while in_flight:
+        await in_flight.popleft().wait()
+
+
 async def global_loss(group: collectives.Group, replicas: list[Replica], n_global: int, outputs: int) -> float:
     losses = await group.all_reduce([r.loss for r in replicas])
     return float(await losses[0].to_host()) / (n_global * outputs)
@@ -132,31 +173,18 @@ async def main() -> int:
     n = len(devices)
     if args.batch % n:
         raise SystemExit(f"--batch must be a multiple of the number of devices ({n})")
-    x, t = make_data(args.batch, args.features, args.outputs)
-    weights = init_weights(args.features, args.hidden, args.outputs)
-    group = collectives.Group(devices)
-    replicas = [Replica(d) for d in devices]
-    for r, xs, ts in zip(replicas, np.split(x, n), np.split(t, n), strict=True):
-        await r.setup(weights, xs, ts, args.hidden)
-    for k in range(4):  # rank 0's initialization everywhere
-        await group.broadcast([r.w[k] for r in replicas], root=0)
+    group, replicas = await build(devices, args.batch, args.features, args.hidden, args.outputs)
     print(f"{n} device(s): {devices[0].name}; global batch {args.batch}, {args.features} -> {args.hidden} -> {args.outputs}")
 
     await train_step(group, replicas, args.batch, args.lr)
     first = await global_loss(group, replicas, args.batch, args.outputs)
-    t0 = time.perf_counter()
-    in_flight: collections.deque[Any] = collections.deque()
-    for step in range(1, args.steps):
-        # submit without waiting: the next step's reads of the weights wait for this
-        # step's update on the device, so the host plans step k+1 while the GPUs run
-        # step k (at most two steps ahead, which bounds the memory in flight)
-        in_flight.append(await lowlevel.submit(train_step(group, replicas, args.batch, args.lr)))
-        if len(in_flight) > 2:
-            await in_flight.popleft().wait()
+
+    async def report(step: int) -> None:
         if step % 50 == 0:
             print(f"step {step}: loss {await global_loss(group, replicas, args.batch, args.outputs):.5f}")
-    while in_flight:
-        await in_flight.popleft().wait()
+
+    t0 = time.perf_counter()
+    await train(group, replicas, args.batch, args.lr, args.steps - 1, report)
     elapsed = time.perf_counter() - t0
     final = await global_loss(group, replicas, args.batch, args.outputs)
     print(f"loss {first:.5f} -> {final:.5f}; {(args.steps - 1) / elapsed:.1f} steps/s on {n} device(s)")
