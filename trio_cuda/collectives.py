@@ -115,12 +115,10 @@ class _Base:
     def all_reduce(self, tensors: Any, op: str = "sum") -> DeviceOp[tuple[Tensor, ...]]:
         """Every tensor becomes the reduction (``op``: sum, prod, max, min, avg) of all of
         them, in place. Returns the same tensors."""
-        self._check_open("all_reduce")
         return _op(Collective(self, "all_reduce", self._tensors(tensors, "all_reduce"), (), _reduction(op), 0))
 
     def broadcast(self, tensors: Any, root: int = 0) -> DeviceOp[tuple[Tensor, ...]]:
         """Every tensor becomes a copy of rank ``root``'s, in place. Returns the same tensors."""
-        self._check_open("broadcast")
         if not is_int(root) or not 0 <= int(root) < self.size:
             raise ValueError(f"broadcast: root must be a rank in [0, {self.size}), not {root!r}")
         return _op(Collective(self, "broadcast", self._tensors(tensors, "broadcast"), (), "sum", int(root)))
@@ -128,7 +126,6 @@ class _Base:
     def all_gather(self, tensors: Any, *, out: Any = None) -> DeviceOp[tuple[Tensor, ...]]:
         """Each rank gets every rank's tensor, concatenated along axis 0 in rank order: a
         new tensor of shape ``(size * n, ...)`` per rank (or into ``out=``, one per rank)."""
-        self._check_open("all_gather")
         ins = self._tensors(tensors, "all_gather")
         outs = self._tensors(out, "all_gather") if out is not None else ()
         return _op(Collective(self, "all_gather", ins, outs, "sum", 0))
@@ -136,7 +133,6 @@ class _Base:
     def reduce_scatter(self, tensors: Any, op: str = "sum", *, out: Any = None) -> DeviceOp[tuple[Tensor, ...]]:
         """The reduction of all tensors, split along axis 0 into ``size`` equal parts:
         rank ``i`` gets part ``i``, a new tensor (or into ``out=``, one per rank)."""
-        self._check_open("reduce_scatter")
         ins = self._tensors(tensors, "reduce_scatter")
         outs = self._tensors(out, "reduce_scatter") if out is not None else ()
         return _op(Collective(self, "reduce_scatter", ins, outs, _reduction(op), 0))
@@ -234,6 +230,7 @@ class Collective(TensorOp):
     __slots__ = ("_group", "_kind", "_n", "_op", "_root", "name")
 
     def __init__(self, group: _Base, kind: str, ins: tuple[Any, ...], outs: tuple[Any, ...], op: str, root: int) -> None:
+        group._check_open(f"collectives.{kind}")  # before any input op is planned
         self._group = group
         self._kind = kind
         self._op = op
