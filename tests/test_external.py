@@ -112,5 +112,12 @@ async def test_an_external_stream_runs_ops_and_is_never_destroyed_here() -> None
     await api.zeros((1,))  # housekeeping ran: the library's stream must still be usable
     assert cu.cuStreamSynchronize(raw)[0] == cu.CUresult.CUDA_SUCCESS
     cu.cuStreamDestroy(raw)
+    # x was last written on the library's stream, now destroyed: its free must not use it
+    frees = dev.statistics().frees
+    del x
+    gc.collect()
+    y = await ops.add(await api.zeros((8,)), 1.0)  # deferred frees run here
+    assert dev.statistics().frees > frees
+    np.testing.assert_array_equal(await y.to_host(), np.ones(8, np.float32))
     with pytest.raises(TypeError, match="int"):
         dev.external_stream("0x1")  # type: ignore[arg-type]

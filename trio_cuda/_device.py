@@ -530,7 +530,9 @@ class Device:
             # stream; after every pending access (of any stream, any device).
             target = None
             for s, _ in accesses:
-                if s.device is self and s.generation == gen and s.capture is None and s.handle is not None:
+                # Never another library's stream: it may be destroyed by now (its last
+                # event, recorded by the submission that used it, is all a free waits for).
+                if s.device is self and s.generation == gen and s.capture is None and s.handle is not None and not s._foreign:
                     target = s
                     break
             if target is None:

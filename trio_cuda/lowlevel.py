@@ -70,8 +70,10 @@ def external_stream(handle: int, device: Device | int | None = None) -> Stream:
     current device) as a :class:`~trio_cuda.Stream`: submit ops on it with
     :func:`submit` or ``op.schedule``; they are ordered with the library's own work on that
     stream and, like on any stream, with trio-cuda's other streams. trio-cuda never
-    destroys it; after a reset of the device it refuses use. CUDA only (the simulated
-    device has no CUDA streams: TypeError)."""
+    destroys it, and uses it only while submitting: the library may destroy it once the
+    work submitted on it is done (memory last used there is freed on a stream of
+    trio-cuda's, after that work). After a reset of the device it refuses use. CUDA only
+    (the simulated device has no CUDA streams: TypeError)."""
     return as_device(device).external_stream(handle)
 
 

@@ -213,8 +213,20 @@ def _flow(cat: str, name: str, fid: int, src: tuple[int, int, float], dst: tuple
     ]
 
 
-def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None = None) -> None:
-    """A timeline picture of a trace: a row per host task and per device stream."""
+def draw(
+    trace_json: dict[str, Any],
+    png: str | pathlib.Path,
+    title: str | None = None,
+    window: tuple[float | None, float | None] = (None, None),
+) -> int:
+    """A timeline picture of a trace: a row per host task and per device stream.
+
+    ``window`` (ms since the trace opened, either end open) keeps the spans that overlap
+    it and the rows that have one there. Returns how many spans were drawn.
+    """
+    lo, hi = window
+    if lo is not None and hi is not None and hi <= lo:
+        raise ValueError(f"an empty window: from {lo} ms to {hi} ms")
     try:
         import matplotlib
 
@@ -230,14 +242,30 @@ def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None 
     for e in trace_json["traceEvents"]:
         if e.get("ph") == "M" and e["name"] == "thread_name":
             names[(e["pid"], e["tid"])] = f"{procs.get(e['pid'], e['pid'])}: {e['args']['name']}"
-    rows = sorted(names)
-    spans = [e for e in trace_json["traceEvents"] if e.get("ph") == "X"]
+    spans = [
+        e
+        for e in trace_json["traceEvents"]
+        if e.get("ph") == "X"
+        and (lo is None or (e["ts"] + e["dur"]) / 1e3 >= lo)
+        and (hi is None or e["ts"] / 1e3 <= hi)
+    ]
+    if lo is None and hi is None:
+        rows = sorted(names)
+    else:  # only the tracks with something in the window
+        rows = sorted({(e["pid"], e["tid"]) for e in spans} & set(names))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    left = lo if lo is not None else min((e["ts"] / 1e3 for e in spans), default=0.0)
+    right = hi if hi is not None else max(((e["ts"] + e["dur"]) / 1e3 for e in spans), default=1.0)
+    thin = (right - left) / 500  # narrower than this would not show: drawn as a tick
     for i, key in enumerate(rows):
         for e in spans:
             if (e["pid"], e["tid"]) == key:
                 color = f"C{zlib.crc32(e['name'].encode()) % 10}"
-                ax.broken_barh([(e["ts"] / 1e3, max(e["dur"] / 1e3, 1e-3))], (i - 0.4, 0.8), facecolors=color)
+                start, dur = e["ts"] / 1e3, e["dur"] / 1e3
+                if dur < thin:
+                    ax.plot([start], [i], marker="|", markersize=14, color=color)
+                else:
+                    ax.broken_barh([(start, dur)], (i - 0.4, 0.8), facecolors=color)
     seen: dict[str, str] = {}
     for e in spans:
         seen.setdefault(e["name"], f"C{zlib.crc32(e['name'].encode()) % 10}")
@@ -247,11 +275,14 @@ def draw(trace_json: dict[str, Any], png: str | pathlib.Path, title: str | None 
     ax.legend(handles, list(seen)[:12], loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     ax.set_yticks(range(len(rows)), [names[k] for k in rows])
     ax.invert_yaxis()
+    if lo is not None or hi is not None:
+        ax.set_xlim(left=lo, right=hi)
     ax.set_xlabel("ms since the trace opened")
     ax.set_title(title or "trio_cuda trace")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return len(spans)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,10 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", type=pathlib.Path, help="a trace written by trio_cuda.trace")
     ap.add_argument("--png", type=pathlib.Path, required=True, help="the picture to write")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--from", dest="lo", type=float, default=None, metavar="MS", help="draw from this time (ms since the trace opened)")
+    ap.add_argument("--to", dest="hi", type=float, default=None, metavar="MS", help="draw up to this time (ms since the trace opened)")
     args = ap.parse_args(argv)
     data = json.loads(args.trace.read_text())
-    draw(data, args.png, args.title or args.trace.name)
-    print(f"wrote {args.png}: {data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions")
+    try:
+        drawn = draw(data, args.png, args.title or args.trace.name, (args.lo, args.hi))
+    except ValueError as exc:
+        ap.error(str(exc))
+    print(f"wrote {args.png}: {drawn} spans ({data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions in the trace)")
     return 0
 
 
