@@ -26,7 +26,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 import trio
 
 import trio_cuda
@@ -236,11 +235,30 @@ async def main(n: int) -> None:
         await inc(p)
         full.append((ns() - t0) / 1e3)
     row("trio-cuda await inc(p) incl. op construction", statistics.median(full))
+    full = []
+    for _ in range(2000):
+        op = inc(p)
+        t0 = ns()
+        await trio_cuda._submit.run_async(op, stream)
+        full.append((ns() - t0) / 1e3)
+    row("trio-cuda run_async(inc(p), one fixed stream)", statistics.median(full))
 
-    # chain: runtime Python with the launch a no-op, vs real
+    # the wait with and without the spin on the completion word
+    saved = trio_cuda._notifier._spin_ns
+    for spin in (0, saved):
+        trio_cuda._notifier._spin_ns = spin
+        full = []
+        for _ in range(2000):
+            t0 = ns()
+            await inc(p)
+            full.append((ns() - t0) / 1e3)
+        row(f"trio-cuda await inc(p), spin {spin / 1000:.0f} us", statistics.median(full))
+    trio_cuda._notifier._spin_ns = saved
+
+    # chain: runtime Python with the launch a no-op, vs real; and the wait after it
     chain = 2000
     for real in (True, False):
-        times = []
+        times, waits, syncs = [], [], []
         for _ in range(5):
             op = inc(p)
             for _ in range(chain - 1):
@@ -253,9 +271,33 @@ async def main(n: int) -> None:
             if not real:
                 del drv.launch
             assert need is None
+            if real:
+                # how long the GPU still had to go when the submission returned
+                while not dev.reached(plan.event) and not dev.poll(plan.event):
+                    pass
+                syncs.append((ns() - t1) / 1e3)
+            t2 = ns()
             await trio_cuda._notifier.wait_event(plan.event)
+            waits.append((ns() - t2) / 1e3)
             times.append((t1 - t0) / chain / 1e3)
-        row(f"chain submission per op ({'real launch' if real else 'launch a no-op'})", statistics.median(times))
+        label = "real launch" if real else "launch a no-op"
+        row(f"chain submission per op ({label})", statistics.median(times))
+        if real:
+            row("  chain: GPU still busy after the submission returned, us (whole chain)", statistics.median(syncs))
+        row(f"  chain: wait_event once done, us ({label})", statistics.median(waits))
+    # raw chain for comparison: launches, then the GPU's tail
+    tails = []
+    for _ in range(5):
+        t0 = ns()
+        for _ in range(chain):
+            launch(f, 1, 1, 1, 32, 1, 1, 0, h, params, 0)
+        t1 = ns()
+        record(ev_plain, h)
+        while query(ev_plain)[0] != cu.CUresult.CUDA_SUCCESS:
+            pass
+        tails.append(((t1 - t0) / chain / 1e3, (ns() - t1) / 1e3))
+    row("raw chain launches per op", statistics.median(t[0] for t in tails))
+    row("  raw chain: GPU tail after the last launch, us (whole chain)", statistics.median(t[1] for t in tails))
     got = await x.to_host()
     print("checksum", got[0])
 

@@ -181,6 +181,9 @@ class Device:
     _idle_wakers: list[Waker]
     _host_cond: threading.Condition
     _host_readers: int
+    _flags: memoryview | None  # the driver's completion words (see reached())
+    _flag_free: list[int]  # words no stream holds
+    _ticket: int  # the last ticket given to a recorded event (grows for the process)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Device cannot be constructed directly; use trio_cuda.device(i) or trio_cuda.devices()")
@@ -212,7 +215,39 @@ class Device:
         self._idle_wakers = []
         self._host_cond = threading.Condition(threading.Lock())
         self._host_readers = 0
+        words = driver.flag_words
+        self._flags = words
+        self._flag_free = list(range(len(words) - 1, -1, -1)) if words is not None else []
+        self._ticket = 0
         return self
+
+    # -- completion words -----------------------------------------------------------
+    def _take_flag(self) -> int:
+        """A completion word for a new stream (-1 if none is free). Under LOCK."""
+        free = self._flag_free
+        return free.pop() if free else -1
+
+    def _give_flag(self, s: Stream) -> None:
+        """Take back the word of a stream whose driver stream is gone. Under LOCK.
+
+        Its last writes may still land; they carry older tickets than any the next owner
+        records, so they can only make that owner's events look pending, never done.
+        """
+        if s._flag >= 0:
+            self._flag_free.append(s._flag)
+            s._flag = -1
+
+    def reached(self, ev: Event) -> bool:
+        """True if ``ev``'s completion word says it is done: one memory read, no lock, no
+        driver call (False says nothing: :meth:`poll` asks the driver)."""
+        words = self._flags
+        return (
+            ev.flag >= 0
+            and words is not None
+            and words[ev.flag] >= ev.ticket
+            and ev.generation == self.generation
+            and not self._resetting
+        )
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -324,6 +359,7 @@ class Device:
                     s._final = s.event_at(s.seq)
                     self._lingering.append((s._final, s._keep))
                 s.handle = None
+                self._give_flag(s)
                 continue
             if s.seq > s.done_seq or s._keep:
                 # Its last work may still run: an event after it stands in for the stream
@@ -333,6 +369,7 @@ class Device:
                 self._lingering.append((s._final, s._keep))
             self._driver.destroy_stream(s.handle)
             s.handle = None
+            self._give_flag(s)
             self._stats.streams_destroyed += 1
         if self._lingering:
             still = []
@@ -588,6 +625,14 @@ class Device:
             if ev.error is not None:
                 raise fresh(ev.error)
             return True
+        if self.reached(ev):
+            with LOCK:
+                if ev.generation == self.generation:  # not reset since the word was read
+                    ev.done = True
+                    s = ev._stream()
+                    if s is not None:  # the stream learns how far it is known complete
+                        s.observe(ev.seq)
+                    return True
         with LOCK:
             if ev.generation != self.generation:
                 raise DeviceReset(

@@ -37,9 +37,21 @@ class Event:
         generation: The device generation it belongs to (a reset ends it).
     """
 
-    __slots__ = ("__weakref__", "_stream", "device", "done", "error", "generation", "handle", "seq", "stream_handle")
+    __slots__ = (
+        "__weakref__",
+        "_stream",
+        "device",
+        "done",
+        "error",
+        "flag",
+        "generation",
+        "handle",
+        "seq",
+        "stream_handle",
+        "ticket",
+    )
 
-    def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
+    def __init__(self, stream: Stream, seq: int, handle: Any, flag: int = -1, ticket: int = 0) -> None:
         self.device = stream.device
         self._stream = stream._wref  # weak: no cycle with the stream's last event
         self.stream_handle = stream.handle
@@ -48,6 +60,11 @@ class Event:
         self.done = False
         self.error: BaseException | None = None  # the work before it failed (it is done)
         self.generation = stream.generation
+        # Done once the device's completion word ``flag`` holds ``ticket`` or more (-1:
+        # no word, ask the driver). Tickets grow per device, so a word a stream reuses
+        # never reads as a later ticket.
+        self.flag = flag
+        self.ticket = ticket
 
     @property
     def stream(self) -> Stream | None:
@@ -105,6 +122,7 @@ class Stream:
         "__weakref__",
         "_dropped",
         "_final",
+        "_flag",
         "_foreign",
         "_keep",
         "_last_event",
@@ -132,6 +150,7 @@ class Stream:
     _final: Event | None  # after the handle is destroyed: an event after its last work
     _dropped: bool  # its last reference went away: it is (being) destroyed
     _foreign: bool  # another library's stream (lowlevel.external_stream): never destroyed here
+    _flag: int  # its completion word on the device (-1: none)
     _wref: weakref.ref[Stream]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -146,6 +165,7 @@ class Stream:
         self._dropped = False
         self._foreign = False
         self._wref = weakref.ref(self)
+        self._flag = device._take_flag()
         self._bind(handle)
         return self
 
@@ -210,8 +230,15 @@ class Stream:
             return last
         if self.seq < seq:
             self.seq = seq
-        ev = Event(self, self.seq, self.device._event_handle())
-        self.device._driver.record(ev.handle, self.handle)
+        device = self.device
+        flag = self._flag if self.capture is None else -1  # a capture records no write
+        if flag >= 0:
+            device._ticket += 1
+            ev = Event(self, self.seq, device._event_handle(), flag, device._ticket)
+            device._driver.record(ev.handle, self.handle, flag, ev.ticket)
+        else:
+            ev = Event(self, self.seq, device._event_handle())
+            device._driver.record(ev.handle, self.handle)
         self._last_event = ev
         return ev
 

@@ -245,9 +245,7 @@ def draw(
     spans = [
         e
         for e in trace_json["traceEvents"]
-        if e.get("ph") == "X"
-        and (lo is None or (e["ts"] + e["dur"]) / 1e3 >= lo)
-        and (hi is None or e["ts"] / 1e3 <= hi)
+        if e.get("ph") == "X" and (lo is None or (e["ts"] + e["dur"]) / 1e3 >= lo) and (hi is None or e["ts"] / 1e3 <= hi)
     ]
     if lo is None and hi is None:
         rows = sorted(names)
@@ -291,15 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", type=pathlib.Path, help="a trace written by trio_cuda.trace")
     ap.add_argument("--png", type=pathlib.Path, required=True, help="the picture to write")
     ap.add_argument("--title", default=None)
-    ap.add_argument("--from", dest="lo", type=float, default=None, metavar="MS", help="draw from this time (ms since the trace opened)")
-    ap.add_argument("--to", dest="hi", type=float, default=None, metavar="MS", help="draw up to this time (ms since the trace opened)")
+    ap.add_argument(
+        "--from", dest="lo", type=float, default=None, metavar="MS", help="draw from this time (ms since the trace opened)"
+    )
+    ap.add_argument(
+        "--to", dest="hi", type=float, default=None, metavar="MS", help="draw up to this time (ms since the trace opened)"
+    )
     args = ap.parse_args(argv)
     data = json.loads(args.trace.read_text())
     try:
         drawn = draw(data, args.png, args.title or args.trace.name, (args.lo, args.hi))
     except ValueError as exc:
         ap.error(str(exc))
-    print(f"wrote {args.png}: {drawn} spans ({data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions in the trace)")
+    print(
+        f"wrote {args.png}: {drawn} spans ({data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions in the trace)"
+    )
     return 0
 
 

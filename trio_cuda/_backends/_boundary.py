@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
+    "FLAG_WORDS",
     "ArrayArg",
     "Backend",
     "CollectiveCall",
@@ -44,6 +45,11 @@ __all__ = [
     "gemm_dtype",
     "signature_of",
 ]
+
+
+#: Completion words per device (see :attr:`DeviceDriver.flag_words`): one per stream
+#: binding; streams beyond that many wait through ``query`` alone.
+FLAG_WORDS = 1024
 
 
 class ArrayArg:
@@ -230,6 +236,10 @@ class DeviceDriver(abc.ABC):
     compute_capability: tuple[int, int]
     total_memory: int
     _fault: BaseException | None  # what fault() returns (read directly on hot paths)
+    #: Completion words: 64-bit unsigned integers in host memory that ``record`` has the
+    #: device write (None: the backend has none, completion is seen by ``query`` only).
+    #: They live as long as the driver object, across resets; any thread may read them.
+    flag_words: memoryview | None = None
 
     # -- streams and events -------------------------------------------------
     @abc.abstractmethod
@@ -243,8 +253,14 @@ class DeviceDriver(abc.ABC):
     def create_event(self) -> Any: ...
 
     @abc.abstractmethod
-    def record(self, event: Any, stream: Any) -> None:
-        """Record ``event`` on ``stream``: it completes when the work enqueued so far does."""
+    def record(self, event: Any, stream: Any, flag: int = -1, value: int = 0) -> None:
+        """Record ``event`` on ``stream``: it completes when the work enqueued so far does.
+
+        With ``flag`` >= 0, the device then also writes ``value`` into
+        ``flag_words[flag]`` once that work has completed *without failing* (a failed
+        or faulted stream never writes it), so a host that reads a value >= ``value``
+        there knows the event is done without asking the driver.
+        """
 
     @abc.abstractmethod
     def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
@@ -404,6 +420,7 @@ class Backend(abc.ABC):
     name: str
     description: str
     poll_budget_us: float  # default fast-path polling budget of an await (see _notifier)
+    spin_us: float = 0.0  # default spin of an await on a completion word (see _notifier)
 
     @abc.abstractmethod
     def device_count(self) -> int: ...

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import mmap
 import os
 import pathlib
 import struct
@@ -38,8 +39,9 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
+from .._config import env_flag
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from ._boundary import FLAG_WORDS, ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
 from ._cublaslt import WORKSPACE, Gemms
 
 __all__ = ["CudaBackend", "check"]
@@ -329,6 +331,12 @@ class CudaDevice(DeviceDriver):
         self.total_memory = int(check(cu.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
         self._fault: DeviceFault | None = None
         self._lock = threading.Lock()
+        # Completion words: page-aligned host memory of ours (it outlives any context, so
+        # a reset can never leave a reader with freed memory), registered with each
+        # context as device-mapped so streams can write it (cuStreamWriteValue64).
+        self._flag_map = mmap.mmap(-1, 8 * FLAG_WORDS)
+        self._flag_host = ctypes.addressof(ctypes.c_char.from_buffer(self._flag_map))
+        self._flag_dev = 0
         self._setup()
 
     def _setup(self) -> None:
@@ -351,11 +359,43 @@ class CudaDevice(DeviceDriver):
             "cuMemPoolSetAttribute",
             self,
         )
+        self._register_flags()
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+
+    def _register_flags(self) -> None:
+        """With ``TRIO_CUDA_COMPLETION_WORDS=1``: map the completion words into this
+        context and prove a stream can write them. Off by default: measured on an H200
+        (benchmarks/results/host-2026-11-30.md), the ``cuStreamWriteValue64`` each
+        submission then enqueues costs about 5 us of host time, more than the event
+        queries it saves (about 1.7 us each). Without words, completion is seen by
+        queries alone."""
+        self.flag_words = None
+        self._flag_dev = 0
+        if not env_flag("TRIO_CUDA_COMPLETION_WORDS"):
+            return
+        flags = cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE
+        err = cu.cuMemHostRegister(self._flag_host, 8 * FLAG_WORDS, flags)[0]
+        if err not in (_SUCCESS, R.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            return
+        err, dptr = cu.cuMemHostGetDevicePointer(self._flag_host, 0)
+        words = memoryview(self._flag_map).cast("Q")
+        if err == _SUCCESS:
+            err, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            if err == _SUCCESS:
+                probe = words[FLAG_WORDS - 1] + 1
+                ok = cu.cuStreamWriteValue64(stream, int(dptr) + 8 * (FLAG_WORDS - 1), probe, 0)[0] == _SUCCESS
+                ok = cu.cuStreamSynchronize(stream)[0] == _SUCCESS and ok and words[FLAG_WORDS - 1] == probe
+                cu.cuStreamDestroy(stream)
+                if ok:
+                    self._flag_dev = int(dptr)
+                    self.flag_words = words
+                    return
+        words.release()
+        cu.cuMemHostUnregister(self._flag_host)
 
     # -- context ------------------------------------------------------------------
     def _current(self) -> None:
@@ -428,11 +468,19 @@ class CudaDevice(DeviceDriver):
         self._current()
         return check(cu.cuEventCreate(self._event_flags), "cuEventCreate", self)
 
-    def record(self, event: Any, stream: Any) -> None:
-        self._current()
+    def record(self, event: Any, stream: Any, flag: int = -1, value: int = 0) -> None:
+        if _tls.token is not self._token:
+            self._current()
         err = cu.cuEventRecord(event, stream)[0]
         if err != _SUCCESS:
             raise error(err, "cuEventRecord", self, launch=True)
+        if flag >= 0 and self._flag_dev:
+            # After the event's work, with the default memory barrier: the words never
+            # say done before what the work wrote is visible. A faulted context writes
+            # nothing (the waiters' queries report the fault).
+            err = cu.cuStreamWriteValue64(stream, self._flag_dev + 8 * flag, value, 0)[0]
+            if err != _SUCCESS:
+                raise error(err, "cuStreamWriteValue64", self, launch=True)
 
     def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
         self._current()

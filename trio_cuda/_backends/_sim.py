@@ -48,7 +48,18 @@ import numpy as np
 
 from .._config import env_flag, env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, GemmOperand, KernelSource, Waker, gemm_dtype
+from ._boundary import (
+    FLAG_WORDS,
+    ArrayArg,
+    Backend,
+    CollectiveCall,
+    DeviceDriver,
+    GemmDesc,
+    GemmOperand,
+    KernelSource,
+    Waker,
+    gemm_dtype,
+)
 
 __all__ = ["SimBackend"]
 
@@ -231,6 +242,7 @@ class _SimDevice(DeviceDriver):
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
+        self.flag_words = memoryview(bytearray(8 * FLAG_WORDS)).cast("Q")
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -335,7 +347,7 @@ class _SimDevice(DeviceDriver):
             raise LaunchError("stream belongs to the device before its reset", device=self.ordinal)
         return stream
 
-    def record(self, event: _SimEvent, stream: _SimStream) -> None:
+    def record(self, event: _SimEvent, stream: _SimStream, flag: int = -1, value: int = 0) -> None:
         self._check()
         self._live(stream)
         ticket = _Ticket()
@@ -347,9 +359,13 @@ class _SimDevice(DeviceDriver):
             return
         _capture_events.pop(event, None)  # a handle recycled from a capture is an ordinary event again
 
+        words = self.flag_words if flag >= 0 else None
+
         def complete() -> None:
             err = stream.error
             stream.error = None  # the failure ends with this submission's record
+            if words is not None and err is None and stream.generation == self.generation:
+                words[flag] = value  # as the GPU's write: only after work that succeeded
             with _cond:
                 ticket.error = err
                 ticket.done = True

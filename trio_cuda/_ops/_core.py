@@ -4,28 +4,42 @@ An op (:class:`TensorOp`) is a DeviceOp whose arguments may be tensors, partitio
 scalars or other ops. Arguments known when the op is made are checked at once; the rest
 when the submission is planned, before anything of it runs. Its ``_build`` allocates the
 output (or takes ``out=``) and appends the launches of its kernels to the plan.
+
+Repeated calls are cheap: what an op's checks and ``_build`` derive from its arguments
+depends only on their layouts, dtypes, devices and scalar values, so the first build
+for some arguments is recorded as a :class:`_Recipe` (allocations, kernel launches and
+GEMMs over views of the operands), cached under the arguments' identity, and the next
+op on the same arguments skips the checks and replays the recipe into the plan. See
+:func:`_op_key` for the key and :meth:`_Recipe.replay` for what a replay re-checks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._checks import BFLOAT16, check_dtype, is_scalar, nbytes_of
 from .._device import Device
-from .._kernel import Kernel, _Launch
+from .._guard import LOCK
+from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
-from .._submit import Lane, Plan
+from .._submit import EXECUTING, Lane, Plan
 from .._tensor import Partition, Tensor, c_strides
 
+if TYPE_CHECKING:
+    from .._stream import Event, Stream
+
 __all__ = [
+    "CacheStatistics",
     "TensorOp",
     "alloc",
     "broadcast_shape",
     "broadcast_view",
+    "cache_statistics",
     "check_out",
     "coalesce",
     "device_of",
@@ -85,10 +99,15 @@ class TensorOp(DeviceOp[Tensor]):
     """An op of the library. Subclasses implement ``_check(*args)`` (argument checks that
     need no plan: run by the constructor when no argument is an op, else at planning
     once the inputs' values are known) and ``_build(plan, lane, *args)`` (allocate and
-    launch on checked arguments; returns the output tensor)."""
+    launch on checked arguments; returns the output tensor).
 
-    __slots__ = ("_args", "_at")
+    A subclass whose ``_check`` and ``_build`` depend on nothing but its class, its
+    ``name`` and its arguments (their layouts, dtypes, devices, scalar values) sets
+    ``_cacheable``: its builds are recorded and replayed (see the module doc)."""
+
+    __slots__ = ("_args", "_at", "_hit", "_key")
     name = "op"
+    _cacheable = False
 
     def __init__(self, args: tuple[Any, ...]) -> None:
         ops: list[DeviceOp[Any]] = []
@@ -100,7 +119,16 @@ class TensorOp(DeviceOp[Tensor]):
         super().__init__(tuple(ops))
         self._args = args
         self._at = tuple(at)
+        self._hit: _Recipe | None = None
+        self._key: tuple[Any, ...] | None = None
         if not ops:
+            if self._cacheable:
+                key = self._key = _op_key(self, args)
+                if key is not None:
+                    hit = _cache.get(key)
+                    if hit is not None and hit.generation == hit.device.generation:
+                        self._hit = hit  # these arguments passed the checks before
+                        return
             self._check(*args)
 
     def _check(self, *args: Any) -> None:
@@ -111,16 +139,337 @@ class TensorOp(DeviceOp[Tensor]):
 
     def _plan(self, plan: Plan, lane: Lane, values: Any) -> Tensor:
         args = self._args
+        hit = self._hit
+        key = self._key
         if values:
             merged = list(args)
             for i, v in zip(self._at, values, strict=True):
                 merged[i] = resolved(v, self.name)
             args = tuple(merged)
-            self._check(*args)  # without op inputs, the constructor checked them
+            if self._cacheable:
+                key = _op_key(self, args)
+                hit = _cache.get(key) if key is not None else None
+        if hit is not None:
+            dev = lane.device
+            if hit.device is dev and hit.generation == dev.generation:
+                return hit.replay(plan, lane, args)
+        if values or hit is not None:
+            self._check(*args)  # without op inputs, the constructor checked them (or found a recipe)
+        if key is not None:
+            return _record(self, plan, lane, args, key)
         return self._build(plan, lane, *args)
+
+    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, str] | None:
+        """A lone op whose recipe is one prepared launch on operands only: planned and
+        enqueued in one step by the launch's own fast path (see _Launch._submit_now)."""
+        hit = self._hit
+        if hit is None or hit.launch is None:
+            return None
+        return hit.submit_now(self, s)
 
     def __repr__(self) -> str:
         return f"<trio_cuda op {self.name} at {id(self):#x}>"
+
+
+# -- the recipe cache -----------------------------------------------------------------------
+_CACHE_SIZE = 1024  # recipes kept (the oldest is dropped first)
+_cache: dict[tuple[Any, ...], _Recipe] = {}
+_counts = {"hits": 0, "misses": 0}
+_recording: _Recording | None = None  # the build being recorded (under the runtime lock)
+_replayable: set[Callable[[Lane, Any], None]] = set()
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """What the ops' recipe cache did so far.
+
+    Attributes:
+        hits: Ops planned by replaying a recipe (no checks, no build).
+        misses: Ops built (and recorded) on arguments without a valid recipe.
+        entries: Recipes cached now.
+        max_entries: The bound on ``entries``.
+    """
+
+    hits: int
+    misses: int
+    entries: int
+    max_entries: int
+
+
+def cache_statistics() -> CacheStatistics:
+    return CacheStatistics(_counts["hits"], _counts["misses"], len(_cache), _CACHE_SIZE)
+
+
+def replayable_step(fn: Callable[[Lane, Any], None]) -> Callable[[Lane, Any], None]:
+    """Declare a plan step function whose argument is a tuple of tensors and immutable
+    values (recipes replay it on the new call's views)."""
+    _replayable.add(fn)
+    return fn
+
+
+def _op_key(op: TensorOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """The identity of an op on ``args``, or None if some of them cannot be keyed.
+
+    Tensors contribute their cached kernel descriptor (one per buffer and view layout:
+    a new buffer, even at a recycled address, has a new one), so equal keys mean the
+    same memory seen the same way, and the key holds no device memory alive. Scalars
+    contribute their type and bits (see _kernel._scalar_key)."""
+    key: list[Any] = [type(op), op.name]
+    for a in args:
+        t = type(a)
+        if t is Tensor:
+            d = a._args
+            if d is None:
+                if a._buffer.ptr is None:
+                    return None  # allocated by a submission not enqueued yet
+                a._arg(False)
+                d = a._args
+                assert d is not None
+            key.append(d[0])
+        elif a is None or t is bool or t is int or t is str:
+            key.append((t, a))
+        elif t is float or isinstance(a, np.generic):
+            key.append(_scalar_key(a))
+        elif t is tuple and all(type(x) is int for x in a):
+            key.append((t, a))
+        elif t is np.dtype or isinstance(a, np.dtype):
+            key.append((np.dtype, a.str, a))
+        else:
+            return None
+    return tuple(key)
+
+
+class _Recording:
+    """What a build allocated (alloc) and launched (launch), in order."""
+
+    __slots__ = ("allocs", "launches")
+
+    def __init__(self) -> None:
+        self.allocs: list[tuple[Any, Lane, int, str]] = []
+        self.launches: list[tuple[Kernel, tuple[Any, ...]]] = []
+
+
+# Argument specs of a recipe: how to make a step's argument from the new call's operands.
+_OPERAND, _OPERAND_VIEW, _ALLOC_VIEW, _PARTITION, _CONST = range(5)
+
+
+def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> Any:
+    kind, p = spec
+    if kind == _OPERAND:
+        return args[p]
+    if kind == _CONST:
+        return p
+    if kind == _PARTITION:
+        tensor_spec, tile, grid = p
+        part = object.__new__(Partition)  # checked when recorded
+        part.tensor = _make(tensor_spec, args, bufs)
+        part.tile_shape = tile
+        part.grid = grid
+        part._k = None
+        return part
+    i, offset, shape, strides, dtype, tracked = p
+    buf = args[i]._buffer if kind == _OPERAND_VIEW else bufs[i]
+    return Tensor._new(buf, shape, dtype, offset, strides, tracked)
+
+
+class _Step:
+    """A kernel launch (``kernel`` set) or another replayable step (``fn``) of a recipe."""
+
+    __slots__ = ("cfg", "fn", "kernel", "prepared", "pure", "specs")
+
+    def __init__(self, kernel: Kernel | None, fn: Any, specs: list[tuple[int, Any]], pure: bool) -> None:
+        self.kernel = kernel
+        self.fn = fn
+        self.specs = specs
+        self.pure = pure  # only operands' memory: the prepared launch of one call fits the next
+        self.cfg: Any = None
+        self.prepared: Any = None
+
+
+class _Recipe:
+    """An op's build on some arguments, to replay on the same arguments."""
+
+    __slots__ = ("allocs", "device", "generation", "launch", "ops", "result", "steps", "uses")
+
+    def __init__(
+        self,
+        device: Device,
+        uses: tuple[int, ...],
+        allocs: list[tuple[int, str]],
+        steps: list[_Step],
+        ops: list[str],
+        result: tuple[int, Any],
+    ) -> None:
+        self.device = device
+        self.generation = device.generation  # a reset invalidates the recipe
+        self.uses = uses
+        self.allocs = allocs
+        self.steps = steps
+        self.ops = ops
+        self.result = result
+        # The one step, when it is a launch on operands only (and no allocation): a
+        # candidate for TensorOp._submit_now once its prepared launch is known.
+        self.launch = steps[0] if len(steps) == 1 and not allocs and steps[0].kernel is not None and steps[0].pure else None
+
+    def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, str] | None:
+        st = self.launch
+        assert st is not None
+        if st.prepared is None or self.device is not s.device or self.generation != s.device.generation:
+            return None
+        args = op._args
+        with LOCK:
+            if op._state is not None:
+                return None
+            for i in self.uses:
+                b = args[i]._buffer
+                if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
+                    return None  # the general path says why
+            done = _Launch(st.kernel, tuple([_make(sp, args, ()) for sp in st.specs]), ())._submit_now(s)  # type: ignore[arg-type]
+            if done is None:
+                return None
+            op._state = EXECUTING
+            _counts["hits"] += 1
+        return _make(self.result, args, ()), done[1], done[2]
+
+    def replay(self, plan: Plan, lane: Lane, args: tuple[Any, ...]) -> Tensor:
+        """Append the recorded allocations and steps to ``plan`` on the views of ``args``:
+        the same plan the build would make. Re-checked: that the operands' memory may be
+        used by this plan (as the build's plan.use); the launches as _Launch._plan checks
+        them, except a launch on operands only that this recipe saw prepared (it reuses
+        the prepared launch, as the kernel's own cache would)."""
+        _counts["hits"] += 1
+        for i in self.uses:
+            t = args[i]
+            b = t._buffer
+            if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
+                plan.use(b, t)
+        bufs = [plan.new_buffer(lane, nbytes, what) for nbytes, what in self.allocs] if self.allocs else ()
+        steps = plan.steps
+        ops = plan.ops
+        nops = len(ops)
+        capture = plan.capture
+        for st in self.steps:
+            k = st.kernel
+            if k is None:
+                steps.append((st.fn, lane, tuple([_make(s, args, bufs) for s in st.specs])))
+                continue
+            largs = tuple([_make(s, args, bufs) for s in st.specs])
+            if st.prepared is not None and capture is None:
+                steps.append((_prepared_step, lane, (st.cfg, largs, st.prepared)))
+                continue
+            _Launch(k, largs, ())._plan(plan, lane, ())
+            if st.pure and capture is None:
+                last = steps[-1]
+                if last[0] is _prepared_step:  # launched before: keep its prepared launch
+                    st.cfg, st.prepared = last[2][0], last[2][2]
+        del ops[nops:]
+        ops.extend(self.ops)
+        return _make(self.result, args, bufs)  # type: ignore[no-any-return]
+
+
+def _record(op: TensorOp, plan: Plan, lane: Lane, args: tuple[Any, ...], key: tuple[Any, ...]) -> Tensor:
+    """Build ``op`` on ``args`` and cache the build as a recipe when it can be replayed."""
+    global _recording
+    nsteps, nlanes, nops = len(plan.steps), len(plan.lanes), len(plan.ops)
+    outer = _recording
+    rec = _recording = _Recording()
+    try:
+        result = op._build(plan, lane, *args)
+    finally:
+        _recording = outer
+    _counts["misses"] += 1
+    recipe = _recipe(rec, plan, lane, args, result, nsteps, nlanes, nops)
+    if recipe is not None:
+        while len(_cache) >= _CACHE_SIZE:
+            del _cache[next(iter(_cache))]
+        _cache[key] = recipe
+    return result
+
+
+def _recipe(
+    rec: _Recording, plan: Plan, lane: Lane, args: tuple[Any, ...], result: Any, nsteps: int, nlanes: int, nops: int
+) -> _Recipe | None:
+    """The recipe of the build just made (its steps are plan.steps[nsteps:]), or None if
+    it did something a recipe cannot replay (another lane, a step of an unknown kind, a
+    tensor of memory that is neither an operand's nor allocated by the build)."""
+    if len(plan.lanes) != nlanes:
+        return None
+    sources: dict[int, tuple[int, int]] = {}
+    for i, a in enumerate(args):
+        if type(a) is Tensor:
+            sources.setdefault(id(a._buffer), (_OPERAND_VIEW, i))
+    for j, (buf, ln, _, _) in enumerate(rec.allocs):
+        if ln is not lane:
+            return None
+        sources[id(buf)] = (_ALLOC_VIEW, j)
+
+    def tensor_spec(t: Any) -> tuple[int, Any] | None:
+        for i, a in enumerate(args):
+            if a is t:
+                return (_OPERAND, i)
+        src = sources.get(id(t._buffer))
+        if src is None:
+            return None
+        kind, i = src
+        a = args[i] if kind == _OPERAND_VIEW else None
+        if (
+            a is not None
+            and a._offset == t._offset
+            and a.shape == t.shape
+            and a._strides == t._strides
+            and a.dtype == t.dtype
+            and a._tracked == t._tracked
+        ):
+            return (_OPERAND, i)  # the operand itself serves (its descriptors are cached)
+        return (kind, (i, t._offset, t.shape, t._strides, t.dtype, t._tracked))
+
+    def arg_spec(a: Any) -> tuple[int, Any] | None:
+        t = type(a)
+        if t is Tensor:
+            return tensor_spec(a)
+        if t is Partition:
+            ts = tensor_spec(a.tensor)
+            return None if ts is None else (_PARTITION, (ts, a.tile_shape, a.grid))
+        if isinstance(a, (Tensor, Partition, DeviceOp, list, dict, set)):
+            return None
+        return (_CONST, a)
+
+    steps: list[_Step] = []
+    launches = iter(rec.launches)
+    for fn, ln, arg in plan.steps[nsteps:]:
+        if ln is not lane:
+            return None
+        if fn is _prepared_step or fn is _launch_step:
+            k, largs = next(launches, (None, ()))
+            if k is None or (arg[1] if fn is _prepared_step else arg[2]) is not largs:
+                return None
+        elif fn in _replayable:
+            k, largs = None, arg
+        else:
+            return None
+        maybe = [arg_spec(a) for a in largs]
+        specs = [s for s in maybe if s is not None]
+        if len(specs) != len(maybe):
+            return None
+        pure = all(s[0] in (_OPERAND, _OPERAND_VIEW, _CONST) or (s[0] == _PARTITION and s[1][0][0] != _ALLOC_VIEW) for s in specs)
+        st = _Step(k, fn, specs, pure)
+        if fn is _prepared_step and pure and plan.capture is None:
+            st.cfg, st.prepared = arg[0], arg[2]
+        steps.append(st)
+    if next(launches, None) is not None:
+        return None
+    if type(result) is not Tensor:
+        return None
+    res: tuple[int, Any] | None = next(((_OPERAND, i) for i, a in enumerate(args) if a is result), None)
+    if res is None:
+        src = sources.get(id(result._buffer))
+        if src is None:
+            return None
+        kind, i = src
+        res = (kind, (i, result._offset, result.shape, result._strides, result.dtype, result._tracked))
+    uses = tuple(i for i, a in enumerate(args) if type(a) is Tensor)
+    allocs = [(nbytes, what) for _, _, nbytes, what in rec.allocs]
+    return _Recipe(lane.device, uses, allocs, steps, list(plan.ops[nops:]), res)
 
 
 # -- dtypes ---------------------------------------------------------------------------------
@@ -244,7 +593,11 @@ def device_of(name: str, tensors: Sequence[Tensor], lane: Lane | None = None) ->
 
 def alloc(plan: Plan, lane: Lane, shape: tuple[int, ...], dtype: np.dtype[Any], name: str) -> Tensor:
     """A new C-contiguous tensor the submission allocates on ``lane``'s device."""
-    buf = plan.new_buffer(lane, nbytes_of(shape, dtype), f"{name}: a {dtype} result of shape {shape}")
+    nbytes = nbytes_of(shape, dtype)
+    what = f"{name}: a {dtype} result of shape {shape}"
+    buf = plan.new_buffer(lane, nbytes, what)
+    if _recording is not None:
+        _recording.allocs.append((buf, lane, nbytes, what))
     return Tensor._new(buf, shape, dtype)
 
 
@@ -329,6 +682,8 @@ def output(
 
 def launch(plan: Plan, lane: Lane, kernel: Kernel, args: tuple[Any, ...]) -> None:
     """Plan a launch of ``kernel`` on ``lane`` (inside the op's own planning)."""
+    if _recording is not None:
+        _recording.launches.append((kernel, args))
     _Launch(kernel, args, ())._plan(plan, lane, ())
 
 

@@ -46,6 +46,7 @@ class Concatenate(TensorOp):
     """Inputs copied into slices of one output along ``axis`` (``stack``: along a new axis)."""
 
     __slots__ = ("_n", "_new_axis", "name")
+    _cacheable = True
 
     def __init__(self, args: tuple[Any, ...], n: int, new_axis: bool) -> None:
         self._n = n

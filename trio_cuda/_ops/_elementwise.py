@@ -196,6 +196,7 @@ def finish(plan: Plan, lane: Lane, res: Out, name: str) -> Tensor:
 
 class Elementwise(TensorOp):
     __slots__ = ("_out", "_u", "name")
+    _cacheable = True
 
     def __init__(self, u: Ufunc, args: tuple[Any, ...], out: Any) -> None:
         self._u = u
@@ -234,6 +235,7 @@ def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
 # -- where ----------------------------------------------------------------------------------
 class Where(TensorOp):
     __slots__ = ()
+    _cacheable = True
     name = "ops.where"
 
     def _check(self, *args: Any) -> None:
@@ -338,6 +340,7 @@ def contiguous(plan: Plan, lane: Lane, t: Tensor) -> Tensor:
 
 class AsType(TensorOp):
     __slots__ = ()
+    _cacheable = True
     name = "ops.astype"
 
     def _check(self, *args: Any) -> None:

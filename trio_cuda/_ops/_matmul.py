@@ -19,7 +19,18 @@ from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
 from .._submit import Lane, Plan
 from .._tensor import Tensor
-from ._core import TensorOp, alloc, broadcast_shape, check_out, device_of, one_stride, operand, output, view
+from ._core import (
+    TensorOp,
+    alloc,
+    broadcast_shape,
+    check_out,
+    device_of,
+    one_stride,
+    operand,
+    output,
+    replayable_step,
+    view,
+)
 from ._elementwise import contiguous, copy_into, finish
 
 __all__ = ["Linear", "Matmul"]
@@ -78,6 +89,7 @@ def _align(*tensors: Tensor | None) -> int:
     return a
 
 
+@replayable_step  # (desc, a, b, d, bias): a frozen GemmDesc and tensors
 def _gemm_step(lane: Lane, arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor | None]) -> None:
     desc, a, b, d, bias = arg
     for t in (a, b, bias):
@@ -137,6 +149,7 @@ def _plan_gemm(
 
 class Matmul(TensorOp):
     __slots__ = ()
+    _cacheable = True
     name = "ops.matmul"
 
     @staticmethod
@@ -210,6 +223,7 @@ def matmul(a: Any, b: Any, *, out: Any = None, allow_tf32: bool = False) -> Matm
 
 class Linear(TensorOp):
     __slots__ = ()
+    _cacheable = True
     name = "ops.linear"
 
     def _check(self, *args: Any) -> None:

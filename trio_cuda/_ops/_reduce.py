@@ -174,6 +174,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
 
 class Reduce(TensorOp):
     __slots__ = ("_kind", "name")
+    _cacheable = True
 
     def __init__(self, kind: str, args: tuple[Any, ...]) -> None:
         self._kind = kind
@@ -271,6 +272,7 @@ def _softmax_kernel(log: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
 
 class Softmax(TensorOp):
     __slots__ = ("_log", "name")
+    _cacheable = True
 
     def __init__(self, log: bool, args: tuple[Any, ...]) -> None:
         self._log = log
@@ -395,6 +397,7 @@ class Norm(TensorOp):
     """layer_norm / rms_norm over the last ``weight.ndim`` axes (the last axis without a weight)."""
 
     __slots__ = ("_rms", "name")
+    _cacheable = True
 
     def __init__(self, rms: bool, args: tuple[Any, ...]) -> None:
         self._rms = rms

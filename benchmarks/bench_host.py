@@ -1,0 +1,438 @@
+"""The host path of one await, against raw cuda.bindings, cuda.core, CuPy and PyTorch.
+
+The benchmark of the issue "Await per kernel at least as fast as PyTorch eager: the host
+path". Everything is measured in one run, in one process, on one GPU (device 0); the
+targets in the table are the issue's. Figures (medians; trio-cuda's part first, then
+the peers of ``_peers.py``, then PyTorch's decode step):
+
+* ``dependent chain awaited once, us/op``: N tiny kernels (one block of 32 threads,
+  ``x[i] += 1`` on one 32-element float32 array) that depend on each other, submitted
+  and waited for once; wall time per kernel. trio-cuda: ``bench_runtime._trio_figures``
+  (the chain ``op = inc(op.first())`` built beforehand, then one ``await``; the build
+  cost is reported apart); peers: ``_peers.run_all`` (``chain_us_per_op``: N launches on
+  one stream, one stream synchronize).
+* ``sync after every op, us/op``: the same kernel with a wait after every launch
+  (trio-cuda: one ``await inc(p)`` per op, on one stream; peers: their stream
+  synchronize, ``sync_each_us_per_op``).
+* ``one tiny op round trip in trio, us``: one tiny op submitted and waited for;
+  trio-cuda: ``await op`` of a prebuilt op inside ``trio.run``; peers: launch, record an
+  event, busy-query it (``roundtrip_us``).
+* ``decode step, 88 kernels, await per kernel, ms/token``: the decode step of
+  ``examples/cuda_graphs_deviceop.py`` (hidden 2048, 22 layers of rms_norm, two GEMVs
+  and a residual add: 4 kernels per layer) with one ``await`` per kernel, on one stream
+  (``bench_decode.trio_modes``, the row ``trio: await per kernel``), against PyTorch
+  eager on the same shapes with one ``torch.cuda.synchronize()`` per token
+  (``bench_decode.torch_modes``, ``torch eager``). The other peers have no such figure.
+* ``awaits/s, T concurrent tasks, tiny kernels``: T trio tasks in one nursery, each
+  doing ``await inc(part)`` k times on its own 32-element tensor, under the device's
+  default policy (a pool of streams); total awaits / wall seconds of the nursery, median
+  of 3 repetitions after a warm-up round. Every tensor is read back and checked (each
+  element must equal the awaits made on it). T = 256 is the issue's figure; 1, 16 and
+  64 tasks are extra rows, to show the scaling. trio-cuda only.
+* ``idle CPU``: after all the above, with the notifier's helper thread started (an
+  await of one ``trio_cuda.kernels.sleep`` of 20 ms, longer than the poll budget, parks
+  and starts it; the sleep is lengthened if the await did not park), the process's CPU
+  time (``time.process_time``: every thread) over ``--idle-s`` seconds of
+  ``trio.sleep`` with nothing pending, in ms of CPU per s of idle; the helper thread's
+  own CPU time where Linux gives it (``time.pthread_getcpuclockid``). The target is the
+  notifier's: its helper thread ~0 (read here as below 1 ms per s, 0.1 % of a core) and
+  no wake-ups while idle; the process figure also counts the CUDA driver's own threads.
+  Measured before the peers run, so that no other library's threads are counted.
+
+After the table come the notifier's counters (``lowlevel.notifier_statistics()``, fast
+path vs parked waits, helper wake-ups) spent by each of trio-cuda's figures, and the
+device's ``notifier_fast_path`` / ``notifier_slow_path`` totals.
+
+Usage: ``python benchmarks/bench_host.py [--n 2000] [--reps 5] [--tokens 30]
+[--tasks 256] [--out DIR]``; ``--smoke`` runs tiny sizes (for the simulated device,
+``TRIO_CUDA_BACKEND=sim``, where the figures mean nothing). Writes ``host-<date>.md``
+and ``.json`` under ``--out`` (default benchmarks/results). Exits 1 if a trio-cuda
+figure failed or computed a wrong result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import gc
+import json
+import pathlib
+import resource
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import trio_cuda
+from benchmarks import _peers, bench_decode, bench_runtime
+from trio_cuda import api, lowlevel
+from trio_cuda.kernels import sleep
+
+#: Sizes of ``--smoke`` (any of them can still be given explicitly).
+SMOKE = {
+    "n": 20,
+    "reps": 2,
+    "hidden": 16,
+    "layers": 2,
+    "tokens": 2,
+    "tasks": 8,
+    "tasks_extra": "1,2,4",
+    "awaits": 32,
+}
+
+#: Columns: (key, heading); "trio" is trio-cuda, the others are _peers' names.
+COLUMNS = [
+    ("trio", "trio-cuda"),
+    ("raw_cuda_bindings", "raw cuda.bindings"),
+    ("cuda_core", "cuda.core"),
+    ("cupy", "CuPy"),
+    ("torch", "PyTorch"),
+]
+
+_IDLE_TARGET_MS_PER_S = 1.0
+_FORCE_PARK_NS = 20_000_000  # one sleep kernel this long parks an await (budget: 5 ms on CUDA)
+_NOTIFIER_THREAD = "trio-cuda-notifier"
+
+
+def _notifier_counts() -> dict[str, int]:
+    return dataclasses.asdict(lowlevel.notifier_statistics())
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in ("fast_path", "slow_path", "wakeups", "batches")}
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench_host] {msg}", file=sys.stderr, flush=True)
+
+
+# -- trio-cuda's figures ----------------------------------------------------------------
+
+
+async def _tasks_figure(n_tasks: int, k: int, reps: int = 3) -> dict[str, Any]:
+    """``n_tasks`` tasks, each awaiting ``inc`` ``k`` times on its own tensor; awaits/s."""
+    inc = bench_runtime.inc
+    xs = [await api.zeros((32,)) for _ in range(n_tasks)]
+    parts = [x.partition((32,)) for x in xs]
+
+    async def worker(p: Any, count: int) -> None:
+        for _ in range(count):
+            await inc(p)
+
+    async def one_round(count: int) -> float:
+        t0 = time.perf_counter_ns()
+        async with trio.open_nursery() as nursery:
+            for p in parts:
+                nursery.start_soon(worker, p, count)
+        return (time.perf_counter_ns() - t0) / 1e9
+
+    warm = min(k, 20)
+    await one_round(warm)
+    rates = [n_tasks * k / await one_round(k) for _ in range(reps)]
+    expected = warm + reps * k
+    wrong = []
+    for i, x in enumerate(xs):
+        got = await x.to_host()
+        if not np.all(got == expected):
+            wrong.append(f"tensor {i}: {sorted(set(got.tolist()))[:4]}")
+    error = None
+    if wrong:
+        error = f"{len(wrong)} of {n_tasks} tensors wrong, expected {expected} everywhere ({'; '.join(wrong[:3])})"
+    return {
+        "tasks": n_tasks,
+        "awaits_per_task": k,
+        "awaits_per_s": statistics.median(rates),
+        "samples": rates,
+        "error": error,
+    }
+
+
+def _thread_cpu_s(thread: threading.Thread | None) -> float | None:
+    if thread is None or thread.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except OSError:
+        return None
+
+
+async def _idle_figure(idle_s: float) -> dict[str, Any]:
+    """CPU spent by the process over ``idle_s`` of ``trio.sleep``, helper thread started."""
+    counter = (await api.zeros((1,), np.int32)).partition((1,))
+    ns = _FORCE_PARK_NS
+    parked = False
+    for _ in range(4):  # a longer sleep if a poll budget set by the environment outlasted it
+        before = lowlevel.notifier_statistics().slow_path
+        await sleep(counter, ns)
+        if lowlevel.notifier_statistics().slow_path > before:
+            parked = True
+            break
+        ns *= 4
+    thread = next((t for t in threading.enumerate() if t.name == _NOTIFIER_THREAD), None)
+    await trio.sleep(0.05)  # let the wake-up that ended the park settle
+    gc.collect()
+    s0 = _notifier_counts()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    th0 = _thread_cpu_s(thread)
+    c0, w0 = time.process_time(), time.perf_counter()
+    await trio.sleep(idle_s)
+    c1, w1 = time.process_time(), time.perf_counter()
+    th1 = _thread_cpu_s(thread)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    s1 = _notifier_counts()
+    wall = w1 - w0
+    return {
+        "idle_s": wall,
+        "cpu_ms_per_s": (c1 - c0) * 1e3 / wall,
+        "notifier_thread_cpu_ms_per_s": None if th0 is None or th1 is None else (th1 - th0) * 1e3 / wall,
+        "context_switches_per_s": (ru1.ru_nvcsw - ru0.ru_nvcsw + ru1.ru_nivcsw - ru0.ru_nivcsw) / wall,
+        "notifier_during_idle": _delta(s0, s1),
+        "parked_now": s1["parked"],
+        "park_sleep_ms": ns / 1e6,
+        "notifier_thread_found": thread is not None,
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "error": None if parked else f"no await parked (sleeps up to {ns / 1e6:.0f} ms): the helper thread may not be running",
+    }
+
+
+async def _trio_part(args: argparse.Namespace) -> dict[str, Any]:
+    dev = trio_cuda.current_device()
+    default_policy = dev.policy
+    out: dict[str, Any] = {"policy": type(default_policy).__name__, "notifier": {}, "errors": []}
+
+    async def section(name: str, fn: Any, *fargs: Any) -> Any:
+        _progress(name)
+        s0 = _notifier_counts()
+        try:
+            res = await fn(*fargs)
+        except Exception as exc:  # recorded and reported; the other figures still run
+            out["errors"].append(f"{name}: {_describe(exc)}")
+            res = None
+        finally:
+            dev.policy = default_policy  # bench_decode.trio_modes leaves a SingleStream behind
+        out["notifier"][name] = _delta(s0, _notifier_counts())
+        if isinstance(res, dict) and res.get("error"):
+            out["errors"].append(f"{name}: {res['error']}")
+        return res
+
+    out["runtime"] = await section("chain, sync each, round trip", bench_runtime._trio_figures, args.n, args.reps)
+
+    out["tasks"] = {}
+    for t in [args.tasks, *args.tasks_extra]:
+        k = max(1, args.awaits // t)
+        out["tasks"][t] = await section(f"awaits/s, {t} task{'s' if t > 1 else ''}", _tasks_figure, t, k)
+
+    async def decode() -> dict[str, float]:
+        res, graph, others, kernels = await bench_decode.trio_modes(args.hidden, args.layers, args.tokens)
+        del graph, others, kernels
+        return res
+
+    out["decode"] = await section("decode step", decode)
+    out["idle"] = await section("idle", _idle_figure, args.idle_s)
+    out["device_statistics"] = dataclasses.asdict(dev.statistics())
+    return out
+
+
+# -- the table --------------------------------------------------------------------------
+
+
+def _fmt(v: float) -> str:
+    if v >= 1000:
+        return f"{v:.0f}"
+    if v >= 100:
+        return f"{v:.1f}"
+    return f"{v:.3g}" if v < 1 else f"{v:.2f}"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "missed")
+
+
+def build_rows(
+    args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, dict[str, Any]], torch_eager: float | None
+) -> tuple[list[str], list[str]]:
+    """The table's lines and the verdict lines under it."""
+    rt = ours.get("runtime") or {}
+    raw = peers.get("raw_cuda_bindings", {})
+    lines = [
+        "| figure | " + " | ".join(h for _, h in COLUMNS) + " | target |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
+    checks = []
+    for key, label, limit in (
+        ("chain_us_per_op", "dependent chain awaited once, us/op", 1.25),
+        ("sync_each_us_per_op", "sync after every op, us/op", 1.3),
+        ("roundtrip_us", "one tiny op round trip in trio, us", 1.3),
+    ):
+        cells = []
+        base = raw.get(key)
+        for col, _ in COLUMNS:
+            v = rt.get(key) if col == "trio" else peers.get(col, {}).get(key)
+            if v is None:
+                cells.append("n/a")
+            elif base and col != "raw_cuda_bindings":
+                cells.append(f"{_fmt(v)} ({v / base:.2f}x raw)")
+            else:
+                cells.append(_fmt(v))
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | <= {limit}x raw |")
+        v = rt.get(key)
+        ok = None if v is None or not base else v / base <= limit
+        ratio = f"{v / base:.2f}x raw" if v is not None and base else "no raw figure"
+        checks.append(f"- {label}: {ratio} (target <= {limit}x): {_verdict(ok)}")
+
+    kernels = 4 * args.layers
+    label = f"decode step, {kernels} kernels, await per kernel, ms/token"
+    v = (ours.get("decode") or {}).get("trio: await per kernel")
+    trio_cell = "n/a" if v is None else _fmt(v) + (f" ({v / torch_eager:.2f}x torch)" if torch_eager else "")
+    torch_cell = "n/a" if torch_eager is None else _fmt(torch_eager)
+    lines.append(f"| {label} | {trio_cell} |  |  |  | {torch_cell} | <= PyTorch eager |")
+    ok = None if v is None or torch_eager is None else v <= torch_eager
+    ratio = f"{v / torch_eager:.2f}x torch eager" if v is not None and torch_eager else "no torch figure"
+    checks.append(f"- {label}: {ratio} (target <= 1x): {_verdict(ok)}")
+
+    for i, t in enumerate([args.tasks, *args.tasks_extra]):
+        r = (ours.get("tasks") or {}).get(t) or {}
+        v = r.get("awaits_per_s") if not r.get("error") else None
+        label = f"awaits/s, {t} concurrent tasks, tiny kernels" if t > 1 else "awaits/s, 1 task, tiny kernels"
+        target = ">= 60k" if i == 0 else ""
+        lines.append(f"| {label} | {'n/a' if v is None else _fmt(v)} |  |  |  |  | {target} |")
+        if i == 0:
+            ok = None if v is None else v >= 60_000
+            checks.append(f"- {label}: {'n/a' if v is None else _fmt(v)} (target >= 60000): {_verdict(ok)}")
+    return lines, checks
+
+
+def _idle_lines(idle: dict[str, Any] | None) -> list[str]:
+    if not idle:
+        return ["idle CPU: n/a"]
+    th = idle["notifier_thread_cpu_ms_per_s"]
+    # The target is the notifier's (the helper thread's CPU and its wake-ups); the
+    # process figure also counts the driver's own threads, reported as information.
+    ok = th is not None and th < _IDLE_TARGET_MS_PER_S and idle["notifier_during_idle"]["wakeups"] == 0 and not idle["error"]
+    return [
+        f"idle, notifier thread started: notifier thread {'n/a' if th is None else f'{th:.3f} ms'} CPU per s of idle "
+        f"(target ~0, read as < {_IDLE_TARGET_MS_PER_S:g}): {_verdict(ok)}; "
+        f"whole process (the CUDA driver's threads included) {idle['cpu_ms_per_s']:.3f} ms/s; "
+        f"{idle['context_switches_per_s']:.1f} context switches/s; "
+        f"helper wake-ups during idle {idle['notifier_during_idle']['wakeups']}, parked {idle['parked_now']}; "
+        f"{idle['idle_s']:.2f} s measured, helper started by a {idle['park_sleep_ms']:.0f} ms sleep kernel"
+    ]
+
+
+def _notifier_lines(ours: dict[str, Any]) -> list[str]:
+    lines = [
+        "| trio-cuda figure | awaits on the fast path | parked (slow path) | helper wake-ups | wake batches |",
+        "|---|---|---|---|---|",
+    ]
+    for name, d in ours["notifier"].items():
+        lines.append(f"| {name} | {d['fast_path']} | {d['slow_path']} | {d['wakeups']} | {d['batches']} |")
+    ds = ours.get("device_statistics") or {}
+    total = lowlevel.notifier_statistics()
+    lines.append("")
+    lines.append(
+        f"device 0 statistics: notifier_fast_path {ds.get('notifier_fast_path')}, notifier_slow_path "
+        f"{ds.get('notifier_slow_path')}, launches {ds.get('launches')}, submissions {ds.get('submissions')}, "
+        f"stream_waits {ds.get('stream_waits')}, streams {ds.get('streams')}; "
+        f"notifier_statistics() now: {dataclasses.asdict(total)}"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the simulated device")
+    ap.add_argument("--n", type=int, default=2000, help="tiny kernels in the chain figure")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of the chain and sync figures")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--tokens", type=int, default=30)
+    ap.add_argument("--tasks", type=int, default=256, help="concurrent tasks of the awaits/s figure")
+    ap.add_argument("--tasks-extra", default="1,16,64", help="task counts of the extra awaits/s rows")
+    ap.add_argument("--awaits", type=int, default=51_200, help="awaits per repetition of an awaits/s row (all tasks)")
+    ap.add_argument("--idle-s", type=float, default=1.0)
+    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    known, _ = ap.parse_known_args(argv)
+    if known.smoke:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
+    args.tasks_extra = [int(t) for t in str(args.tasks_extra).split(",") if t.strip()]
+
+    t_start = time.perf_counter()
+    ours = trio.run(_trio_part, args)
+    _progress("peers")
+    peers = {r["name"]: r for r in _peers.run_all(n=args.n, reps=args.reps)}
+    _progress("torch decode step")
+    torch_res, torch_error = bench_decode.torch_modes(args.hidden, args.layers, args.tokens)
+    torch_eager = torch_res.get("torch eager")
+
+    dev = trio_cuda.current_device()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rt = ours.get("runtime") or {}
+    header = (
+        f"# The host path of one await ({stamp})\n\n"
+        f"GPU: {dev.name} (cc {dev.compute_capability[0]}.{dev.compute_capability[1]}), backend {trio_cuda.backend_name()}, "
+        f"python {sys.version.split()[0]}, trio {trio.__version__}, trio-cuda {trio_cuda.__version__}; medians. "
+        f"Chain N={args.n}, reps={args.reps}; decode hidden {args.hidden}, {args.layers} layers, {args.tokens} tokens, "
+        f"one stream; awaits/s: {args.awaits} awaits per repetition over all tasks, 3 repetitions, "
+        f"default policy ({ours['policy']}).\n"
+    )
+    table, checks = build_rows(args, ours, peers, torch_eager)
+    notes = []
+    if rt.get("chain_build_us_per_op") is not None:
+        notes.append(f"- trio-cuda chain build cost (not in the chain figure): {rt['chain_build_us_per_op']:.2f} us/op")
+    for e in ours["errors"]:
+        notes.append(f"- ERROR trio-cuda {e}")
+    for name, r in peers.items():
+        if r.get("error"):
+            notes.append(f"- {name}: {r['error']}")
+    if torch_error:
+        notes.append(f"- torch decode step: {torch_error}")
+    text = "\n".join(
+        [
+            header,
+            *table,
+            "",
+            *_idle_lines(ours.get("idle")),
+            "",
+            *checks,
+            *notes,
+            "",
+            "Notifier counters spent by each trio-cuda figure:",
+            "",
+            *_notifier_lines(ours),
+            "",
+            f"Whole run: {time.perf_counter() - t_start:.1f} s.",
+            "",
+        ]
+    )
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    day = dt.date.today().isoformat()
+    (out / f"host-{day}.md").write_text(text)
+    record = {
+        "when": stamp,
+        "gpu": dev.name,
+        "backend": trio_cuda.backend_name(),
+        "args": vars(args),
+        "trio": ours,
+        "peers": list(peers.values()),
+        "torch_decode": torch_res,
+        "torch_decode_error": torch_error,
+    }
+    (out / f"host-{day}.json").write_text(json.dumps(record, indent=2, default=str))
+    return 1 if ours["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
