@@ -68,7 +68,9 @@ async def test_tickets_grow_across_streams_and_words_are_taken_back() -> None:
     np.testing.assert_array_equal(await y.to_host(), np.ones(64, np.float32))
     del s1, first, y
     gc.collect()
-    await api.zeros((1,))  # housekeeping destroys the dropped stream and takes its word back
+    await api.zeros((1,))  # housekeeping destroys the dropped stream...
+    await trio.to_thread.run_sync(dev.synchronize)  # ...its last work completes...
+    await api.zeros((1,))  # ...and the next housekeeping takes its word back
     assert word in dev._flag_free
     s2 = dev.create_stream()
     assert s2._flag == word  # the word is reused...
@@ -80,6 +82,8 @@ async def test_tickets_grow_across_streams_and_words_are_taken_back() -> None:
 
 async def test_streams_beyond_the_words_ask_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = trio_cuda.current_device()
+    await trio.to_thread.run_sync(dev.synchronize)
+    await api.zeros((1,))  # words of streams dropped earlier are back: none comes back below
     monkeypatch.setattr(dev, "_flag_free", [])
     s = dev.create_stream()
     assert s._flag == -1

@@ -169,7 +169,7 @@ class Device:
     _utility: Stream | None
     _policy: SchedulingPolicy | None
     _dead_streams: collections.deque[Stream]
-    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]]]]
+    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], int]]  # final event, keeps, word
     _event_pool: collections.deque[tuple[int, Any]]
     _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]], Any]]
     _dead_graphs: collections.deque[tuple[int, Any]]
@@ -228,10 +228,12 @@ class Device:
         return free.pop() if free else -1
 
     def _give_flag(self, s: Stream) -> None:
-        """Take back the word of a stream whose driver stream is gone. Under LOCK.
+        """Take back the word of a stream whose work is over (or went with a reset). Under LOCK.
 
-        Its last writes may still land; they carry older tickets than any the next owner
-        records, so they can only make that owner's events look pending, never done.
+        A word comes back only once nothing of its stream is pending: a new owner's
+        tickets are larger, so a pending event of the old owner would read them as its
+        own (a stream dropped with work in flight gives its word back when that work
+        completes, see _housekeeping).
         """
         if s._flag >= 0:
             self._flag_free.append(s._flag)
@@ -353,38 +355,38 @@ class Device:
         while dead:
             s = dead.popleft()
             if s.generation != gen or s.handle is None:
+                self._give_flag(s)  # its work went with a reset: no write of it can land
                 continue
-            if s._foreign:  # another library owns it: what it holds waits for its own work
-                if s.seq > s.done_seq or s._keep:
-                    s._final = s.event_at(s.seq)
-                    self._lingering.append((s._final, s._keep))
-                s.handle = None
-                self._give_flag(s)
-                continue
-            if s.seq > s.done_seq or s._keep:
+            pending = s.seq > s.done_seq or bool(s._keep)
+            if pending:
                 # Its last work may still run: an event after it stands in for the stream
                 # (for waits on it, synchronize() and out-of-memory retries), and holds
-                # what that work uses until it is done.
+                # what that work uses, and its completion word, until it is done (a new
+                # owner's later tickets would make its pending events read as done).
                 s._final = s.event_at(s.seq)
-                self._lingering.append((s._final, s._keep))
-            self._driver.destroy_stream(s.handle)
+                self._lingering.append((s._final, s._keep, s._flag))
+                s._flag = -1
+            if not s._foreign:  # another library's stream is never destroyed here
+                self._driver.destroy_stream(s.handle)
+                self._stats.streams_destroyed += 1
             s.handle = None
             self._give_flag(s)
-            self._stats.streams_destroyed += 1
         if self._lingering:
             still = []
-            for ev, keep in self._lingering:
+            for ev, keep, flag in self._lingering:
                 try:
                     done = self._driver.query(ev.handle)
                 except DeviceError:
                     done = False  # a fault: kept until the reset drops everything
                 if done:
+                    if flag >= 0:
+                        self._flag_free.append(flag)
                     for _, obj in keep:
                         release = getattr(obj, "stream_done", None)
                         if release is not None:
                             release()
                 else:
-                    still.append((ev, keep))
+                    still.append((ev, keep, flag))
             self._lingering = still
         graphs = self._dead_graphs
         while graphs:
@@ -463,8 +465,11 @@ class Device:
             self._resetting = True
             self.generation += 1
             self._event_pool.clear()
+            for dead in self._dead_streams:  # their work goes with the reset, and their words
+                self._give_flag(dead)
             self._dead_streams.clear()
             self._dead_graphs.clear()
+            self._flag_free.extend(flag for _, _, flag in self._lingering if flag >= 0)
             self._lingering = []
             self._bytes_in_use = 0
             wakers = list(self._blocking)
@@ -740,7 +745,7 @@ class Device:
             ev = s.event_at(s.seq) if s.capture is None else s.capture.outside_event(s, 0)
             if ev is not None and not ev.done:
                 out.append(ev)
-        for ev, _ in self._lingering:  # the last work of destroyed streams
+        for ev, _, _ in self._lingering:  # the last work of destroyed streams
             if not ev.done:
                 out.append(ev)
         return out

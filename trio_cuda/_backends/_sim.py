@@ -169,7 +169,7 @@ class _Alloc:
 
 
 class _SimStream:
-    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread")
+    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread", "words_off")
 
     def __init__(self, device: _SimDevice) -> None:
         self.device = device
@@ -179,6 +179,9 @@ class _SimStream:
         self.thread: threading.Thread | None = None
         self.capture: _Capture | None = None
         self.error: DeviceFault | None = None  # a failed cross-device wait, until the next record
+        # After a failure it writes no completion word again: a later ticket would say the
+        # failed work is done too (its waiters then learn the failure from a query).
+        self.words_off = False
 
     def enqueue(self, cmd: _Command) -> None:
         if self.capture is not None:
@@ -364,7 +367,9 @@ class _SimDevice(DeviceDriver):
         def complete() -> None:
             err = stream.error
             stream.error = None  # the failure ends with this submission's record
-            if words is not None and err is None and stream.generation == self.generation:
+            if err is not None:
+                stream.words_off = True
+            elif words is not None and not stream.words_off and stream.generation == self.generation:
                 words[flag] = value  # as the GPU's write: only after work that succeeded
             with _cond:
                 ticket.error = err
