@@ -186,7 +186,21 @@ async def test_scalars_negative_zero_nan_numpy_and_bool_are_keyed_by_value_and_t
     x = await api.from_host(hx)
     xi = await api.from_host(np.arange(8, dtype=np.int32))
     nan = float("nan")
-    scalars = [0.0, -0.0, nan, float("nan"), np.float32(2.5), np.float64(2.5), 2.5, True, 1, False, 0, np.int8(-3), np.bool_(True)]
+    scalars = [
+        0.0,
+        -0.0,
+        nan,
+        float("nan"),
+        np.float32(2.5),
+        np.float64(2.5),
+        2.5,
+        True,
+        1,
+        False,
+        0,
+        np.int8(-3),
+        np.bool_(True),
+    ]
     for _ in range(3):
         for s in scalars:
             got = await ops.multiply(x, s).to_host()
@@ -248,8 +262,12 @@ async def test_freed_and_reallocated_at_the_same_address_with_another_layout(dev
         drv._next = saved
     assert b.ptr == ptr
     for _ in range(3):
-        np.testing.assert_allclose(await ops.softmax(b.reshape(4, 4), axis=1).to_host(), softmax_ref(hb.reshape(4, 4), 1), rtol=1e-5)
-        np.testing.assert_allclose(await ops.sum(b.reshape(4, 4), axis=0).to_host(), hb.reshape(4, 4).sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            await ops.softmax(b.reshape(4, 4), axis=1).to_host(), softmax_ref(hb.reshape(4, 4), 1), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            await ops.sum(b.reshape(4, 4), axis=0).to_host(), hb.reshape(4, 4).sum(0), rtol=1e-5, atol=1e-5
+        )
 
 
 @pytest.mark.faults_device
@@ -283,9 +301,9 @@ async def test_graph_capture_of_a_cached_op_replays_on_changed_inputs(dev: trio_
         await ops.multiply(x, 3.0, out=y)
         await ops.sum(y, out=s)
     graph = ops.multiply(x, 3.0, out=y).then(lambda o: ops.sum(o, out=s)).graph()
-    for k in range(3):
+    for _ in range(3):
         hn = f32(16)
-        await api.copy(x, await api.from_host(hn)) if hasattr(api, "copy") else await ops.add(await api.from_host(hn), 0.0, out=x)
+        await ops.add(await api.from_host(hn), 0.0, out=x)  # new inputs in the same memory
         await graph.launch()
         np.testing.assert_allclose(await y.to_host(), hn * 3, rtol=1e-6)
         np.testing.assert_allclose(await s.to_host(), (hn * 3).sum(), rtol=1e-4, atol=1e-4)
@@ -411,7 +429,7 @@ def test_threads_calling_the_same_cached_op_with_sync() -> None:
                     raise AssertionError(f"thread {i} iteration {j}: wrong multiply")
                 got = ops.softmax(y).sync().to_host().sync()
                 np.testing.assert_allclose(got, softmax_ref(hy, 0), rtol=1e-5, atol=1e-7)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
@@ -432,7 +450,7 @@ async def test_concurrent_tasks_on_the_same_ops() -> None:
     async def task(i: int) -> None:
         acc = await api.zeros((64,))
         got = []
-        for j in range(20):
+        for _j in range(20):
             await ops.add(acc, x, out=acc)
             r = await ops.multiply(acc, 0.5)
             got.append(await r.to_host())
@@ -450,7 +468,7 @@ async def test_eviction_under_many_distinct_calls_keeps_results_right() -> None:
     hx = f32(8)
     x = await api.from_host(hx)
     out = await api.zeros((8,))
-    for rnd in range(2):
+    for _rnd in range(2):
         for i in range(1100):
             if i % 97 == 0:
                 np.testing.assert_allclose(await ops.add(x, float(i), out=out).to_host(), hx + np.float32(i), rtol=1e-6)
@@ -624,7 +642,7 @@ async def test_more_streams_than_words_all_work_and_words_come_back() -> None:
     assert len(set(held)) == len(held)  # no word held by two live streams
     held_by_others = {s._flag for s in dev.policy.streams}
     assert not (set(held) & held_by_others)
-    for i, s in enumerate(streams[-60:]):
+    for s in streams[-60:]:
         done = await lowlevel.submit(ops.add(x, 1.0, out=x), s)
         await done.wait()
     np.testing.assert_array_equal(await x.to_host(), np.full(4, 60.0, np.float32))
@@ -658,7 +676,7 @@ async def test_words_of_streams_dropped_before_a_reset_come_back() -> None:
 
 async def test_events_never_read_done_before_their_work_over_many_streams() -> None:
     dev = trio_cuda.current_device()
-    for rnd in range(4):
+    for _rnd in range(4):
         streams = [dev.create_stream() for _ in range(20)]
         evs = []
         c = await counter()
