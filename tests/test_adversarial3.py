@@ -21,6 +21,7 @@ from trio_cuda.kernels import sleep
 
 from .conftest import counter, needs_devices
 from .test_adversarial import scribble
+from .test_flags import pytestmark as words_only
 
 RNG = np.random.default_rng(1234)
 
@@ -224,7 +225,7 @@ async def test_where_with_scalar_conditions_and_branches() -> None:
 
 
 async def test_dtype_changes_of_the_same_memory_are_keyed_apart() -> None:
-    h = f32(8)
+    h = np.abs(f32(8))  # a negative float cast to uint8 is undefined (numpy wraps, GPUs saturate)
     x = await api.from_host(h)
     out64 = await api.zeros((8,), np.float64)
     out16 = await api.zeros((8,), np.float16)
@@ -568,6 +569,7 @@ async def test_shared_cached_op_used_twice_in_one_dag() -> None:
 # ======================================================================================
 # 2. completion words
 # ======================================================================================
+@words_only
 async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused() -> None:
     dev = trio_cuda.current_device()
     c = await counter()
@@ -629,6 +631,7 @@ async def test_a_failed_submission_does_not_read_done_after_a_later_success_on_i
     await trio.to_thread.run_sync(trio_cuda.device(1).reset)
 
 
+@words_only
 async def test_more_streams_than_words_all_work_and_words_come_back() -> None:
     dev = trio_cuda.current_device()
     for _ in range(3):
@@ -636,7 +639,7 @@ async def test_more_streams_than_words_all_work_and_words_come_back() -> None:
         await api.zeros((1,))
     free0 = len(dev._flag_free)
     x = await api.zeros((4,))
-    streams = [dev.create_stream() for _ in range(free0 + 40)]
+    streams = [dev.create_stream() for _ in range(free0 + 60)]
     held = [s._flag for s in streams if s._flag >= 0]
     assert len(held) >= free0
     assert len(set(held)) == len(held)  # no word held by two live streams
@@ -653,6 +656,7 @@ async def test_more_streams_than_words_all_work_and_words_come_back() -> None:
     assert len(dev._flag_free) >= free0
 
 
+@words_only
 @pytest.mark.faults_device
 async def test_words_of_streams_dropped_before_a_reset_come_back() -> None:
     dev = trio_cuda.current_device()
