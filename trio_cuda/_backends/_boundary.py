@@ -141,6 +141,14 @@ class GemmDesc:
     allow_tf32: bool = False
     align: int = 256  # the smallest alignment (bytes) of the pointers, up to 256
 
+    def __hash__(self) -> int:
+        # Computed once: a GEMM's plan is looked up by its desc at every launch.
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(dataclasses.astuple(self))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 def gemm_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of a GemmDesc dtype name."""
@@ -378,10 +386,11 @@ class DeviceDriver(abc.ABC):
 
     # -- libraries ------------------------------------------------------------
     @abc.abstractmethod
-    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:
+    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any, capturing: bool | None = None) -> None:
         """Enqueue ``D = epilogue(A @ B + bias)`` as ``desc`` describes it (row-major
-        terms; pointers are device addresses; ``bias`` is 0 without one). Raises
-        LaunchError if the library refuses the problem."""
+        terms; pointers are device addresses; ``bias`` is 0 without one). ``capturing``
+        says whether ``stream`` is recording a graph (None: unknown, the backend asks the
+        driver). Raises LaunchError if the library refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

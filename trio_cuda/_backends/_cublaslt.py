@@ -131,24 +131,30 @@ class _Plan:
         self._results = results[:n]  # the algo pointer points into it
         self.algo = self._results[0]["algo"].ctypes.data
         self.workspace = int(self._results.workspace_size[0])
+        # Pointers taken once (numpy's .ctypes costs microseconds per use).
         self.alpha = np.array(1, dtype=self.scalar)
         self.beta = np.array(0, dtype=self.scalar)
+        self.alpha_ptr = self.alpha.ctypes.data
+        self.beta_ptr = self.beta.ctypes.data
+        self.bias_buf = np.zeros(1, dtype=lt.get_matmul_desc_attribute_dtype(MD.BIAS_POINTER))
+        self.bias_ptr = self.bias_buf.ctypes.data
+        self.bias_attr = MD.BIAS_POINTER
         self.handle = handle
 
     def run(self, a: int, b: int, d: int, bias: int, ws: int, ws_bytes: int, stream: int) -> None:
         lt = self.lt
         if self.has_bias:
-            MD = lt.MatmulDescAttribute
-            _set(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, self.desc, MD.BIAS_POINTER, bias)
+            self.bias_buf[0] = bias
+            lt.matmul_desc_set_attribute(self.desc, self.bias_attr, self.bias_ptr, self.bias_buf.itemsize)
         lt.matmul(
             self.handle,
             self.desc,
-            self.alpha.ctypes.data,
+            self.alpha_ptr,
             b,
             self.la,
             a,
             self.lb,
-            self.beta.ctypes.data,
+            self.beta_ptr,
             d,
             self.ld,
             d,

@@ -624,12 +624,14 @@ class CudaDevice(DeviceDriver):
             return None  # not reached (or the device faulted): left out of the trace
         return host + float(ms) / 1e3
 
-    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> None:
-        self._current()
-        err, status = cu.cuStreamIsCapturing(stream)
-        if err != _SUCCESS:
-            raise error(err, "cuStreamIsCapturing", self)
-        capturing = status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any, capturing: bool | None = None) -> None:
+        if _tls.token is not self._token:
+            self._current()
+        if capturing is None:
+            err, status = cu.cuStreamIsCapturing(stream)
+            if err != _SUCCESS:
+                raise error(err, "cuStreamIsCapturing", self)
+            capturing = status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
         gemms = self._gemms
         try:
             plan = gemms.plan(desc, capturing)

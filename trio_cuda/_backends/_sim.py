@@ -624,7 +624,9 @@ class _SimDevice(DeviceDriver):
     def timestamp_seconds(self, reference: Any, stamp: list[float]) -> float | None:
         return stamp[0] if stamp else None
 
-    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: _SimStream) -> None:
+    def matmul(
+        self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: _SimStream, capturing: bool | None = None
+    ) -> None:
         """numpy's matmul with cuBLASLt's arithmetic: float32 accumulation for half types
         (float64 for float64), TF32 rounding of float32 inputs when allowed, the epilogue
         in the accumulation type, one rounding into D."""

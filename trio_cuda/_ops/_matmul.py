@@ -99,7 +99,11 @@ def _gemm_step(lane: Lane, arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor |
     align = _align(a, b, d, bias)  # known now that the memory is allocated
     if desc.align != align:
         desc = dataclasses.replace(desc, align=align)
-    lane.device._driver.matmul(desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0, lane.stream.handle)
+    s = lane.stream
+    # Whether the stream records a graph: known here, except for another library's
+    # stream, which that library may be capturing (the backend then asks the driver).
+    capturing = None if s._foreign else lane.plan.capture is not None
+    lane.device._driver.matmul(desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0, s.handle, capturing)
     seq = lane.end()
     lane.wrote(d._buffer, seq, d._tracked)
     for t in (a, b, bias):
