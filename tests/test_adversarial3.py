@@ -572,6 +572,8 @@ async def test_shared_cached_op_used_twice_in_one_dag() -> None:
 @words_only
 async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused() -> None:
     dev = trio_cuda.current_device()
+    x = await api.zeros((8,))
+    await ops.add(x, 1.0, out=x)  # loaded now: on CUDA, loading a module waits for running kernels
     c = await counter()
     s1 = dev.create_stream()
     word = s1._flag
@@ -581,15 +583,16 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     assert ev is not None and ev.flag == word
     del pending, c
     # drop the stream (its pending work still runs): its word must not go to another
-    # stream while that work runs (the new owner's later tickets would read as its own)
+    # stream while that work runs (the new owner's later tickets would read as its own).
+    # Submissions that allocate nothing run the housekeeping: on CUDA a new allocation
+    # may reuse the counter's memory, whose free waits for the sleep, and wait with it.
     del s1
     for _ in range(3):
         gc.collect()
-        await api.zeros((1,))
+        await ops.add(x, 0.0, out=x)
     assert word not in dev._flag_free, "the word of a stream with pending work was given away"
     streams = [dev.create_stream() for _ in range(8)]
     assert all(s._flag != word for s in streams)
-    x = await api.zeros((8,))
     for s2 in streams:
         await (await lowlevel.submit(ops.add(x, 1.0, out=x), s2)).wait()
     assert not dev._driver.query(ev.handle), "test setup: the sleep should still run"
