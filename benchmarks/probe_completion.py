@@ -71,20 +71,29 @@ async def main(rounds: int) -> None:
     spin0 = 20_000
     n_rt = 1000
     count = 0
+
+    async def round_trips(s: Any) -> float:
+        """The median of n_rt awaits of one tiny op, on ``s`` (None: the pool's next stream)."""
+        rt = []
+        for _ in range(n_rt):
+            op = inc(p)
+            t0 = ns()
+            if s is None:
+                await op
+            else:
+                await _submit.run_async(op, s)
+            rt.append((ns() - t0) / 1e3)
+        return statistics.median(rt)
+
     for _ in range(rounds):
         for words in (True, False):
             s = streams[words]
             for spin in (0, spin0):
                 _notifier._spin_ns = spin
                 # affinity: always the same stream (the written buffer's)
-                rt = []
-                for _ in range(n_rt):
-                    op = inc(p)
-                    t0 = ns()
-                    await _submit.run_async(op, s)
-                    rt.append((ns() - t0) / 1e3)
+                rt = await round_trips(s)
                 count += n_rt
-                note(f"round trip, words {'on' if words else 'off'}, spin {spin // 1000} us, one stream", statistics.median(rt))
+                note(f"round trip, words {'on' if words else 'off'}, spin {spin // 1000} us, one stream", rt)
             _notifier._spin_ns = 0
             # chain awaited once on that stream
             op = inc(p)
@@ -97,14 +106,9 @@ async def main(rounds: int) -> None:
         # the pool's next stream (pool streams have words: made before the hiding)
         for spin in (0, spin0):
             _notifier._spin_ns = spin
-            rt = []
-            for _ in range(n_rt):
-                op = inc(p)
-                t0 = ns()
-                await op
-                rt.append((ns() - t0) / 1e3)
+            rt = await round_trips(None)
             count += n_rt
-            note(f"round trip, words on, spin {spin // 1000} us, pool's next stream", statistics.median(rt))
+            note(f"round trip, words on, spin {spin // 1000} us, pool's next stream", rt)
         _notifier._spin_ns = 0
         for tasks in (16, 256):
             per = 12_800 // tasks

@@ -50,13 +50,15 @@ def row(label: str, us: float) -> None:
     print(f"{label:<70} {us:8.3f} us", flush=True)
 
 
-def per_call(fn: Any, n: int) -> float:
-    best = []
+def per_call(n: int, fn: Any, *args: Any) -> float:
+    """us per call of ``fn(*args)``, median of 5 runs of ``n`` calls."""
+    runs = []
     for _ in range(5):
         t0 = ns()
-        fn(n)
-        best.append((ns() - t0) / n / 1e3)
-    return statistics.median(best)
+        for _ in range(n):
+            fn(*args)
+        runs.append((ns() - t0) / n / 1e3)
+    return statistics.median(runs)
 
 
 async def main(n: int) -> None:
@@ -81,64 +83,30 @@ async def main(n: int) -> None:
     params = prepared.params
     launch = cu.cuLaunchKernel
 
-    def l_obj(k: int) -> None:
-        for _ in range(k):
-            launch(f, 1, 1, 1, 32, 1, 1, 0, h, params, 0)
-
     hint = int(h)
-
-    def l_int(k: int) -> None:
-        for _ in range(k):
-            launch(f, 1, 1, 1, 32, 1, 1, 0, hint, params, 0)
-
     ev_plain = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)[1]
     ev_ours = drv.create_event()
     record, query = cu.cuEventRecord, cu.cuEventQuery
 
-    def r_plain(k: int) -> None:
-        for _ in range(k):
-            record(ev_plain, h)
-
-    def r_ours(k: int) -> None:
-        for _ in range(k):
-            record(ev_ours, h)
-
-    def q(k: int) -> None:
-        for _ in range(k):
-            query(ev_plain)
-
-    def q_drv(k: int) -> None:
-        for _ in range(k):
-            drv.query(ev_plain)
-
-    def launch_drv(k: int) -> None:
-        for _ in range(k):
-            drv.launch(prepared, h)
-
     cu.cuStreamSynchronize(h)
-    row("cuda.bindings cuLaunchKernel, CUstream", per_call(l_obj, n))
+    row("cuda.bindings cuLaunchKernel, CUstream", per_call(n, launch, f, 1, 1, 1, 32, 1, 1, 0, h, params, 0))
     cu.cuStreamSynchronize(h)
-    row("cuda.bindings cuLaunchKernel, int stream", per_call(l_int, n))
+    row("cuda.bindings cuLaunchKernel, int stream", per_call(n, launch, f, 1, 1, 1, 32, 1, 1, 0, hint, params, 0))
     cu.cuStreamSynchronize(h)
-    row("driver.launch (ours)", per_call(launch_drv, n))
+    row("driver.launch (ours)", per_call(n, drv.launch, prepared, h))
     cu.cuStreamSynchronize(h)
-    row("cuda.bindings cuEventRecord, timing off", per_call(r_plain, n))
+    row("cuda.bindings cuEventRecord, timing off", per_call(n, record, ev_plain, h))
     cu.cuStreamSynchronize(h)
-    row("cuda.bindings cuEventRecord, timing off + blocking sync", per_call(r_ours, n))
+    row("cuda.bindings cuEventRecord, timing off + blocking sync", per_call(n, record, ev_ours, h))
     cu.cuStreamSynchronize(h)
-    row("cuda.bindings cuEventQuery (done)", per_call(q, n))
-    row("driver.query (ours, done)", per_call(q_drv, n))
-    ev_handle = ev_plain  # noqa: F841
+    row("cuda.bindings cuEventQuery (done)", per_call(n, query, ev_plain))
+    row("driver.query (ours, done)", per_call(n, drv.query, ev_plain))
 
     lib = ctypes.CDLL("libcuda.so.1")
     c_launch = lib.cuLaunchKernel
     c_launch.restype = ctypes.c_int
     c_launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     fptr, sptr = int(f), hint
-
-    def c_l(k: int) -> None:
-        for _ in range(k):
-            c_launch(fptr, 1, 1, 1, 32, 1, 1, 0, sptr, params, None)
 
     c_rec = lib.cuEventRecord
     c_rec.restype = ctypes.c_int
@@ -148,19 +116,11 @@ async def main(n: int) -> None:
     c_q.argtypes = [ctypes.c_void_p]
     eptr = int(ev_plain)
 
-    def c_r(k: int) -> None:
-        for _ in range(k):
-            c_rec(eptr, sptr)
-
-    def c_qq(k: int) -> None:
-        for _ in range(k):
-            c_q(eptr)
-
-    row("ctypes cuLaunchKernel", per_call(c_l, n))
+    row("ctypes cuLaunchKernel", per_call(n, c_launch, fptr, 1, 1, 1, 32, 1, 1, 0, sptr, params, None))
     cu.cuStreamSynchronize(h)
-    row("ctypes cuEventRecord", per_call(c_r, n))
+    row("ctypes cuEventRecord", per_call(n, c_rec, eptr, sptr))
     cu.cuStreamSynchronize(h)
-    row("ctypes cuEventQuery (done)", per_call(c_qq, n))
+    row("ctypes cuEventQuery (done)", per_call(n, c_q, eptr))
 
     # trio's costs
     t0 = ns()

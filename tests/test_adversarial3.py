@@ -22,17 +22,7 @@ from trio_cuda.kernels import sleep
 from .conftest import counter, needs_devices
 from .test_adversarial import scribble
 from .test_flags import pytestmark as words_only
-
-RNG = np.random.default_rng(1234)
-
-
-def f32(*shape: int) -> np.ndarray:
-    return RNG.uniform(-2, 2, shape).astype(np.float32)
-
-
-def stats() -> tuple[int, int]:
-    s = _core.cache_statistics()
-    return s.hits, s.misses
+from .test_ops_cache import f32
 
 
 def softmax_ref(x: np.ndarray, axis: int) -> np.ndarray:
