@@ -630,7 +630,7 @@ class Device:
             if ev.error is not None:
                 raise fresh(ev.error)
             return True
-        if self.reached(ev):
+        if ev.flag >= 0 and self.reached(ev):
             with LOCK:
                 if ev.generation == self.generation:  # not reset since the word was read
                     ev.done = True
