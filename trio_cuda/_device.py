@@ -184,6 +184,7 @@ class Device:
     _flags: memoryview | None  # the driver's completion words (see reached())
     _flag_free: list[int]  # words no stream holds
     _ticket: int  # the last ticket given to a recorded event (grows for the process)
+    _foreign_streams: bool  # another library's stream was wrapped (it may pull ours into its capture)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Device cannot be constructed directly; use trio_cuda.device(i) or trio_cuda.devices()")
@@ -219,6 +220,7 @@ class Device:
         self._flags = words
         self._flag_free = list(range(len(words) - 1, -1, -1)) if words is not None else []
         self._ticket = 0
+        self._foreign_streams = False
         return self
 
     # -- completion words -----------------------------------------------------------
@@ -295,6 +297,7 @@ class Device:
             self.check_usable()
             s = Stream._new(self, self._driver.foreign_stream(handle))
             s._foreign = True
+            self._foreign_streams = True
             self._streams.add(s)
             return s
 
@@ -465,9 +468,9 @@ class Device:
             self._resetting = True
             self.generation += 1
             self._event_pool.clear()
-            for dead in self._dead_streams:  # their work goes with the reset, and their words
-                self._give_flag(dead)
-            self._dead_streams.clear()
+            dead = self._dead_streams  # filled lock-free by finalizers (any thread): drained
+            while dead:
+                self._give_flag(dead.popleft())  # their work goes with the reset, and their words
             self._dead_graphs.clear()
             self._flag_free.extend(flag for _, _, flag in self._lingering if flag >= 0)
             self._lingering = []

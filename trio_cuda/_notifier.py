@@ -220,24 +220,23 @@ async def wait_event(event: Event) -> None:
         return
     # One pass of the scheduler covers a tiny op's latency (~5 us on an H200): the
     # common case, kept free of the budget's bookkeeping.
+    clock = time.perf_counter_ns
+    started = clock()
     await trio.lowlevel.checkpoint()
     if dev.poll(event):
         _paths[0] += 1
         return
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
     spin = _spin_ns if _spin_ns is not None else spin_ns()
-    clock = time.perf_counter_ns
-    deadline = clock() + budget
-    while True:
+    deadline = started + budget  # a budget of 0 parks what this first poll found pending
+    while clock() < deadline:
         before = clock()
         await trio.lowlevel.checkpoint()
         if dev.poll(event):
             _paths[0] += 1
             return
         now = clock()
-        if now >= deadline:
-            break
-        if now - before < spin:
+        if spin and now - before < spin and now < deadline:
             # The scheduler came back at once (few tasks are running): spin on the
             # completion word for a moment instead of another pass of the loop.
             end = min(now + spin, deadline)

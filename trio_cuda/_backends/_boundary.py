@@ -149,6 +149,10 @@ class GemmDesc:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The cached hash stays behind: string hashes differ between processes.
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
 
 def gemm_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of a GemmDesc dtype name."""
@@ -386,11 +390,23 @@ class DeviceDriver(abc.ABC):
 
     # -- libraries ------------------------------------------------------------
     @abc.abstractmethod
-    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any, capturing: bool | None = None) -> None:
+    def matmul(
+        self,
+        desc: GemmDesc,
+        a: int,
+        b: int,
+        d: int,
+        bias: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
         """Enqueue ``D = epilogue(A @ B + bias)`` as ``desc`` describes it (row-major
         terms; pointers are device addresses; ``bias`` is 0 without one). ``capturing``
         says whether ``stream`` is recording a graph (None: unknown, the backend asks the
-        driver). Raises LaunchError if the library refuses the problem."""
+        driver); ``foreign``: another library's stream (no per-stream state is kept for
+        it: that library may destroy it and reuse its handle). Raises LaunchError if the
+        library refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

@@ -624,7 +624,17 @@ class CudaDevice(DeviceDriver):
             return None  # not reached (or the device faulted): left out of the trace
         return host + float(ms) / 1e3
 
-    def matmul(self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any, capturing: bool | None = None) -> None:
+    def matmul(
+        self,
+        desc: GemmDesc,
+        a: int,
+        b: int,
+        d: int,
+        bias: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
         if _tls.token is not self._token:
             self._current()
         if capturing is None:
@@ -634,11 +644,13 @@ class CudaDevice(DeviceDriver):
             capturing = status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
         gemms = self._gemms
         try:
-            plan = gemms.plan(desc, capturing)
+            plan = gemms.plan(desc, capturing or foreign)  # True: a plan that needs no workspace
         except (RuntimeError, ImportError) as exc:
             raise LaunchError(f"matmul {desc.m}x{desc.k} @ {desc.k}x{desc.n} ({desc.dtype}): {exc}", device=self.ordinal) from exc
         ws, ws_bytes = 0, 0
-        if plan.workspace and not capturing:
+        # No workspace on another library's stream: it would be keyed by a handle the
+        # library may destroy and hand out again (and nothing would free it).
+        if plan.workspace and not capturing and not foreign:
             key = int(stream)
             ws = gemms.workspaces.get(key, 0)
             if not ws:

@@ -625,7 +625,15 @@ class _SimDevice(DeviceDriver):
         return stamp[0] if stamp else None
 
     def matmul(
-        self, desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: _SimStream, capturing: bool | None = None
+        self,
+        desc: GemmDesc,
+        a: int,
+        b: int,
+        d: int,
+        bias: int,
+        stream: _SimStream,
+        capturing: bool | None = None,
+        foreign: bool = False,
     ) -> None:
         """numpy's matmul with cuBLASLt's arithmetic: float32 accumulation for half types
         (float64 for float64), TF32 rounding of float32 inputs when allowed, the epilogue

@@ -100,10 +100,12 @@ def _gemm_step(lane: Lane, arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor |
     if desc.align != align:
         desc = dataclasses.replace(desc, align=align)
     s = lane.stream
-    # Whether the stream records a graph: known here, except for another library's
-    # stream, which that library may be capturing (the backend then asks the driver).
-    capturing = None if s._foreign else lane.plan.capture is not None
-    lane.device._driver.matmul(desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0, s.handle, capturing)
+    # Whether the stream records a graph: known here, unless another library's stream
+    # was wrapped on this device: that library may be capturing it, and one of ours that
+    # waited for its work joins that capture (the backend then asks the driver).
+    capturing = None if lane.device._foreign_streams else lane.plan.capture is not None
+    bias_ptr = bias.ptr if bias is not None else 0
+    lane.device._driver.matmul(desc, a.ptr, b.ptr, d.ptr, bias_ptr, s.handle, capturing, s._foreign)
     seq = lane.end()
     lane.wrote(d._buffer, seq, d._tracked)
     for t in (a, b, bias):
