@@ -703,7 +703,7 @@ async def test_reset_in_another_thread_during_waits() -> None:
     s = dev.create_stream()
     evs = []
     for _ in range(5):
-        evs.append((await lowlevel.submit(sleep(c, 100_000_000), s)).event)
+        evs.append((await lowlevel.submit(sleep(c, 500_000_000), s)).event)
     outcomes: list[str] = []
 
     async def waiter(ev) -> None:  # type: ignore[no-untyped-def]
@@ -721,7 +721,7 @@ async def test_reset_in_another_thread_during_waits() -> None:
         await trio.lowlevel.checkpoint()
         await trio.to_thread.run_sync(dev.reset)
     # The device was reset while the sleeps ran: nothing after the reset may say done
-    # unless its work had really completed before it (the first ~100 ms sleep at most).
+    # unless its work had really completed before it (the first 0.5 s sleep at most).
     assert outcomes.count("done") <= 1, outcomes
     y = await api.zeros((4,))
     await (await lowlevel.submit(ops.add(y, 1.0, out=y), s)).wait()

@@ -44,7 +44,7 @@ async def test_a_word_says_pending_until_the_work_is_done() -> None:
     dev = trio_cuda.current_device()
     c = await counter()
     s = dev.create_stream()
-    pending = await lowlevel.submit(sleep(c, 50_000_000), s)  # about 50 ms of device time
+    pending = await lowlevel.submit(sleep(c, 300_000_000), s)  # 0.3 s: still running when checked
     ev = pending.event
     assert ev is not None
     assert not dev.reached(ev)
