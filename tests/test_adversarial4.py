@@ -248,7 +248,7 @@ def _poll_not_done_at_first(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Devi
     """The trio thread's first poll of each event answers 'not done' (the op completes
     just after it); the notifier thread's polls and later ones ask the device."""
     trio_thread = threading.get_ident()
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # the events themselves are kept: an id is not reused meanwhile
     polls: list[int] = []
     orig = dev.poll
 
@@ -256,7 +256,7 @@ def _poll_not_done_at_first(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Devi
         if threading.get_ident() == trio_thread:
             polls.append(id(ev))
             if id(ev) not in seen:
-                seen.add(id(ev))
+                seen[id(ev)] = ev
                 return False
         return orig(ev)
 

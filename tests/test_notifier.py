@@ -35,8 +35,8 @@ async def test_long_waits_park_on_the_helper_thread() -> None:
 
 
 async def test_no_thread_per_wait() -> None:
-    for _ in range(len(trio_cuda.current_device().policy.streams)):
-        await sleep(counter(), 1000)  # start the notifier and every pool stream
+    for s in trio_cuda.current_device().policy.streams:  # start every pool stream
+        await (await lowlevel.submit(sleep(counter(), 1000), s)).wait()
     await sleep(counter(), 1_000_000)  # and park once, so the helper thread exists
     threads_before = threading.active_count()
     parked_peak = 0

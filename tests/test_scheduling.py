@@ -9,7 +9,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, ops
 from trio_cuda.kernels import saxpy, sleep
 
 from .conftest import counter, needs_devices
@@ -138,3 +138,42 @@ async def test_several_devices_work_concurrently() -> None:
     assert elapsed < 2.2 * SLOW_NS / 1e9, f"three devices took {elapsed:.3f} s"
     for i in range(3):
         np.testing.assert_array_equal(results[i], np.full(8, 2.0 * i + 1, np.float32))
+
+
+async def test_one_await_after_another_stays_on_one_pool_stream(dev: trio_cuda.Device) -> None:
+    # The pool hands a submission the previous submission's stream while that stream is
+    # known idle: serial awaits do not hop over the pool (each hop costs ~3 us on an H200).
+    old = dev.policy
+    p = dev.policy = trio_cuda.StreamPoolRoundRobin(dev)
+    try:
+        x = await api.zeros((64,))
+        before = [s.seq for s in p.streams]
+        for _ in range(6):
+            await ops.add(x, 1.0, out=x)
+        moved = [s for s, b in zip(p.streams, before, strict=True) if s.seq != b]
+        assert len(moved) == 1, f"{len(moved)} pool streams used by 6 serial awaits"
+        np.testing.assert_array_equal(await x.to_host(), np.full(64, 6.0, np.float32))
+        assert len({p.next_stream() for _ in range(4)}) == 4  # branches still rotate
+    finally:
+        dev.policy = old
+
+
+async def test_submissions_while_work_runs_spread_over_the_pool(dev: trio_cuda.Device) -> None:
+    old = dev.policy
+    p = dev.policy = trio_cuda.StreamPoolRoundRobin(dev)
+    try:
+        counters = [await counter() for _ in range(8)]
+        before = [s.seq for s in p.streams]
+        async with trio.open_nursery() as nursery:
+            for c in counters:  # all submitted before any of them completes (0.3 s each)
+                nursery.start_soon(_await, sleep(c, SLOW_NS))
+        moved = [s for s, b in zip(p.streams, before, strict=True) if s.seq != b]
+        assert len(moved) == 4, f"8 concurrent submissions used {len(moved)} of the 4 pool streams"
+        for c in counters:
+            np.testing.assert_array_equal(await c.tensor.to_host(), [1])
+    finally:
+        dev.policy = old
+
+
+async def _await(op: object) -> None:
+    await op  # type: ignore[misc]

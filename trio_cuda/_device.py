@@ -168,6 +168,7 @@ class Device:
     _streams: weakref.WeakSet[Stream]
     _utility: Stream | None
     _policy: SchedulingPolicy | None
+    _pick: Callable[[], Stream] | None  # the policy's choice of a submission's stream
     _dead_streams: collections.deque[Stream]
     _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], int]]  # final event, keeps, word
     _event_pool: collections.deque[tuple[int, Any]]
@@ -202,6 +203,7 @@ class Device:
         self._streams = weakref.WeakSet()
         self._utility = None
         self._policy = None
+        self._pick = None
         # Lock-free queues, filled by finalizers and drained under LOCK.
         self._dead_streams = collections.deque()
         self._lingering = []
@@ -411,7 +413,9 @@ class Device:
                 p = self._policy
                 if p is None:
                     assert _default_policy_factory is not None, "trio_cuda._scheduling is not imported"
-                    p = self._policy = _default_policy_factory(self)
+                    p = _default_policy_factory(self)
+                    self._pick = getattr(p, "submission_stream", None) or p.next_stream
+                    self._policy = p
         return p
 
     @policy.setter
@@ -421,7 +425,20 @@ class Device:
             raise TypeError(f"expected a SchedulingPolicy, got {policy!r}")
         if device is not self:
             raise ValueError(f"the policy schedules on device {device.ordinal}, not device {self.ordinal}")
-        self._policy = policy
+        with LOCK:
+            self._pick = getattr(policy, "submission_stream", None) or policy.next_stream
+            self._policy = policy
+
+    def _submission_stream(self) -> Stream:
+        """The stream for a submission that names none (``await op``, ``op.sync()``,
+        ``lowlevel.submit(op)``): the policy's ``submission_stream`` if it has one, else
+        its ``next_stream``."""
+        pick = self._pick
+        if pick is None:
+            self.policy  # noqa: B018 (makes the default policy, and _pick)
+            pick = self._pick
+            assert pick is not None
+        return pick()
 
     # -- faults and reset -----------------------------------------------------------
     @property

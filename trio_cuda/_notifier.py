@@ -210,25 +210,29 @@ async def wait_event(event: Event) -> None:
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
+    if _budget_ns is None or _spin_ns is None:  # read (and checked) at the first wait
+        poll_budget_ns()
+        spin_ns()
     dev = event.device
-    # Just submitted, device work is almost never done yet: what is known complete, or
-    # says so in its completion word, returns here; the rest is first asked after a
-    # pass of the scheduler (a driver query right away costs ~2 us and finds it pending).
-    if (event.done or (event.flag >= 0 and dev.reached(event))) and dev.poll(event):
-        _paths[0] += 1
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return
-    # One pass of the scheduler covers a tiny op's latency (~5 us on an H200): the
-    # common case, kept free of the budget's bookkeeping.
     clock = time.perf_counter_ns
     started = clock()
-    await trio.lowlevel.checkpoint()
-    if dev.poll(event):
-        _paths[0] += 1
-        return
+    if event.done or (event.flag >= 0 and dev.reached(event)):
+        # Known complete, or its completion word says so: the first poll, right away.
+        if dev.poll(event):
+            _paths[0] += 1
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+    else:
+        # Just submitted, device work is almost never done yet (a driver query right
+        # away costs ~2 us and finds it pending): the first poll comes after one pass of
+        # the scheduler, which covers a tiny op's latency (~5 us on an H200).
+        await trio.lowlevel.checkpoint()
+        if dev.poll(event):
+            _paths[0] += 1
+            return
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
-    spin = _spin_ns if _spin_ns is not None else spin_ns()
-    deadline = started + budget  # a budget of 0 parks what this first poll found pending
+    spin = _spin_ns if _spin_ns is not None else spin_ns()  # (a test may have reset them)
+    deadline = started + budget  # a budget of 0 parks what the first poll found pending
     while clock() < deadline:
         before = clock()
         await trio.lowlevel.checkpoint()

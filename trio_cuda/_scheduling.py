@@ -32,6 +32,12 @@ class SchedulingPolicy(abc.ABC):
     def next_stream(self) -> Stream:
         """The stream for the next submission or independent branch (any thread)."""
 
+    def submission_stream(self) -> Stream:
+        """The stream for a submission that names none (``await op``, ``op.sync()``,
+        ``lowlevel.submit(op)``); independent branches inside it use :meth:`next_stream`.
+        By default :meth:`next_stream` (any thread)."""
+        return self.next_stream()
+
     @property
     @abc.abstractmethod
     def streams(self) -> tuple[Stream, ...]:
@@ -40,6 +46,13 @@ class SchedulingPolicy(abc.ABC):
 
 class StreamPoolRoundRobin(SchedulingPolicy):
     """Rotates over a fixed pool of streams so independent work overlaps (the default).
+
+    A submission goes to the stream the previous submission got while that stream is
+    known to be idle (everything on it seen complete), and to the next stream of the
+    pool otherwise: work submitted while earlier work still runs is spread, one await
+    after another stays on one stream (measured on an H200: ~3 us less per await than
+    moving to an idle stream each time). Independent branches of one submission always
+    rotate.
 
     Args:
         device: The device (default: the current device).
@@ -52,9 +65,17 @@ class StreamPoolRoundRobin(SchedulingPolicy):
         self._streams = tuple(self.device.create_stream() for _ in range(n))
         # itertools.cycle's __next__ is one C call: atomic under the GIL, no lock needed.
         self._next = itertools.cycle(self._streams).__next__
+        self._last: Stream | None = None  # a race only picks another stream: any choice is correct
 
     def next_stream(self) -> Stream:
         return self._next()
+
+    def submission_stream(self) -> Stream:
+        last = self._last
+        if last is not None and last.seq <= last.done_seq:
+            return last
+        s = self._last = self._next()
+        return s
 
     @property
     def streams(self) -> tuple[Stream, ...]:

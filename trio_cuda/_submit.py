@@ -1074,7 +1074,7 @@ async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
     """Plan and enqueue ``op`` (waiting in trio where needed); do not wait for its work."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
-        stream = current_device().policy.next_stream()
+        stream = current_device()._submission_stream()
     plan, value, need = begin(op, stream)
     if need is not None:
         await _enqueue_async(plan, need)
@@ -1085,7 +1085,7 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     """``await op``: submit on ``stream`` (default: the current device's policy) and wait in trio."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
-        stream = current_device().policy.next_stream()
+        stream = current_device()._submission_stream()
     submit_now = op._submit_now
     if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
@@ -1119,7 +1119,7 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
     """``op.sync()``: submit and block the calling (non-trio) thread until done."""
     check_blocking_allowed("op.sync()")
     if stream is None:
-        stream = current_device().policy.next_stream()
+        stream = current_device()._submission_stream()
     submit_now = op._submit_now
     if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
