@@ -5,9 +5,10 @@ submission (its whole cost when no trace is open). While a trace is open:
 
 * each submission's host span: from planning to the end of its enqueue (task, thread);
 * each step that enqueues device work (a kernel, a copy, a GEMM, a collective, a graph
-  launch): its stream and device, and a timestamp on its stream before and after it (on
-  CUDA timing events, on the simulated device the host time at which its stream thread
-  reached them), so the trace shows when the device ran it;
+  launch): its stream and device, and a timestamp on its stream before it (after the
+  stream waits it enqueues for its inputs) and after it (on CUDA timing events, on the
+  simulated device the host time at which its stream thread reached them), so the trace
+  shows when the device ran it;
 * each cross-stream wait the runtime enqueued (which stream waits for which point).
 
 Nothing here blocks: timestamps that have not been reached when the trace closes are
@@ -108,6 +109,9 @@ class Tracer:
         self.ops: list[dict[str, Any]] = []
         self.waits: list[dict[str, Any]] = []
         self._ids = itertools.count()
+        # The step being enqueued: [stream, driver, its "before" timestamp]. A stream wait
+        # the step enqueues moves "before" after it (the op starts once its inputs are ready).
+        self._step: list[Any] | None = None
 
     # -- streams and clocks --------------------------------------------------------------
     def stream_label(self, stream: Any) -> tuple[int, int]:
@@ -154,15 +158,19 @@ class Tracer:
                 stream = lane.stream
                 driver, _ = self._clock(lane.device)
                 t_enq = time.perf_counter()
-                before = driver.timestamp(stream.handle)
-                if self.nvtx is not None:
-                    self.nvtx.nvtx.push_range(step_label(fn, arg), domain="trio_cuda")
-                    try:
+                step = self._step = [stream, driver, driver.timestamp(stream.handle)]
+                try:
+                    if self.nvtx is not None:
+                        self.nvtx.nvtx.push_range(step_label(fn, arg), domain="trio_cuda")
+                        try:
+                            fn(lane, arg)
+                        finally:
+                            self.nvtx.nvtx.pop_range(domain="trio_cuda")
+                    else:
                         fn(lane, arg)
-                    finally:
-                        self.nvtx.nvtx.pop_range(domain="trio_cuda")
-                else:
-                    fn(lane, arg)
+                finally:
+                    self._step = None
+                before = step[2]
                 after = driver.timestamp(stream.handle)
                 dev, num = self.stream_label(stream)
                 self.ops.append(
@@ -182,6 +190,9 @@ class Tracer:
             self.subs.append(info)
 
     def wait(self, stream: Any, other: Any, seq: int) -> None:
+        step = self._step
+        if step is not None and step[0] is stream:
+            step[2] = step[1].timestamp(stream.handle)  # the op's start: after this wait
         self.waits.append(
             {
                 "stream": self.stream_label(stream),
