@@ -264,13 +264,13 @@ def _poll_not_done_at_first(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Devi
     return polls
 
 
-async def test_zero_budget_parks_every_wait_not_complete_at_its_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
-    # docs/notifier.md: "TRIO_CUDA_POLL_BUDGET_US=0 parks every wait that is not complete
-    # at its first poll".
+async def _five_waits_pending_at_first_poll(monkeypatch: pytest.MonkeyPatch, budget_ns: int) -> tuple[int, int, int]:
+    """Five awaited adds whose first poll says 'not done', under ``budget_ns``:
+    (waits done on the fast path, waits parked, polls made in the trio thread)."""
     dev = trio_cuda.current_device()
     x = await api.zeros((4,))
     await ops.add(x, 1.0, out=x)
-    monkeypatch.setattr(notifier_mod, "_budget_ns", 0)
+    monkeypatch.setattr(notifier_mod, "_budget_ns", budget_ns)
     monkeypatch.setattr(notifier_mod, "_spin_ns", 0)
     polls = _poll_not_done_at_first(monkeypatch, dev)
     before = lowlevel.notifier_statistics()
@@ -279,28 +279,23 @@ async def test_zero_budget_parks_every_wait_not_complete_at_its_first_poll(monke
     after = lowlevel.notifier_statistics()
     monkeypatch.undo()
     np.testing.assert_array_equal(await x.to_host(), np.full(4, 6.0, np.float32))
-    n_fast, n_slow = after.fast_path - before.fast_path, after.slow_path - before.slow_path
+    return after.fast_path - before.fast_path, after.slow_path - before.slow_path, len(polls)
+
+
+async def test_zero_budget_parks_every_wait_not_complete_at_its_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/notifier.md: "TRIO_CUDA_POLL_BUDGET_US=0 parks every wait that is not complete
+    # at its first poll".
+    n_fast, n_slow, n_polls = await _five_waits_pending_at_first_poll(monkeypatch, 0)
     assert (n_fast, n_slow) == (0, 5), (
         f"budget 0: {n_fast} waits not complete at their first poll stayed on the fast path "
-        f"({len(polls)} polls in the trio thread for 5 waits)"
+        f"({n_polls} polls in the trio thread for 5 waits)"
     )
 
 
 async def test_budget_still_covers_waits_not_complete_at_their_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     # The other side: a budget keeps such waits on the fast path (no parking).
-    dev = trio_cuda.current_device()
-    x = await api.zeros((4,))
-    await ops.add(x, 1.0, out=x)
-    monkeypatch.setattr(notifier_mod, "_budget_ns", 10_000_000_000)
-    monkeypatch.setattr(notifier_mod, "_spin_ns", 0)
-    _poll_not_done_at_first(monkeypatch, dev)
-    before = lowlevel.notifier_statistics()
-    for _ in range(5):
-        await ops.add(x, 1.0, out=x)
-    after = lowlevel.notifier_statistics()
-    monkeypatch.undo()
-    assert (after.fast_path - before.fast_path, after.slow_path - before.slow_path) == (5, 0)
-    np.testing.assert_array_equal(await x.to_host(), np.full(4, 6.0, np.float32))
+    n_fast, n_slow, _ = await _five_waits_pending_at_first_poll(monkeypatch, 10_000_000_000)
+    assert (n_fast, n_slow) == (5, 0)
 
 
 @pytest.mark.parametrize("budget_ns", [0, 10_000_000_000])

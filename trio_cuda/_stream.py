@@ -232,13 +232,12 @@ class Stream:
             self.seq = seq
         device = self.device
         flag = self._flag if self.capture is None else -1  # a capture records no write
+        ticket = 0
         if flag >= 0:
             device._ticket += 1
-            ev = Event(self, self.seq, device._event_handle(), flag, device._ticket)
-            device._driver.record(ev.handle, self.handle, flag, ev.ticket)
-        else:
-            ev = Event(self, self.seq, device._event_handle())
-            device._driver.record(ev.handle, self.handle)
+            ticket = device._ticket
+        ev = Event(self, self.seq, device._event_handle(), flag, ticket)
+        device._driver.record(ev.handle, self.handle, flag, ticket)
         self._last_event = ev
         return ev
 
