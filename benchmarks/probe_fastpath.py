@@ -1,14 +1,21 @@
-"""What a compiled driver call saves (issue 12): cuLaunchKernel, cuEventRecord and
-cuEventQuery through cuda.bindings, through trio_cuda's compiled fast path
-(``trio_cuda._backends._cudafast``), and in a loop in C (the driver's own cost).
+"""What the compiled fast path saves (issue 12), measured in one process.
 
-Needs a CUDA device and a C compiler (gcc) for the C loop. Prints medians in us.
+1. The three driver calls of an await -- cuLaunchKernel, cuEventRecord, cuEventQuery --
+   through cuda.bindings, through trio_cuda's fast path (``_cudafast``), and in a loop
+   in C (the driver's own cost).
+2. trio-cuda with the fast path on and off (the backend's entry points swapped in
+   place), interleaved in rounds next to the raw cuda.bindings figures: a tiny op's
+   round trip, a 2000-op chain awaited once, awaits/s of 256 tasks.
 
-    python benchmarks/probe_fastpath.py
+Needs a CUDA device, the module built (``pip install -e .`` with a C compiler) and gcc
+for the C loop. Prints medians in us.
+
+    python benchmarks/probe_fastpath.py [--rounds 5]
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import statistics
@@ -65,8 +72,8 @@ def pfn(name: str) -> int:
     return int(r[1])
 
 
-def main() -> None:
-    from trio_cuda._backends import _cudafast as fast  # built in place (see the GPU scripts)
+def driver_calls() -> None:
+    from trio_cuda._backends import _cudafast as fast
 
     ok(cu.cuInit(0))
     dev = ok(cu.cuDeviceGet(0))
@@ -173,5 +180,109 @@ def main() -> None:
     print("python", sys.version.split()[0], sysconfig.get_platform())
 
 
+async def on_off(rounds: int) -> None:
+    import trio
+
+    import trio_cuda
+    from trio_cuda import _submit, api
+
+    from numba import cuda
+
+    @trio_cuda.kernel
+    def inc(x):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            x[i] += 1.0
+
+    dev = trio_cuda.current_device()
+    drv = dev._driver
+    fast = drv._fast
+    assert fast is not None, "the fast path is not active"
+    x = await api.zeros((32,))
+    p = x.partition((32,))
+    s = dev.create_stream()
+    for _ in range(50):
+        await inc(p)
+        await _submit.run_async(inc(p), s)
+    count = 100
+    prepared = next(iter(inc._fast.values()))[3]
+    h = s.handle
+    ev = ok(cu.cuEventCreate(2))
+    results: dict[str, list[float]] = {}
+
+    def note(key: str, v: float) -> None:
+        results.setdefault(key, []).append(v)
+
+    n = 1000
+    tasks, per = 256, 50
+    for _ in range(rounds):
+        # raw cuda.bindings: launch + record + busy query; a chain of launches
+        rt = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            cu.cuLaunchKernel(prepared.function, 1, 1, 1, 32, 1, 1, 0, h, prepared.params, 0)
+            cu.cuEventRecord(ev, h)
+            while cu.cuEventQuery(ev)[0] != cu.CUresult.CUDA_SUCCESS:
+                pass
+            rt.append((time.perf_counter_ns() - t0) / 1e3)
+        note("raw round trip, us", statistics.median(rt))
+        t0 = time.perf_counter_ns()
+        for _ in range(2000):
+            cu.cuLaunchKernel(prepared.function, 1, 1, 1, 32, 1, 1, 0, h, prepared.params, 0)
+        note("raw chain launches, us/op", (time.perf_counter_ns() - t0) / 2000 / 1e3)
+        ok(cu.cuStreamSynchronize(h))
+        count += 3000
+        for way in (fast, None):
+            drv._fast = way
+            tag = "on" if way is not None else "off"
+            rt = []
+            for _ in range(n):
+                op = inc(p)
+                t0 = time.perf_counter_ns()
+                await _submit.run_async(op, s)
+                rt.append((time.perf_counter_ns() - t0) / 1e3)
+            note(f"trio-cuda round trip, one stream, fast path {tag}, us", statistics.median(rt))
+            rt = []
+            for _ in range(n):
+                op = inc(p)
+                t0 = time.perf_counter_ns()
+                await op
+                rt.append((time.perf_counter_ns() - t0) / 1e3)
+            note(f"trio-cuda round trip, await op (policy), fast path {tag}, us", statistics.median(rt))
+            op = inc(p)
+            for _ in range(1999):
+                op = inc(op.first())
+            t0 = time.perf_counter_ns()
+            await _submit.run_async(op, s)
+            note(f"trio-cuda chain awaited once, fast path {tag}, us/op", (time.perf_counter_ns() - t0) / 2000 / 1e3)
+            count += 2 * n + 2000
+            xs = [await api.zeros((32,)) for _ in range(tasks)]
+
+            async def one(i: int, xs: list[object] = xs) -> None:
+                q = xs[i].partition((32,))  # type: ignore[attr-defined]
+                for _ in range(per):
+                    await inc(q)
+
+            t0 = time.perf_counter_ns()
+            async with trio.open_nursery() as nursery:
+                for i in range(tasks):
+                    nursery.start_soon(one, i)
+            note(f"trio-cuda awaits/s, 256 tasks, fast path {tag}", tasks * per / ((time.perf_counter_ns() - t0) / 1e9))
+            got = await xs[-1].to_host()
+            assert (got == per).all()
+    drv._fast = fast
+    got = await x.to_host()
+    assert (got == count).all(), (got[0], count)
+    print(f"{'variant':<64} {'median':>10} {'min':>10} {'max':>10}  (over {rounds} rounds)")
+    for key, vs in results.items():
+        print(f"{key:<64} {statistics.median(vs):10.2f} {min(vs):10.2f} {max(vs):10.2f}")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    driver_calls()
+    import trio
+
+    trio.run(on_off, args.rounds)

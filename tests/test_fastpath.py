@@ -1,0 +1,160 @@
+"""The CUDA backend's compiled fast path (trio_cuda/_backends/_cudafast.c, issue 12).
+
+Without a GPU the C module is driven with ctypes callbacks in place of the driver's
+entry points: what each call passes, what it returns, and what it refuses. On CUDA the
+backend runs the same work, launch errors and waits with the fast path and with the
+pure-Python path (cuda.bindings), in this process and in a child with
+TRIO_CUDA_FASTPATH=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+
+import trio_cuda  # before numba.cuda: it chooses the backend
+from trio_cuda import api
+from trio_cuda.kernels import add
+
+from numba import cuda
+
+try:
+    from trio_cuda._backends import _cudafast
+except ImportError:
+    _cudafast = None
+
+if _cudafast is None:
+    if os.environ.get("TRIO_CUDA_REQUIRE_FASTPATH") == "1":
+        raise RuntimeError("TRIO_CUDA_REQUIRE_FASTPATH=1 but trio_cuda._backends._cudafast was not built")
+    pytestmark = pytest.mark.skip(reason="the C fast path was not built (no C compiler at install)")
+
+VP = ctypes.c_void_p
+U = ctypes.c_uint
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, U, U, U, U, U, U, U, VP, VP, VP)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
+QUERY = ctypes.CFUNCTYPE(ctypes.c_int, VP)
+
+
+def address(cb: Any) -> int:
+    return int(ctypes.cast(cb, VP).value or 0)
+
+
+def test_launch_passes_every_argument_and_returns_the_driver_result() -> None:
+    seen: list[tuple[Any, ...]] = []
+
+    def fake(*args: Any) -> int:
+        seen.append(args)
+        return 719 if len(seen) == 2 else 0
+
+    cb = LAUNCH(fake)
+    big = 0x7FFF_FFFF_F000_0008  # handles and pointers are 64-bit
+    r1 = _cudafast.launch(address(cb), big, 65535, 2, 3, 1024, 1, 1, 48 * 1024, big + 16, big + 32)
+    r2 = _cudafast.launch(address(cb), 5, 1, 1, 1, 32, 1, 1, 0, 0, 0)
+    assert (r1, r2) == (0, 719)
+    f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra = seen[0]
+    assert (f, stream, params) == (big, big + 16, big + 32)
+    assert (gx, gy, gz, bx, by, bz, shmem) == (65535, 2, 3, 1024, 1, 1, 48 * 1024)
+    assert extra is None  # no "extra" launch options
+    assert seen[1][8] is None and seen[1][9] is None  # stream 0 and params 0 are NULL
+
+
+def test_record_and_query_pass_their_handles() -> None:
+    records: list[tuple[Any, ...]] = []
+    queries: list[Any] = []
+    rec = RECORD(lambda e, s: records.append((e, s)) or 0)
+    answers = iter([600, 0, 700])
+    qry = QUERY(lambda e: queries.append(e) or next(answers))
+    assert _cudafast.record(address(rec), 0xABC0, 0xDEF0) == 0
+    assert records == [(0xABC0, 0xDEF0)]
+    # NOT_READY, then done, then an illegal address: the result is passed on as is.
+    assert [_cudafast.query(address(qry), 0x1230) for _ in range(3)] == [600, 0, 700]
+    assert queries == [0x1230] * 3
+
+
+@pytest.mark.parametrize(
+    ("call", "args", "error", "match"),
+    [
+        ("launch", (1, 2, 3), TypeError, "11 integer arguments"),
+        ("record", (1, 2), TypeError, "3 integer arguments"),
+        ("query", (1,), TypeError, "2 integer arguments"),
+        ("launch", (1, 1, 2**32, 1, 1, 1, 1, 1, 0, 0, 0), OverflowError, "32 bits"),
+        ("launch", (1, 1, 1, 1, 1, 1, 1, 1, 0, -1, 0), OverflowError, None),
+        ("record", (1, 2**64, 0), OverflowError, None),
+        ("query", (1, "event"), TypeError, None),
+        ("query", (0, 5), ValueError, "no driver entry point"),
+        ("launch", (0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0), ValueError, "no driver entry point"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_call(call: str, args: tuple[Any, ...], error: type, match: str | None) -> None:
+    called: list[Any] = []
+    fakes = {
+        "launch": LAUNCH(lambda *a: called.append(a) or 0),
+        "record": RECORD(lambda *a: called.append(a) or 0),
+        "query": QUERY(lambda *a: called.append(a) or 0),
+    }
+    pfn = args[0] and address(fakes[call])
+    with pytest.raises(error, match=match):
+        getattr(_cudafast, call)(pfn, *args[1:])
+    assert called == []
+
+
+@pytest.mark.gpu
+async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev: trio_cuda.Device) -> None:
+    drv = dev._driver
+    fast = drv._fast
+    assert fast is not None, "the CUDA backend did not take the fast path although the module is built"
+
+    @trio_cuda.kernel(block=(2048,))
+    def too_wide_fp(z):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < z.shape[0]:
+            z[i] = 1.0
+
+    results, messages = [], []
+    try:
+        for way in (fast, None):
+            drv._fast = way
+            x = await api.arange(1000)
+            out = await add(api.zeros((1000,)).partition((256,)), x, x).first()
+            for _ in range(50):  # waits that find work pending and done
+                out = await add(api.zeros((1000,)).partition((256,)), out, x).first()
+            results.append(await out.to_host())
+            with pytest.raises(trio_cuda.LaunchError) as info:
+                await too_wide_fp(api.zeros((2048,)).partition((2048,)))
+            messages.append(str(info.value))
+            assert not dev.is_faulted
+    finally:
+        drv._fast = fast
+    expected = np.arange(1000, dtype=np.float32) * 52
+    np.testing.assert_array_equal(results[0], expected)
+    np.testing.assert_array_equal(results[1], expected)
+    assert messages[0] == messages[1] and "too_wide_fp" in messages[0]
+
+
+@pytest.mark.gpu
+def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
+    code = textwrap.dedent(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api
+        from trio_cuda.kernels import add
+        async def main():
+            x = await api.arange(64)
+            out = await add(api.zeros((64,)).partition((64,)), x, x).first().to_host()
+            np.testing.assert_array_equal(out, 2 * np.arange(64))
+        trio.run(main)
+        print("fast", trio_cuda.device(0)._driver._fast is not None)
+        """
+    )
+    for value, expect in (("0", "fast False"), ("1", "fast True")):
+        env = dict(os.environ, TRIO_CUDA_FASTPATH=value)
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert expect in r.stdout
