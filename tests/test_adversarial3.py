@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -564,6 +565,7 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     dev = trio_cuda.current_device()
     x = await api.zeros((8,))
     await ops.add(x, 1.0, out=x)  # loaded now: on CUDA, loading a module waits for running kernels
+    xs = [await api.zeros((8,)) for _ in range(8)]  # allocated now, before memory is freed behind the sleep
     c = await counter()
     s1 = dev.create_stream()
     word = s1._flag
@@ -573,9 +575,8 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     assert ev is not None and ev.flag == word
     del pending, c
     # drop the stream (its pending work still runs): its word must not go to another
-    # stream while that work runs (the new owner's later tickets would read as its own).
-    # Submissions that allocate nothing run the housekeeping: on CUDA a new allocation
-    # may reuse the counter's memory, whose free waits for the sleep, and wait with it.
+    # stream while that work runs (the new owner's later tickets would make its pending
+    # events read as done). Submissions that allocate nothing run the housekeeping.
     del s1
     for _ in range(3):
         gc.collect()
@@ -583,8 +584,26 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     assert word not in dev._flag_free, "the word of a stream with pending work was given away"
     streams = [dev.create_stream() for _ in range(8)]
     assert all(s._flag != word for s in streams)
-    for s2 in streams:
-        await (await lowlevel.submit(ops.add(x, 1.0, out=x), s2)).wait()
+    # Independent work on each new stream, each writing its word with a later ticket.
+    # Measured on an H200: the first stream created after the drop can share the dropped
+    # stream's hardware queue, so its work waits for the sleep; the others run at once.
+    subs = [await lowlevel.submit(ops.add(xs[i], 1.0, out=xs[i]), s2) for i, s2 in enumerate(streams)]
+    finished: list[int] = []
+    enough = trio.Event()
+
+    async def waiter(i: int, sub: Any) -> None:
+        await sub.wait()
+        finished.append(i)
+        if len(finished) >= 4:
+            enough.set()
+
+    async with trio.open_nursery() as nursery:
+        for i, sub in enumerate(subs):
+            nursery.start_soon(waiter, i, sub)
+        with trio.fail_after(1.5):
+            await enough.wait()
+        nursery.cancel_scope.cancel()  # the rest: their work goes on
+    assert max(subs[i].event.ticket for i in finished) > ev.ticket  # later tickets were written
     assert not dev._driver.query(ev.handle), "test setup: the sleep should still run"
     try:
         assert not dev.poll(ev), "the old stream's event reads done while its work still runs"
