@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -158,3 +160,44 @@ def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert expect in r.stdout
+
+
+@pytest.mark.parametrize("call", ["launch", "record"])
+def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
+    # A launch (or record) blocks while the driver's queue is full; like cuda.bindings it
+    # must not hold the GIL meanwhile (a Python host function another library queued could
+    # be what the queue waits for). The stand-in driver call is libc's usleep, a C
+    # function that blocks without touching Python: its first argument is the sleep in us
+    # (the remaining arguments are ignored under the C calling convention).
+    libc = ctypes.CDLL(None)
+    usleep = int(ctypes.cast(libc.usleep, VP).value or 0)
+    ticks = 0
+    stop = threading.Event()
+
+    running = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        running.set()
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        running.wait()
+        before = ticks
+        time.sleep(0.05)  # the other thread's pace with the GIL free: 50 ms worth of counting
+        pace = ticks - before
+        before = ticks
+        if call == "launch":
+            _cudafast.launch(usleep, 300_000, 1, 1, 1, 1, 1, 1, 0, 0, 0)
+        else:
+            _cudafast.record(usleep, 300_000, 0)
+        during = ticks - before
+    finally:
+        stop.set()
+        t.join()
+    # Free, the other thread counts about six times its 50 ms pace during the 0.3 s call;
+    # with the GIL held it only runs until the call starts (one 5 ms switch interval).
+    assert during > 2 * pace, f"the other thread counted {during} during a 0.3 s driver call, {pace} in 50 ms"

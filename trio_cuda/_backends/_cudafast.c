@@ -58,8 +58,13 @@ static PyObject *fast_launch(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_ValueError, "no driver entry point");
         return NULL;
     }
-    int err = ((launch_fn)(uintptr_t)pfn)((void *)(uintptr_t)f, d[0], d[1], d[2], d[3], d[4], d[5], d[6],
-                                          (void *)(uintptr_t)stream, (void **)(uintptr_t)params, NULL);
+    int err;
+    /* A launch blocks while the driver's launch queue is full: other threads run meanwhile
+     * (as with cuda.bindings, which releases the GIL around driver calls). */
+    Py_BEGIN_ALLOW_THREADS
+    err = ((launch_fn)(uintptr_t)pfn)((void *)(uintptr_t)f, d[0], d[1], d[2], d[3], d[4], d[5], d[6],
+                                      (void *)(uintptr_t)stream, (void **)(uintptr_t)params, NULL);
+    Py_END_ALLOW_THREADS
     return PyLong_FromLong(err);
 }
 
@@ -76,7 +81,10 @@ static PyObject *fast_record(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_ValueError, "no driver entry point");
         return NULL;
     }
-    int err = ((record_fn)(uintptr_t)pfn)((void *)(uintptr_t)ev, (void *)(uintptr_t)stream);
+    int err;
+    Py_BEGIN_ALLOW_THREADS  /* may block like a launch */
+    err = ((record_fn)(uintptr_t)pfn)((void *)(uintptr_t)ev, (void *)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS
     return PyLong_FromLong(err);
 }
 
@@ -93,6 +101,7 @@ static PyObject *fast_query(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "no driver entry point");
         return NULL;
     }
+    /* A query never blocks: it keeps the GIL (releasing it costs more than the call). */
     int err = ((query_fn)(uintptr_t)pfn)((void *)(uintptr_t)ev);
     return PyLong_FromLong(err);
 }
