@@ -192,6 +192,38 @@ def test_nvtx_ranges_name_every_op(tmp_path: pathlib.Path) -> None:
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+def test_nvtx_ranges_with_the_real_nvtx_package() -> None:
+    """The same through the nvtx package itself (its C calls are no-ops without a
+    profiler attached): the runtime's calls match its API, every range is closed."""
+    pytest.importorskip("nvtx")
+    program = (
+        "import nvtx\n"
+        "calls = []\n"
+        "real_push, real_pop = nvtx.push_range, nvtx.pop_range\n"
+        "def push_range(message=None, color=None, domain=None, **kw):\n"
+        "    calls.append(('push', message, domain))\n"
+        "    return real_push(message, color=color, domain=domain, **kw)\n"
+        "def pop_range(domain=None):\n"
+        "    calls.append(('pop', None, domain))\n"
+        "    return real_pop(domain=domain)\n"
+        "nvtx.push_range, nvtx.pop_range = push_range, pop_range\n"
+        "import numpy as np, trio, trio_cuda\n"
+        "from trio_cuda import api\n"
+        "async def main():\n"
+        "    x = await api.from_host(np.arange(4, dtype=np.float32))\n"
+        "    assert (await (x * 2).to_host() == np.arange(4) * 2).all()\n"
+        "trio.run(main)\n"
+        "names = [m for kind, m, d in calls if kind == 'push']\n"
+        "assert all(d == 'trio_cuda' for _, _, d in calls)\n"
+        "assert [k for k, _, _ in calls] == ['push', 'pop'] * 3, calls\n"
+        "assert names == ['copy host->device', 'kernel ops.multiply', 'copy device->host'], names\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TRIO_CUDA_NVTX="1")
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 async def test_a_graph_capture_inside_a_trace_records_no_timestamps_but_its_launch_is_traced(tmp_path: pathlib.Path) -> None:
     x = await api.zeros((64,))
     async with trio_cuda.trace(tmp_path / "g.json") as tr:
