@@ -18,4 +18,6 @@ setup(
             optional=True,
         )
     ],
+    # The wheel says what the binary is: abi3, for CPython 3.11 and later.
+    options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

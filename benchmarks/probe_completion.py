@@ -42,6 +42,13 @@ def inc(x):  # type: ignore[no-untyped-def]
         x[i] += 1.0
 
 
+def print_rounds(results: dict[str, list[float]], rounds: int) -> None:
+    """The table of an interleaved A/B: per variant, the median, min and max over rounds."""
+    print(f"{'variant':<64} {'median':>10} {'min':>10} {'max':>10}  (over {rounds} rounds)")
+    for key, vs in results.items():
+        print(f"{key:<64} {statistics.median(vs):10.2f} {min(vs):10.2f} {max(vs):10.2f}")
+
+
 def _stream(dev: Any, words: bool) -> Any:
     if words:
         return dev.create_stream()
@@ -132,9 +139,7 @@ async def main(rounds: int) -> None:
                 assert (got == 2 * per).all(), (tasks, i, got[0])
     got = await x.to_host()
     assert (got == 40 + count).all(), (got[0], 40 + count)
-    print(f"{'variant':<64} {'median':>10} {'min':>10} {'max':>10}  (over {rounds} rounds)")
-    for key, vs in results.items():
-        print(f"{key:<64} {statistics.median(vs):10.2f} {min(vs):10.2f} {max(vs):10.2f}")
+    print_rounds(results, rounds)
 
 
 if __name__ == "__main__":

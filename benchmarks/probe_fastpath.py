@@ -182,6 +182,7 @@ def driver_calls() -> None:
 
 async def on_off(rounds: int) -> None:
     import trio
+    from probe_completion import print_rounds  # this folder (run as a script)
 
     import trio_cuda
     from trio_cuda import _submit, api
@@ -273,9 +274,7 @@ async def on_off(rounds: int) -> None:
     drv._fast = fast
     got = await x.to_host()
     assert (got == count).all(), (got[0], count)
-    print(f"{'variant':<64} {'median':>10} {'min':>10} {'max':>10}  (over {rounds} rounds)")
-    for key, vs in results.items():
-        print(f"{key:<64} {statistics.median(vs):10.2f} {min(vs):10.2f} {max(vs):10.2f}")
+    print_rounds(results, rounds)
 
 
 if __name__ == "__main__":

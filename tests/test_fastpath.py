@@ -67,6 +67,13 @@ def test_launch_passes_every_argument_and_returns_the_driver_result() -> None:
     assert seen[1][8] is None and seen[1][9] is None  # stream 0 and params 0 are NULL
 
 
+def test_integer_likes_are_taken_as_integers() -> None:
+    seen: list[Any] = []
+    qry = QUERY(lambda e: seen.append(e) or 0)
+    assert _cudafast.query(np.uint64(address(qry)), np.int64(0x40)) == 0
+    assert seen == [0x40]
+
+
 def test_record_and_query_pass_their_handles() -> None:
     records: list[tuple[Any, ...]] = []
     queries: list[Any] = []
@@ -201,3 +208,16 @@ def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
     # Free, the other thread counts about six times its 50 ms pace during the 0.3 s call;
     # with the GIL held it only runs until the call starts (one 5 ms switch interval).
     assert during > 2 * pace, f"the other thread counted {during} during a 0.3 s driver call, {pace} in 50 ms"
+
+
+def test_the_backend_announcement_says_when_the_fast_path_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda._backends import _cuda
+
+    assert _cuda._fast_path_note((1, 2, 3)) == ""  # on: nothing to say
+    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "0")
+    assert "off (TRIO_CUDA_FASTPATH=0)" in _cuda._fast_path_note(None)
+    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "1")
+    assert "no entry point" in _cuda._fast_path_note(None)
+    monkeypatch.setattr(_cuda, "_BUILT", False)
+    assert "not built" in _cuda._fast_path_note(None)
+    assert _cuda.fast_path() is None  # not built: no entry points are even asked for

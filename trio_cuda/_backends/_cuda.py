@@ -54,6 +54,7 @@ try:
     from . import _cudafast
 except ImportError:  # built without a C compiler: the pure-Python path
     _cudafast = None  # type: ignore[assignment]
+_BUILT: bool = _cudafast is not None
 
 __all__ = ["CudaBackend", "check"]
 
@@ -329,7 +330,7 @@ def fast_path() -> tuple[int, int, int] | None:
     """The driver entry points of ``cuLaunchKernel``, ``cuEventRecord`` and
     ``cuEventQuery`` for the compiled fast path, or None: not built, switched off with
     ``TRIO_CUDA_FASTPATH=0``, or an entry point the driver does not give."""
-    if _cudafast is None or os.environ.get("TRIO_CUDA_FASTPATH", "1").strip() == "0":
+    if not _BUILT or os.environ.get("TRIO_CUDA_FASTPATH", "1").strip() == "0":
         return None
     flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     out = []
@@ -340,6 +341,17 @@ def fast_path() -> tuple[int, int, int] | None:
             return None
         out.append(int(r[1]))
     return out[0], out[1], out[2]
+
+
+def _fast_path_note(fast: tuple[int, int, int] | None) -> str:
+    """What the backend's announcement says about the fast path (silent when it is on)."""
+    if fast is not None:
+        return ""
+    if not _BUILT:
+        return "; compiled fast path not built (no C compiler at install): driver calls through cuda.bindings"
+    if os.environ.get("TRIO_CUDA_FASTPATH", "1").strip() == "0":
+        return "; compiled fast path off (TRIO_CUDA_FASTPATH=0)"
+    return "; compiled fast path off (the driver gave no entry point)"
 
 
 class CudaDevice(DeviceDriver):
@@ -838,9 +850,11 @@ class CudaBackend(Backend):
         self._lock = threading.Lock()
         version = check(cu.cuDriverGetVersion(), "cuDriverGetVersion")
         first = self.driver(0)
+        assert isinstance(first, CudaDevice)
         self.description = (
             f"CUDA backend ({self._count} device{'s' if self._count != 1 else ''}, device 0: {first.name}, "
-            f"cc {first.compute_capability[0]}.{first.compute_capability[1]}, driver {version // 1000}.{version % 1000 // 10})"
+            f"cc {first.compute_capability[0]}.{first.compute_capability[1]}, driver {version // 1000}.{version % 1000 // 10}"
+            f"{_fast_path_note(first._fast)})"
         )
 
     def device_count(self) -> int:

@@ -21,9 +21,18 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
 typedef int (*record_fn)(void *event, void *stream);
 typedef int (*query_fn)(void *event);
 
-/* An unsigned integer argument: a handle, a pointer or a dimension. */
+/* An unsigned integer argument: a handle, a pointer or a dimension (an int, or any
+ * object with __index__, such as a numpy integer). */
 static int take(PyObject *o, unsigned long long *out) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    unsigned long long v;
+    if (PyLong_Check(o)) {
+        v = PyLong_AsUnsignedLongLong(o);
+    } else {
+        PyObject *i = PyNumber_Index(o);
+        if (i == NULL) return -1;
+        v = PyLong_AsUnsignedLongLong(i);
+        Py_DECREF(i);
+    }
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     *out = v;
     return 0;
@@ -33,7 +42,7 @@ static int take_dim(PyObject *o, unsigned *out) {
     unsigned long long v;
     if (take(o, &v) < 0) return -1;
     if (v > 0xFFFFFFFFull) {
-        PyErr_SetString(PyExc_OverflowError, "a launch dimension does not fit in 32 bits");
+        PyErr_SetString(PyExc_OverflowError, "a launch dimension or shared-memory size does not fit in 32 bits");
         return -1;
     }
     *out = (unsigned)v;
