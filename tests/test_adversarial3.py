@@ -587,6 +587,7 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     # Independent work on each new stream, each writing its word with a later ticket.
     # Measured on an H200: the first stream created after the drop can share the dropped
     # stream's hardware queue, so its work waits for the sleep; the others run at once.
+    # The check needs one of them done (fewer hardware queues, fewer done).
     subs = [await lowlevel.submit(ops.add(xs[i], 1.0, out=xs[i]), s2) for i, s2 in enumerate(streams)]
     finished: list[int] = []
     enough = trio.Event()
@@ -594,8 +595,7 @@ async def test_an_event_of_a_dropped_stream_is_not_done_when_its_word_is_reused(
     async def waiter(i: int, sub: Any) -> None:
         await sub.wait()
         finished.append(i)
-        if len(finished) >= 4:
-            enough.set()
+        enough.set()  # one new stream's later ticket written is what the check needs
 
     async with trio.open_nursery() as nursery:
         for i, sub in enumerate(subs):

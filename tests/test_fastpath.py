@@ -23,6 +23,7 @@ import pytest
 
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api
+from trio_cuda._backends import _cuda
 from trio_cuda.kernels import add
 
 from numba import cuda
@@ -32,10 +33,17 @@ try:
 except ImportError:
     _cudafast = None
 
-if _cudafast is None:
-    if os.environ.get("TRIO_CUDA_REQUIRE_FASTPATH") == "1":
-        raise RuntimeError("TRIO_CUDA_REQUIRE_FASTPATH=1 but trio_cuda._backends._cudafast was not built")
+if _cudafast is None and os.environ.get("TRIO_CUDA_REQUIRE_FASTPATH") != "1":
     pytestmark = pytest.mark.skip(reason="the C fast path was not built (no C compiler at install)")
+
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    """With TRIO_CUDA_REQUIRE_FASTPATH=1 (CI where a compiler and Python's headers exist)
+    every test here fails, instead of skipping, when the module is missing."""
+    if _cudafast is None:
+        pytest.fail("TRIO_CUDA_REQUIRE_FASTPATH=1 but trio_cuda._backends._cudafast was not built (see the build_ext output)")
+
 
 VP = ctypes.c_void_p
 U = ctypes.c_uint
@@ -57,12 +65,12 @@ def test_launch_passes_every_argument_and_returns_the_driver_result() -> None:
 
     cb = LAUNCH(fake)
     big = 0x7FFF_FFFF_F000_0008  # handles and pointers are 64-bit
-    r1 = _cudafast.launch(address(cb), big, 65535, 2, 3, 1024, 1, 1, 48 * 1024, big + 16, big + 32)
+    r1 = _cudafast.launch(address(cb), big, 65535, 2, 3, 32, 4, 2, 48 * 1024, big + 16, big + 32)
     r2 = _cudafast.launch(address(cb), 5, 1, 1, 1, 32, 1, 1, 0, 0, 0)
     assert (r1, r2) == (0, 719)
     f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra = seen[0]
     assert (f, stream, params) == (big, big + 16, big + 32)
-    assert (gx, gy, gz, bx, by, bz, shmem) == (65535, 2, 3, 1024, 1, 1, 48 * 1024)
+    assert (gx, gy, gz, bx, by, bz, shmem) == (65535, 2, 3, 32, 4, 2, 48 * 1024)
     assert extra is None  # no "extra" launch options
     assert seen[1][8] is None and seen[1][9] is None  # stream 0 and params 0 are NULL
 
@@ -126,10 +134,25 @@ async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev
         if i < z.shape[0]:
             z[i] = 1.0
 
-    results, messages = [], []
+    counts = {"launch": 0, "record": 0, "query": 0}
+    real = _cuda._cudafast
+
+    class Counting:  # the module, counting its calls
+        def __getattr__(self, name: str) -> Any:
+            fn = getattr(real, name)
+
+            def call(*args: Any) -> Any:
+                counts[name] += 1
+                return fn(*args)
+
+            return call
+
+    results, messages, used = [], [], []
     try:
         for way in (fast, None):
             drv._fast = way
+            _cuda._cudafast = Counting()
+            before = dict(counts)
             x = await api.arange(1000)
             out = await add(api.zeros((1000,)).partition((256,)), x, x).first()
             for _ in range(50):  # waits that find work pending and done
@@ -139,8 +162,13 @@ async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev
                 await too_wide_fp(api.zeros((2048,)).partition((2048,)))
             messages.append(str(info.value))
             assert not dev.is_faulted
+            used.append({k: counts[k] - before[k] for k in counts})
     finally:
         drv._fast = fast
+        _cuda._cudafast = real
+    # The fast path made every launch, record and query of its run; the other none.
+    assert used[0]["launch"] >= 51 and used[0]["record"] >= 51 and used[0]["query"] >= 1, used
+    assert used[1] == {"launch": 0, "record": 0, "query": 0}, used
     expected = np.arange(1000, dtype=np.float32) * 52
     np.testing.assert_array_equal(results[0], expected)
     np.testing.assert_array_equal(results[1], expected)
@@ -169,10 +197,10 @@ def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
         assert expect in r.stdout
 
 
-@pytest.mark.parametrize("call", ["launch", "record"])
+@pytest.mark.parametrize("call", ["launch", "record", "query"])
 def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
-    # A launch (or record) blocks while the driver's queue is full; like cuda.bindings it
-    # must not hold the GIL meanwhile (a Python host function another library queued could
+    # A launch (or record) blocks while the driver's queue is full; like cuda.bindings
+    # (which releases it around every driver call) it must not hold the GIL meanwhile (a Python host function another library queued could
     # be what the queue waits for). The stand-in driver call is libc's usleep, a C
     # function that blocks without touching Python: its first argument is the sleep in us
     # (the remaining arguments are ignored under the C calling convention).
@@ -199,8 +227,10 @@ def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
         before = ticks
         if call == "launch":
             _cudafast.launch(usleep, 300_000, 1, 1, 1, 1, 1, 1, 0, 0, 0)
-        else:
+        elif call == "record":
             _cudafast.record(usleep, 300_000, 0)
+        else:
+            _cudafast.query(usleep, 300_000)
         during = ticks - before
     finally:
         stop.set()
@@ -215,9 +245,103 @@ def test_the_backend_announcement_says_when_the_fast_path_is_off(monkeypatch: py
 
     assert _cuda._fast_path_note((1, 2, 3)) == ""  # on: nothing to say
     monkeypatch.setenv("TRIO_CUDA_FASTPATH", "0")
-    assert "off (TRIO_CUDA_FASTPATH=0)" in _cuda._fast_path_note(None)
+    assert "off (TRIO_CUDA_FASTPATH)" in _cuda._fast_path_note(None)
     monkeypatch.setenv("TRIO_CUDA_FASTPATH", "1")
     assert "no entry point" in _cuda._fast_path_note(None)
     monkeypatch.setattr(_cuda, "_BUILT", False)
     assert "not built" in _cuda._fast_path_note(None)
     assert _cuda.fast_path() is None  # not built: no entry points are even asked for
+
+
+@pytest.mark.parametrize(
+    ("value", "wanted"), [(None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False), ("false", False)]
+)
+def test_trio_cuda_fastpath_reads_like_the_other_flags(monkeypatch: pytest.MonkeyPatch, value: str | None, wanted: bool) -> None:
+    from trio_cuda._backends import _cuda
+
+    if value is None:
+        monkeypatch.delenv("TRIO_CUDA_FASTPATH", raising=False)
+    else:
+        monkeypatch.setenv("TRIO_CUDA_FASTPATH", value)
+    assert _cuda.fast_path_wanted() is wanted
+    if not wanted:
+        assert _cuda.fast_path() is None  # no entry points asked for
+
+
+def test_a_bad_trio_cuda_fastpath_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda._backends import _cuda
+
+    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "2")
+    with pytest.raises(ValueError, match="TRIO_CUDA_FASTPATH"):
+        _cuda.fast_path()
+
+
+class _FakeDriver:
+    """ctypes stand-ins for the three entry points: they record their arguments and
+    return the result codes a test sets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.answer = {"launch": 0, "record": 0, "query": 0}
+        self._cbs = (
+            LAUNCH(lambda *a: self._call("launch", a)),
+            RECORD(lambda *a: self._call("record", a)),
+            QUERY(lambda *a: self._call("query", a)),
+        )
+        self.entry_points = tuple(address(cb) for cb in self._cbs)
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> int:
+        self.calls.append((name, *args))
+        return self.answer[name]
+
+
+def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's launch, record and query on the fast path, with the driver's
+    entry points replaced by fakes (no GPU needed): what they pass, and how result codes
+    become the project's errors, as on the cuda.bindings path."""
+    from cuda.bindings import driver as cu
+
+    from trio_cuda._backends import _cuda
+
+    fake = _FakeDriver()
+    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)  # no context: only the three calls run
+    d.ordinal = 0
+    d._fault = None
+    d._lock = threading.Lock()
+    d._token = object()
+    monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
+    d._flag_dev = 0
+    d._fast = fake.entry_points
+    ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
+
+    d.record(ev, st)
+    assert fake.calls[-1] == ("record", 0x100, 0x200)
+    assert d.query(ev) is True and fake.calls[-1] == ("query", 0x100)
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_NOT_READY)
+    assert d.query(ev) is False
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    with pytest.raises(trio_cuda.DeviceOutOfMemory, match="cuEventQuery"):
+        d.query(ev)
+
+    class Prepared:
+        fn, function, params, name = 0x300, None, 0x400, "k"
+        gx, gy, gz, bx, by, bz = 7, 6, 5, 4, 3, 2
+
+    d.launch(Prepared(), st)
+    assert fake.calls[-1] == ("launch", 0x300, 7, 6, 5, 4, 3, 2, 0, 0x200, 0x400, None)
+    fake.answer["launch"] = int(cu.CUresult.CUDA_ERROR_INVALID_VALUE)
+    with pytest.raises(trio_cuda.LaunchError, match=r"grid=\(7, 6, 5\) block=\(4, 3, 2\)") as info:
+        d.launch(Prepared(), st)
+    assert info.value.op == "kernel k"
+    fake.answer["record"] = 99999  # a code this cuda-bindings does not know: still an error
+    with pytest.raises(trio_cuda.LaunchError, match="cuEventRecord"):
+        d.record(ev, st)
+    assert d._fault is None
+    # A sticky fault (illegal address) faults the device; NOT_READY afterwards reports it.
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS)
+    with pytest.raises(trio_cuda.DeviceFault):
+        d.query(ev)
+    assert d._fault is not None
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_NOT_READY)
+    with pytest.raises(trio_cuda.DeviceFault):
+        d.query(ev)

@@ -326,11 +326,28 @@ class _Graph:
         self.nodes = nodes
 
 
+def fast_path_wanted() -> bool:
+    """``TRIO_CUDA_FASTPATH``: unset or empty means on; otherwise read like every other
+    flag (0/1, false/true, no/yes, off/on; anything else is an error)."""
+    if not os.environ.get("TRIO_CUDA_FASTPATH", "").strip():
+        return True
+    return env_flag("TRIO_CUDA_FASTPATH")
+
+
+def _result(err: int) -> Any:
+    """A driver result code as cuda.bindings' CUresult (as is when this cuda-bindings
+    does not know it, so the error still names the code)."""
+    try:
+        return R(err)
+    except ValueError:
+        return err
+
+
 def fast_path() -> tuple[int, int, int] | None:
     """The driver entry points of ``cuLaunchKernel``, ``cuEventRecord`` and
     ``cuEventQuery`` for the compiled fast path, or None: not built, switched off with
     ``TRIO_CUDA_FASTPATH=0``, or an entry point the driver does not give."""
-    if not _BUILT or os.environ.get("TRIO_CUDA_FASTPATH", "1").strip() == "0":
+    if not _BUILT or not fast_path_wanted():
         return None
     flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     out = []
@@ -349,8 +366,8 @@ def _fast_path_note(fast: tuple[int, int, int] | None) -> str:
         return ""
     if not _BUILT:
         return "; compiled fast path not built (no C compiler at install): driver calls through cuda.bindings"
-    if os.environ.get("TRIO_CUDA_FASTPATH", "1").strip() == "0":
-        return "; compiled fast path off (TRIO_CUDA_FASTPATH=0)"
+    if not fast_path_wanted():
+        return "; compiled fast path off (TRIO_CUDA_FASTPATH)"
     return "; compiled fast path off (the driver gave no entry point)"
 
 
@@ -518,7 +535,7 @@ class CudaDevice(DeviceDriver):
         if fast is not None:
             err = _cudafast.record(fast[1], int(event), int(stream))
             if err:
-                raise error(R(err), "cuEventRecord", self, launch=True)
+                raise error(_result(err), "cuEventRecord", self, launch=True)
         else:
             err = cu.cuEventRecord(event, stream)[0]
             if err != _SUCCESS:
@@ -548,7 +565,7 @@ class CudaDevice(DeviceDriver):
             if self._fault is not None:
                 raise fresh(self._fault)
             return False
-        raise error(R(err), "cuEventQuery", self)
+        raise error(_result(err), "cuEventQuery", self)
 
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
         assert isinstance(waker, _SemWaker)
@@ -777,7 +794,7 @@ class CudaDevice(DeviceDriver):
             err = int(cu.cuLaunchKernel(p.function, p.gx, p.gy, p.gz, p.bx, p.by, p.bz, 0, stream, p.params, 0)[0])
         if err:
             grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
-            raise error(R(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
+            raise error(_result(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
 
     # -- graphs ----------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:

@@ -10,6 +10,9 @@
  * path. The pure-Python path stays the fallback (TRIO_CUDA_FASTPATH=0, or no compiler
  * at install).
  *
+ * Each call releases the GIL while the driver runs (a launch or record blocks while the
+ * launch queue is full), as cuda.bindings does.
+ *
  * Built with the limited API (abi3): one binary serves Python 3.11 and later.
  */
 #define PY_SSIZE_T_CLEAN
@@ -110,8 +113,10 @@ static PyObject *fast_query(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "no driver entry point");
         return NULL;
     }
-    /* A query never blocks: it keeps the GIL (releasing it costs more than the call). */
-    int err = ((query_fn)(uintptr_t)pfn)((void *)(uintptr_t)ev);
+    int err;
+    Py_BEGIN_ALLOW_THREADS  /* as cuda.bindings does (measured: ~20 ns more than holding it) */
+    err = ((query_fn)(uintptr_t)pfn)((void *)(uintptr_t)ev);
+    Py_END_ALLOW_THREADS
     return PyLong_FromLong(err);
 }
 
