@@ -515,7 +515,7 @@ def test_a_stream_dropped_while_a_reset_gives_words_back_leaves_the_device_usabl
     gc.collect()
     dev.synchronize()
     words = list(dev._flag_free) + [st._flag for st in list(dev._streams) if st._flag >= 0]
-    words += [flag for _, _, flag in dev._lingering if flag >= 0]  # held until that work is done
+    words += [flag for _, _, flag, _ in dev._lingering if flag >= 0]  # held until that work is done
     assert len(set(words)) == len(words), "a word given back twice"
     assert len(words) == free0, f"{free0 - len(words)} words leaked"
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
 from .conftest import ON_CUDA, counter, settle, started
@@ -36,6 +36,35 @@ async def test_untracked_views_keep_memory_alive_for_work_in_flight(dev: trio_cu
     assert free_during < free_before, "the memory was released while the kernel still ran"
     await trio.to_thread.run_sync(settle)  # waits for the kernel, then for the free
     assert dev.mem_info()[0] == free_before
+
+
+async def test_a_dropped_stream_is_destroyed_after_its_work_and_new_streams_do_not_wait_for_it(
+    dev: trio_cuda.Device,
+) -> None:
+    # Measured on an H200: destroying a driver stream while a long kernel is queued on it
+    # made the next stream created wait for that kernel. The driver stream is now kept
+    # until its work is done (the Stream object is gone at once).
+    x = await api.zeros((8,))
+    await ops.add(x, 1.0, out=x)  # loaded now: on CUDA, loading a module waits for running kernels
+    c = await counter()
+    s1 = dev.create_stream()
+    pending = await lowlevel.submit(sleep(c, 1_000_000_000), s1)  # about 1 s of device time
+    ev = pending.event
+    assert ev is not None
+    ref = weakref.ref(s1)
+    del pending, s1, c  # the counter's buffer names its last writer, s1
+    gc.collect()
+    before = dev.statistics().streams_destroyed
+    await ops.add(x, 0.0, out=x)  # a submission does the housekeeping
+    assert ref() is None
+    assert dev.statistics().streams_destroyed == before, "destroyed while its work still runs"
+    s2 = dev.create_stream()
+    with trio.fail_after(0.5):  # well before the sleep ends
+        await (await lowlevel.submit(ops.add(x, 1.0, out=x), s2)).wait()
+    assert not ev.query(), "test setup: the sleep should still run"
+    await trio.to_thread.run_sync(dev.synchronize)  # waits for the sleep, then destroys
+    assert dev.statistics().streams_destroyed >= before + 1
+    np.testing.assert_array_equal(await x.to_host(), np.full(8, 2.0, np.float32))
 
 
 async def test_streams_of_dropped_policies_are_destroyed(dev: trio_cuda.Device) -> None:

@@ -170,7 +170,9 @@ class Device:
     _policy: SchedulingPolicy | None
     _pick: Callable[[], Stream] | None  # the policy's choice of a submission's stream
     _dead_streams: collections.deque[Stream]
-    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], int]]  # final event, keeps, word
+    # destroyed streams whose last work may still run: final event, keeps, word, and the
+    # driver stream, destroyed once that work is done (None: another library's)
+    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], int, Any]]
     _event_pool: collections.deque[tuple[int, Any]]
     _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]], Any]]
     _dead_graphs: collections.deque[tuple[int, Any]]
@@ -363,22 +365,25 @@ class Device:
                 self._give_flag(s)  # its work went with a reset: no write of it can land
                 continue
             pending = s.seq > s.done_seq or bool(s._keep)
+            handle = None if s._foreign else s.handle  # another library's stream is never destroyed here
             if pending:
                 # Its last work may still run: an event after it stands in for the stream
                 # (for waits on it, synchronize() and out-of-memory retries), and holds
-                # what that work uses, and its completion word, until it is done (a new
-                # owner's later tickets would make its pending events read as done).
+                # what that work uses, its completion word (a new owner's later tickets
+                # would make its pending events read as done) and its driver stream until
+                # that work is done. Measured on an H200: destroying a driver stream with
+                # a long kernel queued made the next stream created wait for that kernel.
                 s._final = s.event_at(s.seq)
-                self._lingering.append((s._final, s._keep, s._flag))
+                self._lingering.append((s._final, s._keep, s._flag, handle))
                 s._flag = -1
-            if not s._foreign:  # another library's stream is never destroyed here
-                self._driver.destroy_stream(s.handle)
+            elif handle is not None:
+                self._driver.destroy_stream(handle)
                 self._stats.streams_destroyed += 1
             s.handle = None
             self._give_flag(s)
         if self._lingering:
             still = []
-            for ev, keep, flag in self._lingering:
+            for ev, keep, flag, handle in self._lingering:
                 try:
                     done = self._driver.query(ev.handle)
                 except DeviceError:
@@ -390,8 +395,11 @@ class Device:
                         release = getattr(obj, "stream_done", None)
                         if release is not None:
                             release()
+                    if handle is not None:
+                        self._driver.destroy_stream(handle)
+                        self._stats.streams_destroyed += 1
                 else:
-                    still.append((ev, keep, flag))
+                    still.append((ev, keep, flag, handle))
             self._lingering = still
         graphs = self._dead_graphs
         while graphs:
@@ -489,7 +497,8 @@ class Device:
             while dead:
                 self._give_flag(dead.popleft())  # their work goes with the reset, and their words
             self._dead_graphs.clear()
-            self._flag_free.extend(flag for _, _, flag in self._lingering if flag >= 0)
+            # Their driver streams go with the reset (the context's streams all do).
+            self._flag_free.extend(flag for _, _, flag, _ in self._lingering if flag >= 0)
             self._lingering = []
             self._bytes_in_use = 0
             wakers = list(self._blocking)
@@ -751,6 +760,8 @@ class Device:
             for s in list(self._streams):
                 if s.generation == self.generation:
                     s.retire()
+            if self._lingering and not self._resetting:
+                self._housekeeping()  # dropped streams whose work just finished are destroyed
 
     def pending_events(self) -> list[Event]:
         """An event at the current point of each stream with unfinished work (under LOCK).
@@ -765,7 +776,7 @@ class Device:
             ev = s.event_at(s.seq) if s.capture is None else s.capture.outside_event(s, 0)
             if ev is not None and not ev.done:
                 out.append(ev)
-        for ev, _, _ in self._lingering:  # the last work of destroyed streams
+        for ev, _, _, _ in self._lingering:  # the last work of dropped streams
             if not ev.done:
                 out.append(ev)
         return out
