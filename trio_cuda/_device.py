@@ -377,8 +377,7 @@ class Device:
                 self._lingering.append((s._final, s._keep, s._flag, handle))
                 s._flag = -1
             elif handle is not None:
-                self._driver.destroy_stream(handle)
-                self._stats.streams_destroyed += 1
+                self._destroy_driver_stream(handle)
             s.handle = None
             self._give_flag(s)
         if self._lingering:
@@ -396,8 +395,7 @@ class Device:
                         if release is not None:
                             release()
                     if handle is not None:
-                        self._driver.destroy_stream(handle)
-                        self._stats.streams_destroyed += 1
+                        self._destroy_driver_stream(handle)
                 else:
                     still.append((ev, keep, flag, handle))
             self._lingering = still
@@ -406,6 +404,10 @@ class Device:
             g, handle = graphs.popleft()
             if g == gen:
                 self._driver.graph_destroy(handle)  # replays in flight finish first
+
+    def _destroy_driver_stream(self, handle: Any) -> None:
+        self._driver.destroy_stream(handle)
+        self._stats.streams_destroyed += 1
 
     # -- policy -------------------------------------------------------------------
     @property
@@ -760,7 +762,7 @@ class Device:
             for s in list(self._streams):
                 if s.generation == self.generation:
                     s.retire()
-            if self._lingering and not self._resetting:
+            if self._lingering:
                 self._housekeeping()  # dropped streams whose work just finished are destroyed
 
     def pending_events(self) -> list[Event]:

@@ -60,8 +60,7 @@ __all__ = ["CudaBackend", "check"]
 
 R = cu.CUresult
 _SUCCESS = R.CUDA_SUCCESS
-_NOT_READY = R.CUDA_ERROR_NOT_READY
-_NOT_READY_INT = int(_NOT_READY)
+_NOT_READY = int(R.CUDA_ERROR_NOT_READY)  # compared with result codes as ints
 
 # Errors after which the context is unusable: asynchronous device faults.
 _STICKY = {
@@ -561,7 +560,7 @@ class CudaDevice(DeviceDriver):
         err = _cudafast.query(fast[2], int(event)) if fast is not None else int(cu.cuEventQuery(event)[0])
         if not err:
             return True
-        if err == _NOT_READY_INT:
+        if err == _NOT_READY:
             if self._fault is not None:
                 raise fresh(self._fault)
             return False
