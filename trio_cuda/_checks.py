@@ -118,4 +118,7 @@ def nbytes_of(shape: tuple[int, ...], dtype: np.dtype[Any]) -> int:
 
 def is_scalar(x: Any) -> bool:
     """True for Python and numpy numbers and bools (not arrays, not None)."""
+    t = type(x)
+    if t is float or t is int:
+        return True
     return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, np.ndarray)

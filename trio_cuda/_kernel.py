@@ -40,7 +40,7 @@ from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
-from ._submit import EXECUTING, Lane, Plan, _KernelNeed, _load_kernels, count_submission
+from ._submit import EXECUTING, Lane, Plan, _counts, _KernelNeed, _load_kernels, direct_ready, note_accesses, order_accesses
 from ._tensor import Partition, Tensor
 from ._writes import written_params
 
@@ -96,6 +96,7 @@ class Kernel:
         self._geometry = geometry
         self._configs: dict[tuple[Any, ...], _Config] = {}
         self._fast: dict[tuple[Any, ...], tuple[Device, int, _Config, Any]] = {}
+        self._names = [self.name]  # what a fault of a direct submission names
         self._fp: Any = None
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -457,7 +458,7 @@ def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> Non
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
     """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
     of the buffers it uses on other streams, and registered as their writer or reader.
-    The hot path of every launch: Lane.write / Lane.read inlined. Under LOCK."""
+    The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK."""
     wpos, rpos = cfg.writes, cfg.reads
     for i in wpos:
         t = args[i].tensor
@@ -498,6 +499,18 @@ def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ..
     device._stats.launches += 1
 
 
+def enqueue_prepared(s: Stream, arg: tuple[_Config, Any, list[tuple[Any, bool]], list[tuple[Any, bool]]]) -> None:
+    """_enqueue_launch of ``arg = (cfg, prepared, writes, reads)``, given the (buffer,
+    tracked) pairs the launch writes and reads (a direct_enqueue step)."""
+    cfg, prepared, writes, reads = arg
+    order_accesses(s, writes, reads)
+    if 0 not in cfg.grid:  # a launch over an empty tensor has nothing to run
+        s.device._driver.launch(prepared, s.handle)
+    s.seq += 1
+    note_accesses(s, s.seq, writes, reads)
+    s.device._stats.launches += 1
+
+
 class _Launch(DeviceOp[tuple[Any, ...]]):
     __slots__ = ("_args", "_inputs_at", "_kernel")
 
@@ -509,7 +522,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         self._args = args
         self._inputs_at = tuple(i for i, a in enumerate(args) if isinstance(a, DeviceOp)) if ops else ()
 
-    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, str] | None:
+    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
         """Plan and enqueue this launch in one step when nothing about it is new: no op
         inputs, launched before with these exact arguments on this device, memory
         allocated, nothing to wait for, nothing to tidy up first. The same checks and the
@@ -528,29 +541,16 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             return None
         _, generation, cfg, prepared = hit
         with LOCK:
-            if (
-                self._state is not None
-                or generation != device.generation
-                or device._resetting
-                or device._driver._fault is not None
-                or device._dead_buffers
-                or device._dead_streams
-                or device._lingering
-                or device._dead_graphs
-                or s.generation != generation
-                or s.capture is not None
-                or s._dropped
-            ):
+            if self._state is not None or not direct_ready(s, generation):
                 return None
             for i in cfg.writes:
-                b = args[i].tensor._buffer
-                if b.capture is not None:
+                if args[i].tensor._buffer.capture is not None:
                     return None
             for i in cfg.reads:
-                b = args[i]._buffer
-                if b.capture is not None:
+                if args[i]._buffer.capture is not None:
                     return None
             self._state = EXECUTING
+            # direct_enqueue(s, _direct_launch, ...) inlined: the hottest path
             start = s.seq
             if s._keep:
                 s.retire()
@@ -563,8 +563,11 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             seq = s.seq
             ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
             device._stats.submissions += 1
-            count_submission()
-        return args, ev, k.name
+            counts = _counts
+            counts["planned"] += 1
+            counts["enqueued"] += 1
+            counts["direct"] += 1
+        return args, ev, k._names
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
         k = self._kernel

@@ -160,8 +160,9 @@ class DeviceOp(TensorMath, Generic[T]):
     __slots__ = ("_arity", "_inputs", "_state")
     _forks = False  # True if _lanes() may put inputs on other lanes
     # An op may offer to plan and enqueue itself in one step when it stands alone
-    # (stream) -> (output, event, name) | None; None means the general path.
-    _submit_now: Callable[[Stream], tuple[Any, Any, str] | None] | None = None
+    # (stream) -> (output, event, names of its ops for errors) | None; None means the
+    # general path (see _submit.direct_ready).
+    _submit_now: Callable[[Stream], tuple[Any, Any, list[str]] | None] | None = None
 
     def __init__(self, inputs: tuple[DeviceOp[Any], ...] = (), arity: int | None = None) -> None:
         self._inputs = inputs

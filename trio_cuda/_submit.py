@@ -67,7 +67,17 @@ __all__ = [
 
 # -- statistics ----------------------------------------------------------------------
 # Counted under the runtime lock.
-_counts = {"planned": 0, "enqueued": 0, "abandoned": 0, "failed": 0, "kernels": 0, "staging": 0, "plan": 0, "memory": 0}
+_counts = {
+    "planned": 0,
+    "enqueued": 0,
+    "abandoned": 0,
+    "failed": 0,
+    "kernels": 0,
+    "staging": 0,
+    "plan": 0,
+    "memory": 0,
+    "direct": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,9 @@ class SubmissionStatistics:
         waited_for_staging: Waits for pinned host memory.
         waited_for_submission: Waits for another submission's shared op or buffer.
         waited_for_memory: Out-of-memory waits for the device's pending work.
+        direct: Of the enqueued, submissions planned and enqueued in one step without
+            a plan: a lone kernel launch or a replayed ``ops`` call of one launch or
+            GEMM, on memory already allocated (see docs/runtime.md).
     """
 
     planned: int
@@ -94,18 +107,111 @@ class SubmissionStatistics:
     waited_for_staging: int
     waited_for_submission: int
     waited_for_memory: int
+    direct: int
 
 
-def count_submission() -> None:
-    """Count a submission planned and enqueued in one step (an op's fast path; under LOCK)."""
-    _counts["planned"] += 1
-    _counts["enqueued"] += 1
+# -- direct submissions ---------------------------------------------------------------
+# A lone op whose enqueue is one step on memory that is allocated and not captured
+# (``await kernel(tensors...)``, a replayed ``ops.*`` call) is planned and enqueued in
+# one step: the op checks its own arguments, direct_ready() tidies the device as the
+# general path would and says whether that path would do anything more than run the
+# step (raise, wait, capture), and direct_enqueue() runs it with the same effects. When
+# it says no, the op takes the general path, which does (or explains) the rest.
+def direct_ready(s: Stream, generation: int) -> bool:
+    """Whether a one-step submission made for device generation ``generation`` may
+    enqueue on ``s`` now without a plan, after freeing the memory and destroying the
+    streams and graphs the device holds for the next submission (under LOCK)."""
+    device = s.device
+    if generation != device.generation or device._resetting or device._driver._fault is not None:
+        return False
+    if device._dead_buffers:
+        device.flush_frees()  # before streams are destroyed: a free may name one
+    if device._dead_streams or device._lingering or device._dead_graphs:
+        device._housekeeping()
+    return not (s.generation != generation or s.capture is not None or s._dropped)
+
+
+def direct_enqueue(s: Stream, step: Callable[[Stream, Any], None], arg: Any) -> Event | None:
+    """Run ``step(s, arg)`` as the general path runs the one step of a plan of one lane
+    (under LOCK, after direct_ready): counted as a submission; returns the event to
+    wait for (None if the step enqueued nothing)."""
+    start = s.seq
+    if s._keep:
+        s.retire()
+    tls = _tls
+    tls.submitting = True
+    try:
+        step(s, arg)
+    finally:
+        tls.submitting = False
+    seq = s.seq
+    ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
+    s.device._stats.submissions += 1
+    counts = _counts
+    counts["planned"] += 1
+    counts["enqueued"] += 1
+    counts["direct"] += 1
+    return ev
+
+
+class _NoPlan:
+    """What a direct submission's lane has for a plan: no capture."""
+
+    __slots__ = ()
+    capture = None
+
+
+_NO_PLAN: Any = _NoPlan()
+
+
+def lane_step(s: Stream, arg: tuple[Callable[[Lane, Any], None], Any]) -> None:
+    """A plan step ``fn(lane, a)`` (for ``arg = (fn, a)``) run by direct_enqueue on a lane of
+    ``s``: for steps that use only the lane's accesses and see that nothing is captured."""
+    fn, a = arg
+    fn(Lane(_NO_PLAN, s), a)
+
+
+def order_accesses(s: Stream, writes: Iterable[tuple[Buffer, bool]], reads: Iterable[tuple[Buffer, bool]]) -> None:
+    """Order the next work on ``s`` after the pending accesses on other streams of what
+    it writes (writer and readers) and reads (writer); (buffer, tracked) pairs. Not
+    capturing (Lane.write / Lane.read otherwise). Under LOCK."""
+    for b, tracked in writes:
+        if tracked:
+            w = b.writer
+            if w is not None and w[0] is not s:
+                s.wait_for(w[0], w[1])
+            if b.readers:
+                for r, rseq in b.readers.items():
+                    if r is not s:
+                        s.wait_for(r, rseq)
+    for b, tracked in reads:
+        if tracked:
+            w = b.writer
+            if w is not None and w[0] is not s:
+                s.wait_for(w[0], w[1])
+
+
+def note_accesses(s: Stream, seq: int, writes: Iterable[tuple[Buffer, bool]], reads: Iterable[tuple[Buffer, bool]]) -> None:
+    """Register point ``seq`` of ``s`` as the writer / a reader of these buffers (an
+    untracked one only keeps its memory until then). Under LOCK."""
+    for b, tracked in writes:
+        if tracked:
+            b.writer = (s, seq)
+            if b.readers:
+                b.readers.clear()
+        else:
+            b.lifetime[s] = seq
+    for b, tracked in reads:
+        if tracked:
+            b.readers[s] = seq
+        else:
+            b.lifetime[s] = seq
 
 
 def statistics() -> SubmissionStatistics:
     c = _counts
     return SubmissionStatistics(
-        c["planned"], c["enqueued"], c["abandoned"], c["failed"], c["kernels"], c["staging"], c["plan"], c["memory"]
+        c["planned"], c["enqueued"], c["abandoned"], c["failed"], c["kernels"], c["staging"], c["plan"], c["memory"], c["direct"]
     )
 
 
@@ -1090,14 +1196,14 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
-            value, ev, name = done
+            value, ev, names = done
             if ev is None:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             else:
                 try:
                     await wait_event(ev)
                 except DeviceError as err:
-                    raise name_fault(err, [name], stream.device.ordinal) from err
+                    raise name_fault(err, names, stream.device.ordinal) from err
             return value
     plan, value, need = begin(op, stream)
     if need is not None:
@@ -1124,12 +1230,12 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
     if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
-            value, ev, name = done
+            value, ev, names = done
             if ev is not None:
                 try:
                     ev.device.wait_blocking(ev)
                 except DeviceError as err:
-                    raise name_fault(err, [name], stream.device.ordinal) from err
+                    raise name_fault(err, names, stream.device.ordinal) from err
             return value
     plan, value = submit_blocking(op, stream)
     ev = plan.event

@@ -24,10 +24,10 @@ import numpy as np
 
 from .._checks import BFLOAT16, check_dtype, is_scalar, nbytes_of
 from .._device import Device
-from .._guard import LOCK
-from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
+from .._guard import LOCK, _tls
+from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key, enqueue_prepared
 from .._op import DeviceOp
-from .._submit import EXECUTING, Lane, Plan
+from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, lane_step
 from .._tensor import Partition, Tensor, c_strides
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ MAX_ROW_BLOCKS = 1 << 20  # row kernels loop over rows past this many blocks
 # -- operands ---------------------------------------------------------------------------
 def operand(x: Any, name: str, what: str = "argument") -> Any:
     """``x`` as an op operand: a Tensor, a DeviceOp, or a real scalar; else TypeError."""
+    if type(x) is Tensor:  # the common case, first
+        return x
     if isinstance(x, Partition):
         return x.tensor
     if isinstance(x, (Tensor, DeviceOp)):
@@ -159,11 +161,11 @@ class TensorOp(DeviceOp[Tensor]):
             return _record(self, plan, lane, args, key)
         return self._build(plan, lane, *args)
 
-    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, str] | None:
+    def _submit_now(self, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
         """A lone op whose recipe is one prepared launch on operands only: planned and
         enqueued in one step by the launch's own fast path (see _Launch._submit_now)."""
         hit = self._hit
-        if hit is None or hit.launch is None:
+        if hit is None or hit.direct is None:
             return None
         return hit.submit_now(self, s)
 
@@ -275,7 +277,7 @@ def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> 
 class _Step:
     """A kernel launch (``kernel`` set) or another replayable step (``fn``) of a recipe."""
 
-    __slots__ = ("cfg", "fn", "kernel", "prepared", "pure", "specs")
+    __slots__ = ("cfg", "fn", "kernel", "prepared", "pure", "reads", "specs", "writes")
 
     def __init__(self, kernel: Kernel | None, fn: Any, specs: list[tuple[int, Any]], pure: bool) -> None:
         self.kernel = kernel
@@ -284,12 +286,32 @@ class _Step:
         self.pure = pure  # only operands' memory: the prepared launch of one call fits the next
         self.cfg: Any = None
         self.prepared: Any = None
+        # A pure launch's accesses as (operand position, tracked or None: the operand's own),
+        # once its prepared launch is known (see _Recipe.submit_now).
+        self.writes: tuple[tuple[int, bool | None], ...] | None = None
+        self.reads: tuple[tuple[int, bool | None], ...] = ()
+
+    def set_prepared(self, cfg: Any, prepared: Any) -> None:
+        """Keep the prepared launch of a pure launch step, and where its buffers come from."""
+
+        def source(spec: tuple[int, Any]) -> tuple[int, bool | None]:
+            kind, p = spec
+            if kind == _PARTITION:
+                kind, p = p[0]
+            if kind == _OPERAND:
+                return p, None
+            assert kind == _OPERAND_VIEW
+            return p[0], p[5]
+
+        self.writes = tuple(source(self.specs[i]) for i in cfg.writes)
+        self.reads = tuple(source(self.specs[i]) for i in cfg.reads)
+        self.cfg, self.prepared = cfg, prepared
 
 
 class _Recipe:
     """An op's build on some arguments, to replay on the same arguments."""
 
-    __slots__ = ("allocs", "device", "generation", "launch", "ops", "result", "steps", "uses")
+    __slots__ = ("allocs", "device", "direct", "generation", "names", "ops", "result", "steps", "uses")
 
     def __init__(
         self,
@@ -307,29 +329,39 @@ class _Recipe:
         self.steps = steps
         self.ops = ops
         self.result = result
-        # The one step, when it is a launch on operands only (and no allocation): a
-        # candidate for TensorOp._submit_now once its prepared launch is known.
-        self.launch = steps[0] if len(steps) == 1 and not allocs and steps[0].kernel is not None and steps[0].pure else None
+        # The one step, when it uses operands only (no allocation): submitted directly by
+        # TensorOp._submit_now (a launch once its prepared launch is known).
+        self.direct = steps[0] if len(steps) == 1 and not allocs and steps[0].pure else None
+        self.names = list(dict.fromkeys(ops))
 
-    def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, str] | None:
-        st = self.launch
+    def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
+        """Enqueue the one step of this recipe on ``op``'s operands without a plan, as
+        replay() and the general path would (see _submit.direct_ready); None: take the
+        general path."""
+        st = self.direct
         assert st is not None
-        if st.prepared is None or self.device is not s.device or self.generation != s.device.generation:
+        device = s.device
+        k = st.kernel
+        if self.device is not device or (k is not None and st.writes is None) or _tls.submitting:
             return None
         args = op._args
+        gen = self.generation
         with LOCK:
-            if op._state is not None:
+            if op._state is not None or not direct_ready(s, gen):
                 return None
             for i in self.uses:
                 b = args[i]._buffer
                 if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
                     return None  # the general path says why
-            done = _Launch(st.kernel, tuple([_make(sp, args, ()) for sp in st.specs]), ())._submit_now(s)  # type: ignore[arg-type]
-            if done is None:
-                return None
             op._state = EXECUTING
             _counts["hits"] += 1
-        return _make(self.result, args, ()), done[1], done[2]
+            if k is not None:
+                writes = [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in st.writes]  # type: ignore[union-attr]
+                reads = [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in st.reads]
+                ev = direct_enqueue(s, enqueue_prepared, (st.cfg, st.prepared, writes, reads))
+            else:
+                ev = direct_enqueue(s, lane_step, (st.fn, tuple([_make(sp, args, ()) for sp in st.specs])))
+        return _make(self.result, args, ()), ev, self.names
 
     def replay(self, plan: Plan, lane: Lane, args: tuple[Any, ...]) -> Tensor:
         """Append the recorded allocations and steps to ``plan`` on the views of ``args``:
@@ -361,7 +393,7 @@ class _Recipe:
             if st.pure and capture is None:
                 last = steps[-1]
                 if last[0] is _prepared_step:  # launched before: keep its prepared launch
-                    st.cfg, st.prepared = last[2][0], last[2][2]
+                    st.set_prepared(last[2][0], last[2][2])
         del ops[nops:]
         ops.extend(self.ops)
         return _make(self.result, args, bufs)  # type: ignore[no-any-return]
@@ -454,7 +486,7 @@ def _recipe(
         pure = all(s[0] in (_OPERAND, _OPERAND_VIEW, _CONST) or (s[0] == _PARTITION and s[1][0][0] != _ALLOC_VIEW) for s in specs)
         st = _Step(k, fn, specs, pure)
         if fn is _prepared_step and pure and plan.capture is None:
-            st.cfg, st.prepared = arg[0], arg[2]
+            st.set_prepared(arg[0], arg[2])
         steps.append(st)
     if next(launches, None) is not None:
         return None

@@ -460,6 +460,8 @@ class Norm(TensorOp):
 
 
 def _eps(name: str, eps: Any) -> float:
+    if type(eps) is float and 0 <= eps < math.inf:  # the common case, first
+        return eps
     if not is_scalar(eps) or isinstance(eps, (bool, np.bool_, complex, np.complexfloating)):
         raise TypeError(f"{name}: eps must be a real number, not {eps!r}")
     e = float(eps)

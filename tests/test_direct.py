@@ -1,0 +1,264 @@
+"""Direct submissions (issue 12): a lone kernel launch, or a replayed ``ops`` call of one
+launch or one GEMM, on memory already allocated, is planned and enqueued in one step
+without a plan (``_submit.direct_ready`` / ``direct_enqueue``). It must keep every
+promise of the general path: cross-stream ordering, faults named after the op, op reuse
+refused, the device tidied, threads and resets. Each test checks that the direct path
+was taken (``submission_statistics().direct``), so none passes on the general path alone.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import OpAlreadyExecuted, api, lowlevel, ops
+from trio_cuda.kernels import add, sleep
+
+from .conftest import counter, settle
+
+RNG = np.random.default_rng(12)
+SLOW_NS = 30_000_000
+
+
+def direct() -> int:
+    return lowlevel.submission_statistics().direct
+
+
+async def tidy(dev: trio_cuda.Device) -> None:
+    """conftest.settle (in a worker thread), then check that nothing is left for the next
+    submission to tidy: it may go direct."""
+    await trio.to_thread.run_sync(settle)
+    assert not (dev._dead_buffers or dev._dead_streams or dev._lingering or dev._dead_graphs)
+
+
+def f32(*shape: int) -> np.ndarray:
+    return RNG.uniform(-1, 1, shape).astype(np.float32)
+
+
+async def test_repeated_calls_go_direct_and_compute_what_the_general_path_does() -> None:
+    hx, hw = f32(16, 16), f32(16, 16)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    y, n = await api.zeros((16, 16)), await api.zeros((16, 16))
+    g = await api.ones((16,))
+    acc = await api.ones((16,))
+    before = direct()
+    for _ in range(4):
+        await ops.matmul(w, x, out=y)  # GEMM: direct from the second call
+        await ops.rms_norm(y, g, 1e-6, out=n)  # one launch: direct once its launch is prepared
+        await ops.add(x, n, out=x)  # reads and writes x: x grows each time
+        await add(acc.partition((16,)), acc, acc)  # a hand-written kernel: acc = 2 * acc
+    got_direct = direct() - before
+    assert got_direct >= 4 * 4 - 6, got_direct  # at most the first two calls of each take the general path
+    ref = hx.astype(np.float64)
+    for _ in range(4):
+        yy = hw.astype(np.float64) @ ref
+        ref = ref + yy / np.sqrt(np.mean(yy * yy, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(await x.to_host(), ref, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(await acc.to_host(), np.full(16, 16.0, np.float32))
+
+
+async def test_a_direct_gemm_waits_for_a_slow_writer_of_its_input_on_another_stream() -> None:
+    dev = trio_cuda.current_device()
+    s1 = dev.create_stream()
+    hx, hw = f32(32, 8), f32(32, 32)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    y = await api.zeros((32, 8))
+    for _ in range(6):  # recipe recorded, and every stream of the pool warmed
+        await ops.matmul(w, x, out=y)
+    for k in range(3):
+        await tidy(dev)
+        slow = await lowlevel.submit(sleep(counter(), SLOW_NS).then(lambda _: ops.multiply(x, 2.0, out=x)), s1)
+        before = direct()
+        await ops.matmul(w, x, out=y)  # must run after s1's write of x
+        assert direct() == before + 1
+        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 2.0 ** (k + 1))
+        np.testing.assert_allclose(await y.to_host(), expected, rtol=1e-4, atol=1e-4)
+        await slow.wait()
+
+
+async def test_a_direct_gemm_waits_for_a_slow_reader_of_its_output_on_another_stream() -> None:
+    # write-after-read: the slow reader on s1 must see y before the GEMM overwrites it
+    dev = trio_cuda.current_device()
+    s1 = dev.create_stream()
+    hx, hw = f32(16, 4), f32(16, 16)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    y = await api.from_host(np.full((16, 4), 7.0, np.float32))
+    z = await api.zeros((16, 4))
+    for _ in range(3):
+        await ops.matmul(w, x, out=z)
+        await ops.matmul(w, x, out=y)
+    seven = await api.from_host(np.full((16, 4), 7.0, np.float32))
+    await ops.copy(seven, out=y)
+    c = counter()
+    await tidy(dev)
+    reader = await lowlevel.submit(sleep(c, SLOW_NS).then(lambda _: ops.add(y, 0.0, out=z)), s1)
+    before = direct()
+    await ops.matmul(w, x, out=y)
+    assert direct() == before + 1
+    await reader.wait()
+    np.testing.assert_array_equal(await z.to_host(), np.full((16, 4), 7.0, np.float32))
+    np.testing.assert_allclose(await y.to_host(), hw @ hx, rtol=1e-4, atol=1e-4)
+
+
+async def test_an_op_awaited_twice_is_refused_after_a_direct_submission() -> None:
+    x = await api.ones((8,))
+    for _ in range(3):
+        await ops.add(x, 1.0, out=x)
+    op = ops.add(x, 1.0, out=x)
+    before = direct()
+    await op
+    assert direct() == before + 1
+    with pytest.raises(OpAlreadyExecuted):
+        await op
+    np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
+
+
+async def test_a_fault_in_direct_work_names_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = trio_cuda.current_device()
+    x, w, y = await api.ones((8, 8)), await api.ones((8, 8)), await api.zeros((8, 8))
+    for _ in range(2):
+        await ops.matmul(w, x, out=y)
+    failing = []
+
+    def query(handle: object) -> bool:
+        failing.append(handle)
+        raise trio_cuda.DeviceFault("injected: the work before this event failed", device=dev.ordinal)
+
+    monkeypatch.setattr(dev._driver, "query", query)
+    monkeypatch.setattr(dev, "reached", lambda ev: False)  # (completion words on: ask the driver)
+    before = direct()
+    with pytest.raises(trio_cuda.DeviceFault) as info:
+        await ops.matmul(w, x, out=y)
+    assert direct() == before + 1 and failing
+    assert info.value.op == "ops.matmul" and "injected" in str(info.value)
+    monkeypatch.undo()
+    await trio.to_thread.run_sync(dev.synchronize)
+    np.testing.assert_array_equal(await y.to_host(), np.full((8, 8), 8.0, np.float32))
+
+
+async def test_a_direct_submission_frees_what_was_dropped_first() -> None:
+    # Memory freed by a finalizer waits in the device's list until the next submission
+    # frees it (stream-ordered, after its last accesses): a direct submission does that too.
+    dev = trio_cuda.current_device()
+    x = await api.ones((8,))
+    for _ in range(3):
+        await ops.add(x, 1.0, out=x)
+    tmp = await api.zeros((1 << 16,))
+    await ops.add(tmp, 1.0, out=tmp)
+    await tidy(dev)
+    del tmp
+    gc.collect()
+    assert dev._dead_buffers, "the dropped tensor's memory should wait for the next submission"
+    before = direct()
+    await ops.add(x, 1.0, out=x)
+    assert direct() == before + 1
+    assert not dev._dead_buffers
+    np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
+
+
+def test_direct_submissions_from_threads_and_trio_on_one_buffer_all_land(dev: trio_cuda.Device) -> None:
+    # Read-modify-write of one buffer from four threads (op.sync(), each on the pool's
+    # streams) and two trio tasks at once: the ordering the direct path keeps across
+    # streams makes every increment count.
+    x = api.zeros((64,)).sync()
+    ops.add(x, 1.0, out=x).sync()
+    ops.add(x, 1.0, out=x).sync()
+    before = direct()
+    per = 60
+
+    def worker() -> None:
+        for _ in range(per):
+            ops.add(x, 1.0, out=x).sync()
+
+    async def main() -> None:
+        async def task() -> None:
+            for _ in range(per):
+                await ops.add(x, 1.0, out=x)
+
+        def run_threads() -> None:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        async with trio.open_nursery() as n:
+            for _ in range(2):
+                n.start_soon(task)
+            await trio.to_thread.run_sync(run_threads)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    trio.run(main)
+    assert direct() - before >= per  # most of them went direct (the rest waited in the general path)
+    np.testing.assert_array_equal(x.to_host().sync(), np.full(64, 2.0 + 6 * per, np.float32))
+
+
+@pytest.mark.faults_device
+def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.Device) -> None:
+    # Each task repeats a direct op on its own tensors; a thread resets the device. Every
+    # await either lands or raises a DeviceError (or, for a tensor from before the reset,
+    # ValueError); nothing hangs or crashes, and the device works afterwards.
+    stop = threading.Event()
+    progress = threading.Event()
+    resets = 0
+
+    def resetter() -> None:
+        nonlocal resets
+        while not stop.is_set():
+            dev.reset()
+            resets += 1
+            progress.clear()
+            progress.wait(2.0)
+
+    async def main() -> int:
+        landed = 0
+
+        async def task() -> None:
+            nonlocal landed
+            x = w = y = None
+            for _ in range(60):
+                try:
+                    if x is None:
+                        x, w, y = await api.ones((8, 8)), await api.ones((8, 8)), await api.zeros((8, 8))
+                    await ops.add(x, 0.0, out=x)
+                    await ops.matmul(w, x, out=y)
+                    got = await y.to_host()
+                except trio_cuda.DeviceUnavailable:
+                    await trio.sleep(0.005)
+                    continue
+                except (trio_cuda.DeviceError, ValueError):
+                    x = w = y = None
+                    continue
+                np.testing.assert_array_equal(got, np.full((8, 8), 8.0, np.float32))
+                landed += 1
+                if landed % 20 == 0:  # pacing: a reset after every 20 (the ops go direct in between)
+                    progress.set()
+
+        async with trio.open_nursery() as n:
+            for _ in range(6):
+                n.start_soon(task)
+        return landed
+
+    before = direct()
+    th = threading.Thread(target=resetter)
+    th.start()
+    try:
+        landed = trio.run(_with_deadline, main, 60.0)
+    finally:
+        stop.set()
+        th.join(30)
+    assert resets > 0 and landed > 0
+    assert direct() > before, "no submission went direct between the resets"
+    x = api.ones((4,)).sync()
+    for _ in range(3):
+        ops.add(x, 1.0, out=x).sync()
+    np.testing.assert_array_equal(x.to_host().sync(), np.full(4, 4.0, np.float32))
+
+
+async def _with_deadline(fn: object, seconds: float) -> object:
+    with trio.fail_after(seconds):
+        return await fn()  # type: ignore[operator]
