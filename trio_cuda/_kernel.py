@@ -40,7 +40,7 @@ from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
-from ._submit import EXECUTING, Lane, Plan, _counts, _KernelNeed, _load_kernels, direct_ready, note_accesses, order_accesses
+from ._submit import EXECUTING, Lane, Plan, _counts, _KernelNeed, _load_kernels, note_accesses, order_accesses
 from ._tensor import Partition, Tensor
 from ._writes import written_params
 
@@ -541,7 +541,19 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             return None
         _, generation, cfg, prepared = hit
         with LOCK:
-            if self._state is not None or not direct_ready(s, generation):
+            # direct_ready(s, generation), inlined (the hottest path):
+            if (
+                self._state is not None
+                or generation != device.generation
+                or device._resetting
+                or device._driver._fault is not None
+            ):
+                return None
+            if device._dead_buffers:
+                device.flush_frees()
+            if device._dead_streams or device._lingering or device._dead_graphs:
+                device._housekeeping()
+            if s.generation != generation or s.capture is not None or s._dropped:
                 return None
             for i in cfg.writes:
                 if args[i].tensor._buffer.capture is not None:

@@ -694,51 +694,55 @@ class Plan:
         return values[0]
 
     def _walk(self, work: list[tuple[Any, Lane, int]], values: list[Any]) -> None:
-        # Frames are (op, lane, n): n < 0 enters the op, n >= 0 plans it on its n input values.
+        # Frames are (op, lane, n): n < 0 enters the op, n >= 0 plans it on its n input
+        # values. The one input of an op (a chain), and the op a plan continues with, are
+        # entered at once rather than through a frame.
         pop = work.pop
         push = work.append
         vpush = values.append
         claim = self.claimed.append
         while work:
             op, ln, n = pop()
-            if n < 0:
-                state = op._state
-                if state is not None:
-                    if state is EXECUTING:
-                        raise OpAlreadyExecuted(
-                            f"{op!r} was executed already; an op describes work that happens once "
-                            "(use .shared() for an op with several consumers)"
-                        )
-                    vpush(op._reuse(self, ln))  # only shared ops have other states
-                    continue
-                op._state = EXECUTING
-                claim(op)
-                inputs = op._inputs
-                k = len(inputs)
-                if k:
-                    push((op, ln, k))
-                    if op._forks:
-                        lanes = op._lanes(ln, k)
-                        for i in range(k - 1, -1, -1):
-                            push((inputs[i], lanes[i], -1))
-                    elif k == 1:
-                        push((inputs[0], ln, -1))
-                    else:
-                        for i in range(k - 1, -1, -1):
-                            push((inputs[i], ln, -1))
-                    continue
-                r = op._plan(self, ln, ())
-            else:
-                if n == 1:
+            while True:
+                if n < 0:
+                    state = op._state
+                    if state is not None:
+                        if state is EXECUTING:
+                            raise OpAlreadyExecuted(
+                                f"{op!r} was executed already; an op describes work that happens once "
+                                "(use .shared() for an op with several consumers)"
+                            )
+                        vpush(op._reuse(self, ln))  # only shared ops have other states
+                        break
+                    op._state = EXECUTING
+                    claim(op)
+                    inputs = op._inputs
+                    k = len(inputs)
+                    if k:
+                        push((op, ln, k))
+                        if op._forks:
+                            lanes = op._lanes(ln, k)
+                            for i in range(k - 1, -1, -1):
+                                push((inputs[i], lanes[i], -1))
+                        elif k == 1:
+                            op = inputs[0]
+                            continue
+                        else:
+                            for i in range(k - 1, -1, -1):
+                                push((inputs[i], ln, -1))
+                        break
+                    r = op._plan(self, ln, ())
+                elif n == 1:
                     r = op._plan(self, ln, (values.pop(),))
                 else:
                     args = values[-n:]
                     del values[-n:]
                     r = op._plan(self, ln, args)
-            if type(r) is Continue:
-                push((r.op, ln, -1))
-            else:
+                if type(r) is Continue:
+                    op, n = r.op, -1
+                    continue
                 vpush(r)
+                break
 
     # -- between plan and enqueue ----------------------------------------------------------------
     @property
