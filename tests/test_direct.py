@@ -9,6 +9,9 @@ was taken (``submission_statistics().direct``), so none passes on the general pa
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -16,7 +19,8 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import OpAlreadyExecuted, api, lowlevel, ops
+from trio_cuda import OpAlreadyExecuted, _submit, api, lowlevel, ops
+from trio_cuda._config import env_switch
 from trio_cuda.kernels import add, sleep
 
 from .conftest import counter, settle
@@ -262,3 +266,43 @@ def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.D
 async def _with_deadline(fn: object, seconds: float) -> object:
     with trio.fail_after(seconds):
         return await fn()  # type: ignore[operator]
+
+
+async def test_with_the_switch_off_every_submission_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # TRIO_CUDA_DIRECT=0 (read at import as _submit.direct_on): the same results, no direct submission.
+    monkeypatch.setattr(_submit, "direct_on", False)
+    hx, hw = f32(8, 8), f32(8, 8)
+    x, w, y = await api.from_host(hx), await api.from_host(hw), await api.zeros((8, 8))
+    before = direct()
+    planned = lowlevel.submission_statistics().planned
+    for _ in range(4):
+        await ops.matmul(w, x, out=y)
+        await ops.add(x, y, out=x)
+    assert direct() == before
+    assert lowlevel.submission_statistics().planned - planned == 8
+    ref = hx.astype(np.float64)
+    for _ in range(4):
+        ref = ref + hw.astype(np.float64) @ ref
+    np.testing.assert_allclose(await x.to_host(), ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(("raw", "on"), [(None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False)])
+def test_the_direct_switch_reads_like_the_other_switches(monkeypatch: pytest.MonkeyPatch, raw: str | None, on: bool) -> None:
+    if raw is None:
+        monkeypatch.delenv("TRIO_CUDA_DIRECT", raising=False)
+    else:
+        monkeypatch.setenv("TRIO_CUDA_DIRECT", raw)
+    assert env_switch("TRIO_CUDA_DIRECT") is on
+
+
+def test_a_bad_direct_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRIO_CUDA_DIRECT", "sometimes")
+    with pytest.raises(ValueError, match="TRIO_CUDA_DIRECT"):
+        env_switch("TRIO_CUDA_DIRECT")
+
+
+def test_the_direct_switch_is_read_at_import() -> None:
+    code = "import trio_cuda._submit as s; print(s.direct_on)"
+    env = {**os.environ, "TRIO_CUDA_DIRECT": "0", "TRIO_CUDA_QUIET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"

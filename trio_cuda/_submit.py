@@ -37,6 +37,7 @@ import trio
 
 from . import _trace
 from ._capture import Capture
+from ._config import env_switch
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
@@ -117,6 +118,11 @@ class SubmissionStatistics:
 # general path would and says whether that path would do anything more than run the
 # step (raise, wait, capture), and direct_enqueue() runs it with the same effects. When
 # it says no, the op takes the general path, which does (or explains) the rest.
+# TRIO_CUDA_DIRECT=0 sends every submission through a plan (for A/B measurements, or to
+# rule the direct path out); read at import.
+direct_on = env_switch("TRIO_CUDA_DIRECT")
+
+
 def direct_ready(s: Stream, generation: int) -> bool:
     """Whether a one-step submission made for device generation ``generation`` may
     enqueue on ``s`` now without a plan, after freeing the memory and destroying the
@@ -1197,7 +1203,7 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
-    if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
+    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
             value, ev, names = done
@@ -1231,7 +1237,7 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
-    if submit_now is not None and _trace.active is None:  # a trace sees every submission plan
+    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
         done = submit_now(stream)
         if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
             value, ev, names = done

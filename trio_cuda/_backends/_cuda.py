@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .._config import env_flag
+from .._config import env_flag, env_switch
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import FLAG_WORDS, ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
 from ._cublaslt import WORKSPACE, Gemms
@@ -328,9 +328,7 @@ class _Graph:
 def fast_path_wanted() -> bool:
     """``TRIO_CUDA_FASTPATH``: unset or empty means on; otherwise read like every other
     flag (0/1, false/true, no/yes, off/on; anything else is an error)."""
-    if not os.environ.get("TRIO_CUDA_FASTPATH", "").strip():
-        return True
-    return env_flag("TRIO_CUDA_FASTPATH")
+    return env_switch("TRIO_CUDA_FASTPATH")
 
 
 def _result(err: int) -> Any:
