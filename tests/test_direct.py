@@ -306,3 +306,79 @@ def test_the_direct_switch_is_read_at_import() -> None:
     env = {**os.environ, "TRIO_CUDA_DIRECT": "0", "TRIO_CUDA_QUIET": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("on", [True, False])
+async def test_a_failed_enqueue_counts_the_same_both_ways(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    # A step the driver refuses: planned and failed (not enqueued), the op consumed.
+    dev = trio_cuda.current_device()
+    x, w, y = await api.ones((8, 8)), await api.ones((8, 8)), await api.zeros((8, 8))
+    for _ in range(3):
+        await ops.matmul(w, x, out=y)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise trio_cuda.LaunchError("the driver refused the GEMM", device=dev.ordinal)
+
+    monkeypatch.setattr(dev._driver, "matmul", refuse)
+    monkeypatch.setattr(_submit, "direct_on", on)
+    op = ops.matmul(w, x, out=y)
+    s0 = lowlevel.submission_statistics()
+    with pytest.raises(trio_cuda.LaunchError, match="refused"):
+        await op
+    s1 = lowlevel.submission_statistics()
+    delta = {f: getattr(s1, f) - getattr(s0, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
+    assert delta == {"planned": 1, "enqueued": 0, "failed": 1, "abandoned": 0, "direct": 0}
+    with pytest.raises(OpAlreadyExecuted):
+        await op
+
+
+@pytest.mark.parametrize("on", [True, False])
+async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: pytest.MonkeyPatch, on: bool) -> None:
+    # Freeing dropped memory fails before anything is enqueued: abandoned, the op not consumed.
+    dev = trio_cuda.current_device()
+    x = await api.ones((8,))
+    for _ in range(3):
+        await ops.add(x, 1.0, out=x)
+    tmp = await api.zeros((1 << 12,))
+    await tidy(dev)
+    del tmp
+    gc.collect()
+    assert dev._dead_buffers
+
+    def fail() -> None:
+        raise trio_cuda.DeviceError("free failed", device=dev.ordinal)
+
+    monkeypatch.setattr(dev, "flush_frees", fail)
+    monkeypatch.setattr(_submit, "direct_on", on)
+    op = ops.add(x, 1.0, out=x)
+    s0 = lowlevel.submission_statistics()
+    with pytest.raises(trio_cuda.DeviceError, match="free failed"):
+        await op
+    s1 = lowlevel.submission_statistics()
+    delta = {f: getattr(s1, f) - getattr(s0, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
+    assert delta == {"planned": 1, "enqueued": 0, "failed": 0, "abandoned": 1, "direct": 0}
+    monkeypatch.undo()
+    await op  # not consumed: it runs now (and frees the memory first)
+    assert not dev._dead_buffers
+    np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
+
+
+async def test_a_renamed_kernel_is_named_by_its_new_name_in_faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = trio_cuda.current_device()
+    x = await api.ones((8,))
+    for _ in range(2):
+        await add(x.partition((8,)), x, x)
+    monkeypatch.setattr(add, "name", "my_add")
+
+    def query(handle: object) -> bool:
+        raise trio_cuda.DeviceFault("injected", device=dev.ordinal)
+
+    monkeypatch.setattr(dev._driver, "query", query)
+    monkeypatch.setattr(dev, "reached", lambda ev: False)
+    before = direct()
+    with pytest.raises(trio_cuda.DeviceFault) as info:
+        await add(x.partition((8,)), x, x)
+    assert direct() == before + 1
+    assert info.value.op == "my_add"
+    monkeypatch.undo()
+    await trio.to_thread.run_sync(dev.synchronize)

@@ -40,7 +40,18 @@ from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
-from ._submit import EXECUTING, Lane, Plan, _counts, _KernelNeed, _load_kernels, note_accesses, order_accesses
+from ._submit import (
+    EXECUTING,
+    Lane,
+    Plan,
+    _counts,
+    _KernelNeed,
+    _load_kernels,
+    direct_failed,
+    direct_tidy,
+    note_accesses,
+    order_accesses,
+)
 from ._tensor import Partition, Tensor
 from ._writes import written_params
 
@@ -96,7 +107,6 @@ class Kernel:
         self._geometry = geometry
         self._configs: dict[tuple[Any, ...], _Config] = {}
         self._fast: dict[tuple[Any, ...], tuple[Device, int, _Config, Any]] = {}
-        self._names = [self.name]  # what a fault of a direct submission names
         self._fp: Any = None
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
@@ -541,19 +551,16 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             return None
         _, generation, cfg, prepared = hit
         with LOCK:
-            # direct_ready(s, generation), inlined (the hottest path):
+            # direct_ready(s, generation) and direct_enqueue(), inlined (the hottest path):
             if (
                 self._state is not None
                 or generation != device.generation
                 or device._resetting
                 or device._driver._fault is not None
+                or s.generation != generation
+                or s.capture is not None
+                or s._dropped
             ):
-                return None
-            if device._dead_buffers:
-                device.flush_frees()
-            if device._dead_streams or device._lingering or device._dead_graphs:
-                device._housekeeping()
-            if s.generation != generation or s.capture is not None or s._dropped:
                 return None
             for i in cfg.writes:
                 if args[i].tensor._buffer.capture is not None:
@@ -561,25 +568,29 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             for i in cfg.reads:
                 if args[i]._buffer.capture is not None:
                     return None
+            if device._dead_buffers or device._dead_streams or device._lingering or device._dead_graphs:
+                direct_tidy(device)
             self._state = EXECUTING
-            # direct_enqueue(s, _direct_launch, ...) inlined: the hottest path
             start = s.seq
-            if s._keep:
-                s.retire()
             tls = _tls
             tls.submitting = True
             try:
+                if s._keep:
+                    s.retire()
                 _enqueue_launch(s, device, cfg, args, prepared)
+                seq = s.seq
+                ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
+            except BaseException:
+                direct_failed()
+                raise
             finally:
                 tls.submitting = False
-            seq = s.seq
-            ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
             device._stats.submissions += 1
             counts = _counts
             counts["planned"] += 1
             counts["enqueued"] += 1
             counts["direct"] += 1
-        return args, ev, k._names
+        return args, ev, [k.name]
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
         k = self._kernel

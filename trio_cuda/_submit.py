@@ -128,13 +128,39 @@ def direct_ready(s: Stream, generation: int) -> bool:
     enqueue on ``s`` now without a plan, after freeing the memory and destroying the
     streams and graphs the device holds for the next submission (under LOCK)."""
     device = s.device
-    if generation != device.generation or device._resetting or device._driver._fault is not None:
+    if (
+        generation != device.generation
+        or device._resetting
+        or device._driver._fault is not None
+        or s.generation != generation
+        or s.capture is not None
+        or s._dropped
+    ):
         return False
-    if device._dead_buffers:
-        device.flush_frees()  # before streams are destroyed: a free may name one
-    if device._dead_streams or device._lingering or device._dead_graphs:
-        device._housekeeping()
-    return not (s.generation != generation or s.capture is not None or s._dropped)
+    if device._dead_buffers or device._dead_streams or device._lingering or device._dead_graphs:
+        direct_tidy(device)
+    return True
+
+
+def direct_tidy(device: Device) -> None:
+    """What the general path does before its first driver call (under LOCK): free the
+    memory, destroy the streams and graphs the device holds for the next submission. A
+    failure counts as an abandoned submission, as there."""
+    try:
+        if device._dead_buffers:
+            device.flush_frees()  # before streams are destroyed: a free may name one
+        if device._dead_streams or device._lingering or device._dead_graphs:
+            device._housekeeping()
+    except BaseException:
+        _counts["planned"] += 1
+        _counts["abandoned"] += 1
+        raise
+
+
+def direct_failed() -> None:
+    """Count a direct submission whose enqueue failed part-way, as the general path does."""
+    _counts["planned"] += 1
+    _counts["failed"] += 1
 
 
 def direct_enqueue(s: Stream, step: Callable[[Stream, Any], None], arg: Any) -> Event | None:
@@ -142,16 +168,19 @@ def direct_enqueue(s: Stream, step: Callable[[Stream, Any], None], arg: Any) -> 
     (under LOCK, after direct_ready): counted as a submission; returns the event to
     wait for (None if the step enqueued nothing)."""
     start = s.seq
-    if s._keep:
-        s.retire()
     tls = _tls
     tls.submitting = True
     try:
+        if s._keep:
+            s.retire()
         step(s, arg)
+        seq = s.seq
+        ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
+    except BaseException:
+        direct_failed()
+        raise
     finally:
         tls.submitting = False
-    seq = s.seq
-    ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
     s.device._stats.submissions += 1
     counts = _counts
     counts["planned"] += 1
