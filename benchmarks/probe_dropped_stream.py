@@ -1,14 +1,13 @@
 """Does new work wait behind a dropped stream's kernel? (the driver's behaviour, CUDA)
 
 A stream with a 2 s kernel pending is dropped (trio-cuda used to destroy its driver
-stream at once; it now keeps it until that work is done), then two streams are made and a tiny independent op submitted on
-each; the probe busy-polls each op's event for up to 0.5 s and prints when it completed.
-``--keep`` keeps the first stream alive instead. Seen on an H200 (2026-11-30), with the
-immediate destruction: after a drop, the first new stream's op ran only when the 2 s
-kernel ended; the second's ran at
-once; with ``--keep`` both ran at once, with completion words on and off. Since the
-runtime keeps a dropped stream's driver stream until its last work is done, both ran at
-once either way (H200, the next session).
+stream at once; it now keeps it until that work is done), then two streams are made and
+a tiny independent op submitted on each; the probe busy-polls each op's event for up to
+0.5 s and prints when it completed. ``--keep`` keeps the first stream alive instead.
+Seen on an H200 (2026-11-30), with the immediate destruction: after a drop, the first
+new stream's op ran only when the 2 s kernel ended, the second's at once; with
+``--keep`` both ran at once, with completion words on and off. With the stream kept
+until its work is done, both ran at once either way (H200, the next session).
 
     python benchmarks/probe_dropped_stream.py [--keep]
 """
