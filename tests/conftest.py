@@ -14,6 +14,9 @@ os.environ.setdefault("TRIO_CUDA_SIM_DEVICES", "3")
 import gc
 import subprocess
 import sys
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -130,3 +133,42 @@ async def started(
     sub = await trio_cuda.lowlevel.submit(op, stream)  # type: ignore[arg-type]
     task_status.started()
     return await sub.wait()
+
+
+class Resetter:
+    """A thread that resets ``dev`` in a loop, paced: after each reset it waits until
+    ``progress`` is set (or 2 s pass), so that some submissions get through between
+    resets (a CUDA reset also unloads the kernels and unpins the staging memory, which
+    the next submissions bring back). Use as a context manager around the work."""
+
+    def __init__(self, dev: trio_cuda.Device) -> None:
+        self.dev = dev
+        self.resets = 0
+        self.progress = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.dev.reset()
+            self.resets += 1
+            self.progress.clear()
+            self.progress.wait(2.0)
+
+    def __enter__(self) -> Resetter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def run_with_deadline(fn: Callable[[], Awaitable[Any]], seconds: float = 60.0) -> Any:
+    """``trio.run(fn)``, failing (TooSlowError) if it takes longer than ``seconds``."""
+
+    async def main() -> Any:
+        with trio.fail_after(seconds):
+            return await fn()
+
+    return trio.run(main)

@@ -23,7 +23,7 @@ from trio_cuda import OpAlreadyExecuted, _submit, api, lowlevel, ops
 from trio_cuda._config import env_switch
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter, settle
+from .conftest import Resetter, counter, run_with_deadline, settle
 
 RNG = np.random.default_rng(12)
 SLOW_NS = 30_000_000
@@ -38,6 +38,12 @@ async def tidy(dev: trio_cuda.Device) -> None:
     submission to tidy: it may go direct."""
     await trio.to_thread.run_sync(settle)
     assert not (dev._dead_buffers or dev._dead_streams or dev._lingering or dev._dead_graphs)
+
+
+def counted(before: lowlevel.SubmissionStatistics) -> dict[str, int]:
+    """How the submission counters moved since ``before``."""
+    now = lowlevel.submission_statistics()
+    return {f: getattr(now, f) - getattr(before, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
 
 
 def f32(*shape: int) -> np.ndarray:
@@ -206,17 +212,7 @@ def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.D
     # Each task repeats a direct op on its own tensors; a thread resets the device. Every
     # await either lands or raises a DeviceError (or, for a tensor from before the reset,
     # ValueError); nothing hangs or crashes, and the device works afterwards.
-    stop = threading.Event()
-    progress = threading.Event()
-    resets = 0
-
-    def resetter() -> None:
-        nonlocal resets
-        while not stop.is_set():
-            dev.reset()
-            resets += 1
-            progress.clear()
-            progress.wait(2.0)
+    resetter = Resetter(dev)
 
     async def main() -> int:
         landed = 0
@@ -240,7 +236,7 @@ def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.D
                 np.testing.assert_array_equal(got, np.full((8, 8), 8.0, np.float32))
                 landed += 1
                 if landed % 20 == 0:  # pacing: a reset after every 20 (the ops go direct in between)
-                    progress.set()
+                    resetter.progress.set()
 
         async with trio.open_nursery() as n:
             for _ in range(6):
@@ -248,24 +244,14 @@ def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.D
         return landed
 
     before = direct()
-    th = threading.Thread(target=resetter)
-    th.start()
-    try:
-        landed = trio.run(_with_deadline, main, 60.0)
-    finally:
-        stop.set()
-        th.join(30)
-    assert resets > 0 and landed > 0
+    with resetter:
+        landed = run_with_deadline(main)
+    assert resetter.resets > 0 and landed > 0
     assert direct() > before, "no submission went direct between the resets"
     x = api.ones((4,)).sync()
     for _ in range(3):
         ops.add(x, 1.0, out=x).sync()
     np.testing.assert_array_equal(x.to_host().sync(), np.full(4, 4.0, np.float32))
-
-
-async def _with_deadline(fn: object, seconds: float) -> object:
-    with trio.fail_after(seconds):
-        return await fn()  # type: ignore[operator]
 
 
 async def test_with_the_switch_off_every_submission_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -325,9 +311,7 @@ async def test_a_failed_enqueue_counts_the_same_both_ways(monkeypatch: pytest.Mo
     s0 = lowlevel.submission_statistics()
     with pytest.raises(trio_cuda.LaunchError, match="refused"):
         await op
-    s1 = lowlevel.submission_statistics()
-    delta = {f: getattr(s1, f) - getattr(s0, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
-    assert delta == {"planned": 1, "enqueued": 0, "failed": 1, "abandoned": 0, "direct": 0}
+    assert counted(s0) == {"planned": 1, "enqueued": 0, "failed": 1, "abandoned": 0, "direct": 0}
     with pytest.raises(OpAlreadyExecuted):
         await op
 
@@ -354,9 +338,7 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
     s0 = lowlevel.submission_statistics()
     with pytest.raises(trio_cuda.DeviceError, match="free failed"):
         await op
-    s1 = lowlevel.submission_statistics()
-    delta = {f: getattr(s1, f) - getattr(s0, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
-    assert delta == {"planned": 1, "enqueued": 0, "failed": 0, "abandoned": 1, "direct": 0}
+    assert counted(s0) == {"planned": 1, "enqueued": 0, "failed": 0, "abandoned": 1, "direct": 0}
     monkeypatch.undo()
     await op  # not consumed: it runs now (and frees the memory first)
     assert not dev._dead_buffers

@@ -18,7 +18,7 @@ import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter, started
+from .conftest import Resetter, counter, run_with_deadline, started
 
 pytestmark = pytest.mark.faults_device
 
@@ -126,19 +126,7 @@ async def test_tensors_graphs_and_events_from_before_refuse_use(dev: trio_cuda.D
 def test_resets_from_another_thread_while_trio_tasks_submit(dev: trio_cuda.Device) -> None:
     # Submissions race with resets: each task either completes with its own data or
     # gets a DeviceError (reset, unavailable, stale tensor); nothing hangs or crashes.
-    stop = threading.Event()
-    progress = threading.Event()
-    resets = 0
-
-    def resetter() -> None:
-        nonlocal resets
-        while not stop.is_set():
-            dev.reset()
-            resets += 1
-            # Pacing: let some submissions through (a CUDA reset also unloads the kernels
-            # and unpins the staging memory, which the next submissions bring back).
-            progress.clear()
-            progress.wait(2.0)
+    resetter = Resetter(dev)
 
     async def main() -> tuple[int, int]:
         ok = failed = 0
@@ -166,30 +154,19 @@ def test_resets_from_another_thread_while_trio_tasks_submit(dev: trio_cuda.Devic
                     continue
                 np.testing.assert_array_equal(out, np.full(16, 2 * v, np.float32))
                 ok += 1
-                progress.set()
+                resetter.progress.set()
 
         async with trio.open_nursery() as n:
             for i in range(8):
                 n.start_soon(task, i)
         return ok, failed
 
-    th = threading.Thread(target=resetter)
-    th.start()
-    try:
-        with_deadline = trio.run(_with_deadline, main, 60.0)
-    finally:
-        stop.set()
-        th.join(30)
-    ok, failed = with_deadline
-    assert resets > 0 and ok + failed == 240
+    with resetter:
+        ok, failed = run_with_deadline(main)
+    assert resetter.resets > 0 and ok + failed == 240
     assert ok > 0, "no submission got through between the resets"
     # Afterwards the device is healthy.
     np.testing.assert_array_equal(api.full((2,), 5.0).to_host().sync(), [5, 5])
-
-
-async def _with_deadline(fn: object, seconds: float) -> object:
-    with trio.fail_after(seconds):
-        return await fn()  # type: ignore[operator]
 
 
 def test_reset_while_another_thread_syncs_in_a_loop(dev: trio_cuda.Device) -> None:
