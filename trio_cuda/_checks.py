@@ -94,6 +94,12 @@ def as_int(x: Any, what: str, *, minimum: int | None = None) -> int:
 
 def check_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
     """Normalize ``shape`` (an int or a sequence of ints >= 0), or raise."""
+    if type(shape) is tuple:  # the common case, first: a tuple of plain ints >= 0 is its own answer
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     if is_int(shape):
         shape = (shape,)
     try:

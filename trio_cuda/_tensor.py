@@ -281,15 +281,19 @@ class Partition:
     @classmethod
     def _new(cls, tensor: Tensor, tile_shape: Any) -> Partition:
         tile = check_shape(tile_shape, "tile_shape")
-        if len(tile) != tensor.ndim:
-            raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {tensor.shape} has {tensor.ndim}")
-        if any(t == 0 for t in tile):
-            raise ValueError(f"tile_shape must be positive: {tile}")
+        shape = tensor.shape
+        if len(tile) != len(shape):
+            raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {shape} has {len(shape)}")
+        # Ragged: the last tile along a dimension may be partial (the grid is the ceiling).
+        grid = []
+        for n, t in zip(shape, tile, strict=True):
+            if t == 0:
+                raise ValueError(f"tile_shape must be positive: {tile}")
+            grid.append(-(-n // t))
         self = object.__new__(cls)
         self.tensor = tensor
         self.tile_shape = tile
-        # Ragged: the last tile along a dimension may be partial (the grid is the ceiling).
-        self.grid = tuple(-(-n // t) for n, t in zip(tensor.shape, tile, strict=False))
+        self.grid = tuple(grid)
         self._k = None
         return self
 
