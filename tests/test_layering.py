@@ -105,3 +105,10 @@ def test_public_faces() -> None:
     for name in ("SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin", "DeviceReset", "lowlevel"):
         assert name in trio_cuda.__all__, name
     assert all(not n.startswith("_") for n in trio_cuda.__all__)
+
+
+def test_the_package_and_its_metadata_agree_on_the_version() -> None:
+    import tomllib
+
+    meta = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert meta["project"]["version"] == trio_cuda.__version__
