@@ -255,6 +255,11 @@ class _Recording:
 _OPERAND, _OPERAND_VIEW, _ALLOC_VIEW, _PARTITION, _CONST = range(5)
 
 
+def _buffers(args: tuple[Any, ...], sources: tuple[tuple[int, bool | None], ...]) -> list[tuple[Any, bool]]:
+    """The (buffer, tracked) pairs of a launch's accesses (see _Step.set_prepared) on ``args``."""
+    return [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in sources]
+
+
 def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> Any:
     kind, p = spec
     if kind == _OPERAND:
@@ -287,8 +292,8 @@ class _Step:
         self.cfg: Any = None
         self.prepared: Any = None
         # A pure launch's accesses as (operand position, tracked or None: the operand's own),
-        # once its prepared launch is known (see _Recipe.submit_now).
-        self.writes: tuple[tuple[int, bool | None], ...] | None = None
+        # set with its prepared launch (see _Recipe.submit_now).
+        self.writes: tuple[tuple[int, bool | None], ...] = ()
         self.reads: tuple[tuple[int, bool | None], ...] = ()
 
     def set_prepared(self, cfg: Any, prepared: Any) -> None:
@@ -311,7 +316,7 @@ class _Step:
 class _Recipe:
     """An op's build on some arguments, to replay on the same arguments."""
 
-    __slots__ = ("allocs", "device", "direct", "generation", "names", "ops", "result", "steps", "uses")
+    __slots__ = ("allocs", "device", "direct", "generation", "ops", "result", "steps", "uses")
 
     def __init__(
         self,
@@ -332,7 +337,6 @@ class _Recipe:
         # The one step, when it uses operands only (no allocation): submitted directly by
         # TensorOp._submit_now (a launch once its prepared launch is known).
         self.direct = steps[0] if len(steps) == 1 and not allocs and steps[0].pure else None
-        self.names = list(dict.fromkeys(ops))
 
     def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
         """Enqueue the one step of this recipe on ``op``'s operands without a plan, as
@@ -342,7 +346,7 @@ class _Recipe:
         assert st is not None
         device = s.device
         k = st.kernel
-        if self.device is not device or (k is not None and st.writes is None) or _tls.submitting:
+        if self.device is not device or (k is not None and st.prepared is None) or _tls.submitting:
             return None
         args = op._args
         gen = self.generation
@@ -356,12 +360,11 @@ class _Recipe:
             op._state = EXECUTING
             _counts["hits"] += 1
             if k is not None:
-                writes = [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in st.writes]  # type: ignore[union-attr]
-                reads = [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in st.reads]
-                ev = direct_enqueue(s, enqueue_prepared, (st.cfg, st.prepared, writes, reads))
+                accesses = (_buffers(args, st.writes), _buffers(args, st.reads))
+                ev = direct_enqueue(s, enqueue_prepared, (st.cfg, st.prepared, *accesses))
             else:
                 ev = direct_enqueue(s, lane_step, (st.fn, tuple([_make(sp, args, ()) for sp in st.specs])))
-        return _make(self.result, args, ()), ev, self.names
+        return _make(self.result, args, ()), ev, self.ops
 
     def replay(self, plan: Plan, lane: Lane, args: tuple[Any, ...]) -> Tensor:
         """Append the recorded allocations and steps to ``plan`` on the views of ``args``:
