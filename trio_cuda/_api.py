@@ -239,6 +239,7 @@ def _d2d_step(lane: Lane, arg: tuple[Tensor, Tensor]) -> None:
         if src.device is dst.device:
             drv.copy_d2d(dst.ptr, src.ptr, dst.nbytes, lane.stream.handle)
         else:
+            lane.device._cross_device = True  # see Device.poll
             drv.copy_peer(dst.ptr, src.device._driver, src.ptr, dst.nbytes, lane.stream.handle)
         lane.device._stats.copies += 1
     seq = lane.end()

@@ -230,6 +230,15 @@ async def wait_event(event: Event) -> None:
         if dev.poll(event):
             _paths[0] += 1
             return
+    await wait_pending(event, started)
+
+
+async def wait_pending(event: Event, started: int) -> None:
+    """The rest of :func:`wait_event` after a first poll found ``event`` pending: poll
+    between checkpoints until the budget counted from ``started`` (perf_counter_ns) is
+    spent, then park on the notifier."""
+    dev = event.device
+    clock = time.perf_counter_ns
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
     spin = _spin_ns if _spin_ns is not None else spin_ns()  # (a test may have reset them)
     deadline = started + budget  # a budget of 0 parks what the first poll found pending

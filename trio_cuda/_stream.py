@@ -126,6 +126,8 @@ class Stream:
         "_foreign",
         "_keep",
         "_last_event",
+        "_newest_pending",
+        "_ok_seq",
         "_token",
         "_waited",
         "_wref",
@@ -144,6 +146,8 @@ class Stream:
     generation: int
     capture: Any  # the graph capture recording this stream, if any
     _last_event: Event | None
+    _ok_seq: int  # the last point whose event a poll saw succeed (<= done_seq; see Device.poll)
+    _newest_pending: int  # the point of the newest event a poll last found pending
     _waited: dict[_Token, int]
     _token: _Token
     _keep: collections.deque[tuple[int, Any]]
@@ -178,6 +182,8 @@ class Stream:
         self.generation = self.device.generation
         self.seq = 0
         self.done_seq = 0
+        self._ok_seq = 0
+        self._newest_pending = 0
         self._last_event = None
         self._waited = {}
         self._keep = collections.deque()
@@ -271,6 +277,8 @@ class Stream:
             ev = other.event_at(seq)
         if ev.done:
             return False
+        if other.device is not self.device and not ordering_only:
+            self.device._cross_device = True  # see Device.poll
         self.device._driver.wait_event(self.handle, ev.handle, ordering_only=ordering_only)
         if _trace.active is not None:
             _trace.active.wait(self, other, seq)

@@ -313,6 +313,7 @@ def _collective_step(lane: Lane, arg: tuple[Collective, list[Lane], list[Tensor]
         if o._buffer is not i._buffer:
             ln.read(i._buffer, i._tracked)
         ln.write(o._buffer, o._tracked)
+        ln.device._cross_device = True  # another rank's failure can fail it alone (see Device.poll)
     comms = group._communicators()
     first = ins[0]
     count = first.size // group.size if op._kind == "reduce_scatter" else first.size

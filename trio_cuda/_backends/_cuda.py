@@ -2,7 +2,8 @@
 
 * One **primary context** per device, made current lazily on each thread that calls in.
 * **Streams** are non-blocking driver streams; **events** are created with timing off
-  and blocking sync (a waiting thread sleeps instead of spinning).
+  (no blocking sync: nothing calls ``cuEventSynchronize`` on them, and their queries
+  are cheaper without it).
 * **Memory** is stream-ordered (``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync``) from
   the device's default pool, whose release threshold is raised so that steady-state
   allocation never returns memory to the OS. Host copies go through pinned memory
@@ -420,7 +421,12 @@ class CudaDevice(DeviceDriver):
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
-        self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING | cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC
+        # Timing off and no blocking sync: nothing waits on these events with
+        # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
+        # side stream posts). Measured on an H200 (benchmarks/results/host-events-2026-11-30.md):
+        # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
+        # and a launch-record-query round trip about 1 us more, than with timing off alone.
+        self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fast = fast_path()
 
     def _register_flags(self) -> None:
