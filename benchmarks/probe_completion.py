@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -40,6 +41,18 @@ def inc(x):  # type: ignore[no-untyped-def]
     i = cuda.grid(1)
     if i < x.shape[0]:
         x[i] += 1.0
+
+
+async def round_trip_us(make: Callable[[], Any], n: int, run: Callable[[Any], Awaitable[Any]] | None = None) -> float:
+    """The median over ``n`` round trips of ``await make()`` (or ``await run(make())``),
+    timing the await only, in us."""
+    rt = []
+    for _ in range(n):
+        op = make()
+        t0 = time.perf_counter_ns()
+        await (op if run is None else run(op))
+        rt.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(rt)
 
 
 def print_rounds(results: dict[str, list[float]], rounds: int) -> None:

@@ -27,7 +27,7 @@ from trio_cuda import _submit, api
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_decode import per_kernel_ops  # this folder (run as a script)
 from bench_runtime import inc
-from probe_completion import print_rounds
+from probe_completion import print_rounds, round_trip_us
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from cuda_graphs_deviceop import build
@@ -37,13 +37,7 @@ KINDS = ("rms_norm op", "matmul q op", "matmul o op", "add kernel")
 
 async def one_round(p: Any, makers: list[Any], tokens: int, n: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    rt = []
-    for _ in range(n):
-        op = inc(p)
-        t0 = time.perf_counter_ns()
-        await op
-        rt.append((time.perf_counter_ns() - t0) / 1e3)
-    out["tiny op round trip, us"] = statistics.median(rt)
+    out["tiny op round trip, us"] = await round_trip_us(lambda: inc(p), n)
     op = inc(p)
     for _ in range(n - 1):
         op = inc(op.first())

@@ -182,7 +182,7 @@ def driver_calls() -> None:
 
 async def on_off(rounds: int) -> None:
     import trio
-    from probe_completion import print_rounds  # this folder (run as a script)
+    from probe_completion import print_rounds, round_trip_us  # this folder (run as a script)
 
     import trio_cuda
     from trio_cuda import _submit, api
@@ -236,20 +236,10 @@ async def on_off(rounds: int) -> None:
         for way in (fast, None):
             drv._fast = way
             tag = "on" if way is not None else "off"
-            rt = []
-            for _ in range(n):
-                op = inc(p)
-                t0 = time.perf_counter_ns()
-                await _submit.run_async(op, s)
-                rt.append((time.perf_counter_ns() - t0) / 1e3)
-            note(f"trio-cuda round trip, one stream, fast path {tag}, us", statistics.median(rt))
-            rt = []
-            for _ in range(n):
-                op = inc(p)
-                t0 = time.perf_counter_ns()
-                await op
-                rt.append((time.perf_counter_ns() - t0) / 1e3)
-            note(f"trio-cuda round trip, await op (policy), fast path {tag}, us", statistics.median(rt))
+            rt = await round_trip_us(lambda: inc(p), n, lambda op: _submit.run_async(op, s))
+            note(f"trio-cuda round trip, one stream, fast path {tag}, us", rt)
+            rt = await round_trip_us(lambda: inc(p), n)
+            note(f"trio-cuda round trip, await op (policy), fast path {tag}, us", rt)
             op = inc(p)
             for _ in range(1999):
                 op = inc(op.first())

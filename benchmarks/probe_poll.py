@@ -35,7 +35,7 @@ from trio_cuda import _device, api
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_runtime import inc  # this folder (run as a script)
-from probe_completion import print_rounds
+from probe_completion import print_rounds, round_trip_us
 
 
 async def tasks_rate(parts: list[Any], k: int) -> float:
@@ -50,17 +50,6 @@ async def tasks_rate(parts: list[Any], k: int) -> float:
         for p in parts:
             nursery.start_soon(worker, p)
     return len(parts) * k / ((time.perf_counter_ns() - t0) / 1e9)
-
-
-async def round_trip_us(p: Any, n: int) -> float:
-    """Median of ``n`` tiny op round trips (one task), in us."""
-    rt = []
-    for _ in range(n):
-        op = inc(p)
-        t0 = time.perf_counter_ns()
-        await op
-        rt.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(rt)
 
 
 async def main(cycles: int) -> None:
@@ -85,7 +74,7 @@ async def main(cycles: int) -> None:
     p = x.partition((32,))
     many = {count: [(await api.zeros((32,))).partition((32,)) for _ in range(count)] for count in (16, 256)}
     figures = {
-        "tiny op round trip, us": lambda: round_trip_us(p, 200),
+        "tiny op round trip, us": lambda: round_trip_us(lambda: inc(p), 200),
         "awaits/s, 16 tasks (k)": lambda: tasks_rate(many[16], 64),
         "awaits/s, 256 tasks (k)": lambda: tasks_rate(many[256], 8),
     }

@@ -69,15 +69,21 @@ async def submit_adds(x: trio_cuda.Tensor, s: trio_cuda.Stream, n: int) -> list[
     return events
 
 
+async def adds_on_a_new_stream(dev: trio_cuda.Device, n: int) -> tuple[trio_cuda.Stream, trio_cuda.Tensor, list[trio_cuda.Event]]:
+    """A word-less stream, a tensor of 16 zeros, and the events of ``n`` submitted
+    (not awaited) increments of it on that stream."""
+    s = wordless_stream(dev)
+    x = await api.zeros((16,))
+    return s, x, await submit_adds(x, s, n)
+
+
 @pytest.mark.parametrize("by_stream", [True, False])
 async def test_earlier_events_read_done_without_a_query_after_a_later_one(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, by_stream: bool
 ) -> None:
     dev = fresh_device
     monkeypatch.setattr(_device, "poll_by_stream", by_stream)
-    s = wordless_stream(dev)
-    x = await api.zeros((16,))
-    events = await submit_adds(x, s, 6)
+    _s, x, events = await adds_on_a_new_stream(dev, 6)
     assert len({ev.seq for ev in events}) == 6
     await lowlevel.wait(events[-1])
     q = Queries(dev, monkeypatch)
@@ -91,9 +97,7 @@ async def test_a_poll_asks_about_the_newest_event_first_and_learns_the_rest(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
-    x = await api.zeros((16,))
-    events = await submit_adds(x, s, 5)
+    s, _x, events = await adds_on_a_new_stream(dev, 5)
     with trio.fail_after(30):  # all done, asking the driver directly: the runtime knows nothing
         while not dev._driver.query(events[-1].handle):
             await trio.sleep(0.001)
@@ -109,9 +113,7 @@ async def test_a_pending_newest_event_is_asked_once_and_delays_no_earlier_one(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
-    x = await api.zeros((16,))
-    short = await submit_adds(x, s, 3)
+    s, x, short = await adds_on_a_new_stream(dev, 3)
     long = await lowlevel.submit(sleep(counter(), 400_000_000), s)  # 0.4 s behind them
     newest = long.event
     assert newest is not None and newest.seq > short[-1].seq
@@ -155,10 +157,8 @@ async def test_awaits_of_many_tasks_on_few_streams_stay_right(fresh_device: trio
 @pytest.mark.faults_device
 async def test_a_faulted_device_fails_events_not_yet_seen_done(fresh_device: trio_cuda.Device) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
     _, z = await ready_to_fault(0)
-    x = await api.zeros((16,))
-    events = await submit_adds(x, s, 3)
+    _s, _x, events = await adds_on_a_new_stream(dev, 3)
     await lowlevel.wait(events[-1])  # the stream is known done past events[0]
     assert not events[0].done
     with pytest.raises(trio_cuda.DeviceFault):
@@ -168,31 +168,16 @@ async def test_a_faulted_device_fails_events_not_yet_seen_done(fresh_device: tri
         dev.poll(events[0])
 
 
-@pytest.mark.faults_device
-@pytest.mark.sim_only
-@needs_devices(2)
-async def test_a_failed_peer_copy_does_not_read_done_after_a_later_success_on_its_stream(
-    fresh_device: trio_cuda.Device,
-) -> None:
-    # The copy itself fails (device 1 faulted after it was enqueued); nothing made a
-    # stream wait for device 1's work. Later work on the same stream succeeds.
-    d0, d1 = fresh_device, trio_cuda.device(1)
-    with trio_cuda.use_device(1):  # all on device 1: device 0 waits for nothing of it
-        t1 = await api.full((32,), 7.0)  # written and known done
-    _, z1 = await ready_to_fault(1)
-    s0 = wordless_stream(d0)
-    y0 = await api.zeros((32,))
-    await ops.add(y0, 1.0, out=y0)
-    await lowlevel.submit(sleep(counter(), 300_000_000), s0)  # holds the copy back
-    assert not d0._cross_device  # the copy below is the first cross-device work
-    failing = await lowlevel.submit(api.dup(t1, device=0), s0)
-    good = await lowlevel.submit(ops.add(y0, 1.0, out=y0), s0)
+async def fault_device_1_then_check(z1: trio_cuda.Tensor, failing: Any, good: Any, y0: trio_cuda.Tensor) -> None:
+    """Fault device 1 (``z1`` is its scribble target). ``good``, later on the same stream
+    of device 0 as ``failing``, succeeds; ``failing`` must still fail, however polled."""
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
     with trio_cuda.use_device(1), pytest.raises(trio_cuda.DeviceFault):
         await scribble(z1.partition((32,)))
     assert d1.is_faulted and not d0.is_faulted
     await good.wait()
     ev = failing.event
-    assert ev is not None and ev.seq < good.event.seq and not ev.done
+    assert ev is not None and ev.device is d0 and ev.seq < good.event.seq and not ev.done
     with pytest.raises(trio_cuda.DeviceFault):
         d0.poll(ev)
     with pytest.raises(trio_cuda.DeviceFault):
@@ -204,13 +189,35 @@ async def test_a_failed_peer_copy_does_not_read_done_after_a_later_success_on_it
 @pytest.mark.faults_device
 @pytest.mark.sim_only
 @needs_devices(2)
+async def test_a_failed_peer_copy_does_not_read_done_after_a_later_success_on_its_stream(
+    fresh_device: trio_cuda.Device,
+) -> None:
+    # The copy itself fails (device 1 faulted after it was enqueued); nothing made a
+    # stream wait for device 1's work. Later work on the same stream succeeds.
+    d0 = fresh_device
+    with trio_cuda.use_device(1):  # all on device 1: device 0 waits for nothing of it
+        t1 = await api.full((32,), 7.0)  # written and known done
+    _, z1 = await ready_to_fault(1)
+    s0 = wordless_stream(d0)
+    y0 = await api.zeros((32,))
+    await ops.add(y0, 1.0, out=y0)
+    await lowlevel.submit(sleep(counter(), 300_000_000), s0)  # holds the copy back
+    assert not d0._cross_device  # the copy below is the first cross-device work
+    failing = await lowlevel.submit(api.dup(t1, device=0), s0)
+    good = await lowlevel.submit(ops.add(y0, 1.0, out=y0), s0)
+    await fault_device_1_then_check(z1, failing, good, y0)
+
+
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
 async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_after_a_later_success(
     fresh_device: trio_cuda.Device,
 ) -> None:
     # Submitted on device 0's stream, a copy into device 1's memory runs on device 1
     # (after a long kernel there) and device 0's stream waits for it: device 1's fault
     # fails that submission alone.
-    d0, d1 = fresh_device, trio_cuda.device(1)
+    d0 = fresh_device
     c1, z1 = await ready_to_fault(1)
     s0 = wordless_stream(d0)
     y0 = await api.zeros((32,))
@@ -220,13 +227,4 @@ async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_a
     assert not d0._cross_device  # the wait below is the first cross-device work
     failing = await lowlevel.submit(api.memcpy(c1, np.zeros(4, np.int32)), s0)
     good = await lowlevel.submit(ops.add(y0, 1.0, out=y0), s0)
-    with trio_cuda.use_device(1), pytest.raises(trio_cuda.DeviceFault):
-        await scribble(z1.partition((32,)))
-    assert d1.is_faulted and not d0.is_faulted
-    await good.wait()
-    ev = failing.event
-    assert ev is not None and ev.device is d0 and ev.seq < good.event.seq and not ev.done
-    with pytest.raises(trio_cuda.DeviceFault):
-        d0.poll(ev)
-    np.testing.assert_array_equal(await y0.to_host(), np.full(32, 2.0, np.float32))
-    await trio.to_thread.run_sync(d1.reset)
+    await fault_device_1_then_check(z1, failing, good, y0)
