@@ -9,6 +9,9 @@ every event not yet seen done, as without this path.
 
 from __future__ import annotations
 
+import gc
+import random
+import threading
 from typing import Any
 
 import numpy as np
@@ -16,10 +19,12 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import _device, api, lowlevel, ops
+from trio_cuda import _device, _notifier, _submit, api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import counter, needs_devices
+from numba import cuda
+
+from .conftest import Resetter, counter, needs_devices
 from .test_adversarial import ready_to_fault, scribble
 
 
@@ -228,3 +233,324 @@ async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_a
     failing = await lowlevel.submit(api.memcpy(c1, np.zeros(4, np.int32)), s0)
     good = await lowlevel.submit(ops.add(y0, 1.0, out=y0), s0)
     await fault_device_1_then_check(z1, failing, good, y0)
+
+
+# -- from the adversarial review: sim-only, reading the simulated memory behind each await --
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("by_stream", [True, False])
+async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_done(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, by_stream: bool, words: bool
+) -> None:
+    # lowlevel.stream_wait ("an event of any device") made device 0's stream wait for
+    # device 1's work without marking device 0 (found by review): the failed add read done.
+    monkeypatch.setattr(_device, "poll_by_stream", by_stream)
+    d0, d1 = fresh_device, trio_cuda.device(1)
+    c1, z1 = await ready_to_fault(1)
+    with trio_cuda.use_device(1):
+        s1 = d1.create_stream()
+        await lowlevel.submit(sleep(c1.partition((4,)), 300_000_000), s1)
+        e1 = lowlevel.record(s1)
+    s0 = d0.create_stream() if words else wordless_stream(d0)
+    assert (s0._flag >= 0) == words
+    y0 = await api.zeros((32,))
+    await ops.add(y0, 1.0, out=y0)
+    assert not d0._cross_device  # the wait below is the first cross-device work
+    lowlevel.stream_wait(s0, e1)
+    failing = await lowlevel.submit(ops.add(y0, 1.0, out=y0), s0)
+    good = await lowlevel.submit(api.zeros((8,)), s0)
+    with trio_cuda.use_device(1), pytest.raises(trio_cuda.DeviceFault):
+        await scribble(z1.partition((32,)))
+    assert d1.is_faulted and not d0.is_faulted
+    await good.wait()
+    ev = failing.event
+    assert ev is not None and ev.seq < good.event.seq
+    try:
+        with pytest.raises(trio_cuda.DeviceFault):
+            d0.poll(ev)  # by the stream: True (the failed add reads done)
+        with pytest.raises(trio_cuda.DeviceFault):
+            await failing.wait()
+    finally:
+        await trio.to_thread.run_sync(d1.reset)
+
+
+def peek(dev: trio_cuda.Device, t: trio_cuda.Tensor) -> int:
+    """counter[0] straight from the simulated memory (no ordering, no wait)."""
+    return int(dev._driver._bytes(t.ptr, 4).view(np.int32)[0])
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("budget", [None, 0])
+async def test_awaits_never_return_before_their_sleep_ran(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    dev = fresh_device
+    if budget is not None:
+        monkeypatch.setattr(_notifier, "_budget_ns", budget)
+    streams = [wordless_stream(dev) for _ in range(2)]
+    rng = random.Random(1)
+    bad: list[str] = []
+
+    async def worker(i: int) -> None:
+        policy = trio_cuda.SingleStream(stream=streams[i % 2])
+        c = await api.zeros((1,), np.int32)
+        for r in range(8):
+            await sleep(c.partition((1,)), rng.randrange(0, 2_000_000)).schedule(policy)
+            v = peek(dev, c)
+            if v != r + 1:
+                bad.append(f"task {i} round {r}: counter {v}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(24):
+            nursery.start_soon(worker, i)
+    assert not bad, bad
+
+
+@pytest.mark.sim_only
+async def test_thread_syncs_and_trio_awaits_on_one_wordless_stream(
+    fresh_device: trio_cuda.Device,
+) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    policy = trio_cuda.SingleStream(stream=s)
+    bad: list[str] = []
+    cs = [await api.zeros((1,), np.int32) for _ in range(12)]
+
+    def thread_worker(j: int) -> None:
+        c = cs[j]
+        for r in range(6):
+            sleep(c.partition((1,)), 300_000 * (r % 3)).sync_on(s)
+            v = peek(dev, c)
+            if v != r + 1:
+                bad.append(f"thread {j} round {r}: counter {v}")
+
+    async def task_worker(j: int) -> None:
+        c = cs[j]
+        for r in range(6):
+            await sleep(c.partition((1,)), 200_000 * (r % 4)).schedule(policy)
+            v = peek(dev, c)
+            if v != r + 1:
+                bad.append(f"task {j} round {r}: counter {v}")
+
+    async with trio.open_nursery() as nursery:
+        for j in range(6):
+            nursery.start_soon(trio.to_thread.run_sync, thread_worker, j)
+        for j in range(6, 12):
+            nursery.start_soon(task_worker, j)
+    assert not bad, bad
+
+
+@pytest.mark.sim_only
+async def test_resets_racing_polls_never_read_done_early(fresh_device: trio_cuda.Device) -> None:
+    dev = fresh_device
+    streams = [wordless_stream(dev) for _ in range(2)]
+    bad: list[str] = []
+    stats = {"ok": 0, "reset": 0}
+    stop = threading.Event()
+
+    async def worker(i: int) -> None:
+        policy = trio_cuda.SingleStream(stream=streams[i % 2])
+        rng = random.Random(i)
+        while not stop.is_set():
+            try:
+                c = await api.zeros((1,), np.int32).schedule(policy)
+                gen = dev.generation
+                await sleep(c.partition((1,)), rng.randrange(0, 1_000_000)).schedule(policy)
+            except (trio_cuda.DeviceReset, trio_cuda.DeviceUnavailable, ValueError):
+                stats["reset"] += 1
+                await trio.sleep(0.001)
+                continue
+            try:
+                v = peek(dev, c)
+            except IndexError:
+                continue  # memory gone with a reset after the await
+            if v != 1 and dev.generation == gen:
+                bad.append(f"task {i}: counter {v} after the await (generation {gen})")
+            stats["ok"] += 1
+            res.progress.set()
+
+    with Resetter(dev) as res:
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(worker, i)
+            await trio.sleep(3)
+            stop.set()
+    assert not bad, bad
+    assert stats["ok"] > 20 and res.resets > 2, (stats, res.resets)
+
+
+@pytest.mark.sim_only
+async def test_ok_seq_of_the_old_binding_does_not_leak_after_a_reset(
+    fresh_device: trio_cuda.Device,
+) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    x = await api.zeros((16,))
+    events = await submit_adds(x, s, 8)
+    held = events[2]
+    await lowlevel.wait(events[-1])
+    assert s._ok_seq >= events[-1].seq and not held.done
+    await trio.to_thread.run_sync(dev.reset)
+    with pytest.raises(trio_cuda.DeviceReset):
+        dev.poll(held)
+    with pytest.raises(trio_cuda.DeviceReset):
+        await lowlevel.wait(held)
+    # The rebound stream restarts at seq 0: a new pending event at a low seq must not
+    # read done from the old binding's _ok_seq.
+    c = await api.zeros((1,), np.int32)
+    long = await lowlevel.submit(sleep(c.partition((1,)), 400_000_000), s)
+    assert long.event is not None and long.event.seq < events[-1].seq
+    assert not dev.poll(long.event)
+    await long.wait()
+    assert peek(dev, c) == 1
+
+
+@pytest.mark.sim_only
+async def test_a_pending_newest_memo_never_hides_a_done_event(
+    fresh_device: trio_cuda.Device,
+) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    c = await api.zeros((1,), np.int32)
+    c2 = await api.zeros((1,), np.int32)
+    first = await lowlevel.submit(sleep(c.partition((1,)), 200_000_000), s)
+    newest = await lowlevel.submit(sleep(c2.partition((1,)), 100_000_000), s)
+    assert not dev.poll(first.event)  # asks about newest: pending (memo), then first: pending
+    assert s._newest_pending == newest.event.seq
+    # No newer event is ever recorded: both must still complete, by polling alone.
+    with trio.fail_after(10):
+        while not dev.poll(first.event):
+            await trio.sleep(0.005)
+        assert peek(dev, c) == 1
+        while not dev.poll(newest.event):
+            await trio.sleep(0.005)
+    assert peek(dev, c2) == 1
+
+
+@trio_cuda.kernel
+def maybe_scribble(z, flag):  # type: ignore[no-untyped-def]
+    i = cuda.grid(1)
+    if i < z.shape[0]:
+        z[i + flag[0]] = 1.0
+
+
+@pytest.mark.sim_only
+@pytest.mark.parametrize("budget", [0, 2_000_000_000])
+async def test_inlined_first_poll_counts_and_parks_like_wait_event(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, budget: int
+) -> None:
+    dev = fresh_device
+    monkeypatch.setattr(_notifier, "_budget_ns", budget)
+    s = wordless_stream(dev)
+    policy = trio_cuda.SingleStream(stream=s)
+    c = await api.zeros((1,), np.int32)
+    p = c.partition((1,))
+    await sleep(p, 50_000_000).schedule(policy)  # the direct path knows it now
+    before = lowlevel.notifier_statistics()
+    q = _submit._counts["direct"]
+    await sleep(p, 50_000_000).schedule(policy)  # pending at the first poll
+    assert _submit._counts["direct"] == q + 1, "not the direct path"
+    assert peek(dev, c) == 2
+    after = lowlevel.notifier_statistics()
+    fast = after.fast_path - before.fast_path
+    slow = after.slow_path - before.slow_path
+    assert fast + slow == 1
+    assert (slow == 1) if budget == 0 else (fast == 1)
+
+
+@pytest.mark.sim_only
+async def test_inlined_first_poll_cancelled_leaves_work_running(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    policy = trio_cuda.SingleStream(stream=s)
+    c = await api.zeros((1,), np.int32)
+    p = c.partition((1,))
+    await sleep(p, 200_000_000).schedule(policy)
+    q = _submit._counts["direct"]
+    with trio.CancelScope() as cs:
+        cs.cancel()  # cancelled before: the op does not happen (checkpoint_if_cancelled)
+        await sleep(p, 200_000_000).schedule(policy)
+    assert _submit._counts["direct"] == q
+    with trio.move_on_after(0.02) as mv:
+        await sleep(p, 200_000_000).schedule(policy)
+    assert mv.cancelled_caught
+    assert _submit._counts["direct"] == q + 1
+    assert peek(dev, c) == 1
+    await sleep(p, 200_000_000).schedule(policy)
+    assert peek(dev, c) == 3
+
+
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+async def test_inlined_first_poll_fault_names_the_op(fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = wordless_stream(fresh_device)
+    policy = trio_cuda.SingleStream(stream=s)
+    z = await api.zeros((32,))
+    flag = await api.zeros((1,), np.int64)
+    zp = z.partition((32,))
+    await maybe_scribble(zp, flag).schedule(policy)
+    await api.memcpy(flag, np.array([1 << 40], np.int64))
+    q = _submit._counts["direct"]
+    with pytest.raises(trio_cuda.DeviceFault) as info:
+        await maybe_scribble(zp, flag).schedule(policy)
+    assert _submit._counts["direct"] == q + 1
+    assert info.value.op is not None and "maybe_scribble" in info.value.op, info.value
+
+
+@pytest.mark.sim_only
+async def test_polls_during_and_after_a_capture_on_a_wordless_stream(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    policy = trio_cuda.SingleStream(stream=s)
+    c_pre = await api.zeros((1,), np.int32)
+    c = await api.zeros((1,), np.int32)
+    pre_p, p = c_pre.partition((1,)), c.partition((1,))
+    await sleep(p, 1000).schedule(policy)
+    first = await lowlevel.submit(sleep(pre_p, 100_000_000), s)
+    pre = await lowlevel.submit(sleep(pre_p, 200_000_000), s)
+    assert not dev.poll(first.event)  # newest (pre) pending: memo
+    with trio_cuda.capture_graph(s) as scope:
+        scope.record(sleep(p, 50_000_000))
+        assert s.capture is not None
+        with trio.fail_after(10):
+            while not dev.poll(first.event):
+                await trio.sleep(0.005)
+            assert peek(dev, c_pre) >= 1
+            while not dev.poll(pre.event):
+                await trio.sleep(0.005)
+            assert peek(dev, c_pre) == 2
+    graph = scope.graph
+    assert graph is not None and peek(dev, c) == 1
+    launch = await lowlevel.submit(graph.launch(), s)
+    with trio.fail_after(10):
+        while not dev.poll(launch.event):
+            await trio.sleep(0.005)
+    assert peek(dev, c) == 2
+    await sleep(p, 1000).schedule(policy)
+    assert peek(dev, c) == 3
+
+
+@pytest.mark.sim_only
+async def test_events_of_a_dropped_wordless_stream(fresh_device: trio_cuda.Device) -> None:
+    dev = fresh_device
+    s = wordless_stream(dev)
+    cs = [await api.zeros((1,), np.int32) for _ in range(3)]
+    subs = [await lowlevel.submit(sleep(c.partition((1,)), 100_000_000 * (3 - i)), s) for i, c in enumerate(cs)]
+    evs = [sub.event for sub in subs]
+    assert not dev.poll(evs[0])
+    del s
+    gc.collect()
+    await api.zeros((1,))  # housekeeping: the stream is destroyed behind its last work
+    for ev, c in zip(evs, cs, strict=True):
+        with trio.fail_after(10):
+            while not dev.poll(ev):
+                await trio.sleep(0.002)
+        assert peek(dev, c) == 1
+    for sub in subs:
+        await sub.wait()

@@ -125,7 +125,7 @@ class Capture:
         if s is not self.stream:
             origin = self.stream
             ev = origin.event_at(origin.mark())  # recorded inside the capture: a fork point
-            self.device._driver.wait_event(s.handle, ev.handle)
+            s._enqueue_wait(ev)
             s._waited[origin._token] = ev.seq
         self.start[s] = s.mark()
 

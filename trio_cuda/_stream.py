@@ -277,9 +277,7 @@ class Stream:
             ev = other.event_at(seq)
         if ev.done:
             return False
-        if other.device is not self.device and not ordering_only:
-            self.device._cross_device = True  # see Device.poll
-        self.device._driver.wait_event(self.handle, ev.handle, ordering_only=ordering_only)
+        self._enqueue_wait(ev, ordering_only=ordering_only)
         if _trace.active is not None:
             _trace.active.wait(self, other, seq)
         if len(waited) > 32:
@@ -287,6 +285,16 @@ class Stream:
         waited[token] = ev.seq
         self.device._stats.stream_waits += 1
         return True
+
+    def _enqueue_wait(self, ev: Event, *, ordering_only: bool = False) -> None:
+        """Enqueue a driver wait for ``ev`` on this stream (under LOCK): every wait of one
+        of our streams goes through here. A wait for another device's work (unless
+        ordering only) turns polls answered from the stream off for this device: a
+        failure there fails one submission of this stream while later ones succeed
+        (see Device.poll)."""
+        if ev.device is not self.device and not ordering_only:
+            self.device._cross_device = True
+        self.device._driver.wait_event(self.handle, ev.handle, ordering_only=ordering_only)
 
     def observe(self, seq: int) -> None:
         """Note that point ``seq`` has completed (done_seq only grows)."""

@@ -88,7 +88,7 @@ def stream_wait(stream: Stream, event: Event) -> None:
         stream.device._current_stream(stream)
         if stream.capture is not None:
             raise GraphCaptureError("the stream is recording a graph capture", device=stream.device.ordinal)
-        stream.device._driver.wait_event(stream.handle, event.handle)
+        stream._enqueue_wait(event)
 
 
 async def wait(event: Event) -> None:
