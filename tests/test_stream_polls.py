@@ -276,6 +276,16 @@ async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_d
         await trio.to_thread.run_sync(d1.reset)
 
 
+async def counter_on_a_wordless_stream(
+    dev: trio_cuda.Device,
+) -> tuple[trio_cuda.SingleStream, trio_cuda.Tensor, trio_cuda.Partition]:
+    """A policy of one new word-less stream, and a 1-element int32 counter (and its
+    partition) for the sleep kernel."""
+    policy = trio_cuda.SingleStream(stream=wordless_stream(dev))
+    c = await api.zeros((1,), np.int32)
+    return policy, c, c.partition((1,))
+
+
 def peek(dev: trio_cuda.Device, t: trio_cuda.Tensor) -> int:
     """counter[0] straight from the simulated memory (no ordering, no wait)."""
     return int(dev._driver._bytes(t.ptr, 4).view(np.int32)[0])
@@ -443,10 +453,7 @@ async def test_inlined_first_poll_counts_and_parks_like_wait_event(
 ) -> None:
     dev = fresh_device
     monkeypatch.setattr(_notifier, "_budget_ns", budget)
-    s = wordless_stream(dev)
-    policy = trio_cuda.SingleStream(stream=s)
-    c = await api.zeros((1,), np.int32)
-    p = c.partition((1,))
+    policy, c, p = await counter_on_a_wordless_stream(dev)
     await sleep(p, 50_000_000).schedule(policy)  # the direct path knows it now
     before = lowlevel.notifier_statistics()
     q = _submit._counts["direct"]
@@ -465,10 +472,7 @@ async def test_inlined_first_poll_cancelled_leaves_work_running(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
-    policy = trio_cuda.SingleStream(stream=s)
-    c = await api.zeros((1,), np.int32)
-    p = c.partition((1,))
+    policy, c, p = await counter_on_a_wordless_stream(dev)
     await sleep(p, 200_000_000).schedule(policy)
     q = _submit._counts["direct"]
     with trio.CancelScope() as cs:
