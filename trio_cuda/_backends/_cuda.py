@@ -423,7 +423,7 @@ class CudaDevice(DeviceDriver):
         self._gemms = Gemms()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
-        # side stream posts). Measured on an H200 (benchmarks/results/host-events-2026-11-30.md):
+        # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md):
         # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
