@@ -674,9 +674,7 @@ class Device:
                     ev.done = True
                     s = ev._stream()
                     if s is not None:  # the stream learns how far it is known complete
-                        s.observe(ev.seq)
-                        if s._ok_seq < ev.seq:
-                            s._ok_seq = ev.seq
+                        s._succeeded(ev.seq)
                     return True
         with LOCK:
             if ev.generation != self.generation:
@@ -730,9 +728,7 @@ class Device:
             if done:
                 ev.done = True
                 if s is not None:  # the stream learns how far it is known complete
-                    s.observe(ev.seq)
-                    if s._ok_seq < ev.seq and s.generation == ev.generation:
-                        s._ok_seq = ev.seq
+                    s._succeeded(ev.seq)  # (ev is of the current generation, and so is s)
                 return True
         return False
 
@@ -750,8 +746,7 @@ class Device:
             s._newest_pending = last.seq
             return False
         last.done = True
-        s.observe(last.seq)
-        s._ok_seq = last.seq
+        s._succeeded(last.seq)
         return True
 
     def arm(self, ev: Event, waker: Waker) -> bool:

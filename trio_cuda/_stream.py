@@ -301,6 +301,14 @@ class Stream:
         if self.done_seq < seq:
             self.done_seq = seq
 
+    def _succeeded(self, seq: int) -> None:
+        """Note that point ``seq`` has completed and a poll saw its event succeed:
+        done_seq and _ok_seq (see Device.poll) only grow."""
+        if self.done_seq < seq:
+            self.done_seq = seq
+        if self._ok_seq < seq:
+            self._ok_seq = seq
+
     # -- keep-alive ---------------------------------------------------------------
     def keep(self, obj: Any) -> None:
         """Keep ``obj`` alive until the point being built completes; then call its
