@@ -551,7 +551,8 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             return None
         _, generation, cfg, prepared = hit
         with LOCK:
-            # direct_ready(s, generation) and direct_enqueue(), inlined (the hottest path):
+            # direct_ready(s, generation) and direct_enqueue(), inlined (the hottest path:
+            # calling them measured 4-5% more per await, null driver, 1 and 256 tasks):
             if (
                 self._state is not None
                 or generation != device.generation
