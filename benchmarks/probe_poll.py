@@ -26,6 +26,7 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -52,6 +53,15 @@ async def tasks_rate(parts: list[Any], k: int) -> float:
     return len(parts) * k / ((time.perf_counter_ns() - t0) / 1e9)
 
 
+def standard_figures(p: Any, many: dict[int, list[Any]]) -> dict[str, Callable[[], Awaitable[float]]]:
+    """The round trip of ``inc(p)`` and the awaits/s of 16 and 256 tasks (``many``)."""
+    return {
+        "tiny op round trip, us": lambda: round_trip_us(lambda: inc(p), 200),
+        "awaits/s, 16 tasks (k)": lambda: tasks_rate(many[16], 64),
+        "awaits/s, 256 tasks (k)": lambda: tasks_rate(many[256], 8),
+    }
+
+
 async def main(cycles: int) -> None:
     dev = trio_cuda.current_device()
     drv = dev._driver
@@ -73,13 +83,35 @@ async def main(cycles: int) -> None:
     x = await api.zeros((32,))
     p = x.partition((32,))
     many = {count: [(await api.zeros((32,))).partition((32,)) for _ in range(count)] for count in (16, 256)}
-    figures = {
-        "tiny op round trip, us": lambda: round_trip_us(lambda: inc(p), 200),
-        "awaits/s, 16 tasks (k)": lambda: tasks_rate(many[16], 64),
-        "awaits/s, 256 tasks (k)": lambda: tasks_rate(many[256], 8),
-    }
-    for _ in range(3):  # warm-up: compile, load, fill the pools
+    figures = standard_figures(p, many)
+
+    async def warm_up() -> None:
         await tasks_rate(many[256], 4)
+
+    def setup(flags: int, by_stream: bool) -> Callable[[], None]:
+        def use() -> None:
+            drv._event_flags = flags
+            dev._event_pool = pools[flags]
+            _device.poll_by_stream = by_stream
+
+        return use
+
+    await paired(figures, [(name, setup(flags, by_stream)) for name, flags, by_stream in variants], cycles, warm_up)
+    setup(timing_off, True)()
+
+
+async def paired(
+    figures: dict[str, Callable[[], Awaitable[float]]],
+    variants: list[tuple[str, Callable[[], None]]],
+    cycles: int,
+    warm_up: Callable[[], Awaitable[object]],
+) -> None:
+    """Measure every figure for every variant (its function sets it up) in short blocks,
+    ``cycles`` times, the variants' order rotating; print the figures and each
+    variant's ratio to the first within the same cycle. A figure named "awaits/s..."
+    is a rate (reported in thousands), any other a time."""
+    for _ in range(3):  # warm-up: compile, load, fill the pools
+        await warm_up()
     values: dict[tuple[str, str], list[float]] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
     for cycle in range(cycles):
@@ -87,10 +119,8 @@ async def main(cycles: int) -> None:
             got = {}
             # rotate the order so no variant always runs first after another figure
             for i in range(len(variants)):
-                name, flags, by_stream = variants[(i + cycle) % len(variants)]
-                drv._event_flags = flags
-                dev._event_pool = pools[flags]
-                _device.poll_by_stream = by_stream
+                name, use = variants[(i + cycle) % len(variants)]
+                use()
                 v = await measure()
                 got[name] = v / 1e3 if "awaits/s" in fig else v
             base = got[variants[0][0]]
@@ -98,7 +128,6 @@ async def main(cycles: int) -> None:
                 values.setdefault((fig, name), []).append(v)
                 # > 1: better than the first variant (a rate higher, a time lower)
                 ratios.setdefault((fig, name), []).append(v / base if "awaits/s" in fig else base / v)
-    drv._event_flags, dev._event_pool, _device.poll_by_stream = timing_off, pools[timing_off], True
     print_rounds({f"{fig}: {name}": vs for (fig, name), vs in values.items()}, cycles)
     print()
     print(f"{'paired gain over ' + variants[0][0] + ' (same cycle; > 1 is better)':<64} {'median':>10} {'min':>10} {'max':>10}")

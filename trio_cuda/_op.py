@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 from ._checks import as_int, check_shape
 from ._errors import fresh
 from ._stream import Stream
-from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, contains_pending, resolve, run_async, run_sync
+from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, await_op, contains_pending, resolve, run_sync
 
 if TYPE_CHECKING:
     import numpy as np
@@ -287,7 +287,7 @@ class DeviceOp(TensorMath, Generic[T]):
 
     # -- entry points -----------------------------------------------------------------
     def __await__(self) -> Generator[Any, None, T]:
-        return run_async(self).__await__()
+        return await_op(self)
 
     def sync(self) -> T:
         """Execute from plain (non-trio) code and block until done; returns the output.
@@ -345,7 +345,7 @@ class ScheduledOp(Generic[T]):
         self.stream = stream
 
     def __await__(self) -> Generator[Any, None, T]:
-        return run_async(self.op, self.stream).__await__()
+        return await_op(self.op, self.stream)
 
     def sync(self) -> T:
         """Submit on the bound stream and block until done (plain code only)."""

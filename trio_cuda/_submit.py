@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from . import _notifier, _trace
+from . import _notifier, _trace, _traps
 from ._capture import Capture
 from ._config import env_switch
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
@@ -1228,7 +1228,9 @@ async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
 
 
 async def run_async(op: Any, stream: Stream | None = None) -> Any:
-    """``await op``: submit on ``stream`` (default: the current device's policy) and wait in trio."""
+    """``await op`` through trio's public functions: submit on ``stream`` (default: the
+    current device's policy) and wait in trio. :func:`await_op` is the same in fewer
+    frames."""
     await trio.lowlevel.checkpoint_if_cancelled()
     if stream is None:
         stream = current_device()._submission_stream()
@@ -1254,6 +1256,12 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
                 except DeviceError as err:
                     raise name_fault(err, names, stream.device.ordinal) from err
             return value
+    return await _run_planned(op, stream)
+
+
+async def _run_planned(op: Any, stream: Stream) -> Any:
+    """The general path of ``await op`` (after the cancel check): plan, enqueue (waiting
+    in trio where needed), wait for the submission's event."""
     plan, value, need = begin(op, stream)
     if need is not None:
         await _enqueue_async(plan, need)
@@ -1268,6 +1276,62 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     if len(plan.generations) > 1:
         check_generations(plan.generations, plan.ops)
     return resolve(value) if plan.pending else value
+
+
+def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
+    """``DeviceOp.__await__``: :func:`run_async` as one generator that yields trio's
+    trap itself and does trio's cancel checks inline (see _traps), so the common await
+    passes through two frames, not six, each time it yields. The same checks in the
+    same order; a cancelled task and the general path go through trio's functions."""
+    ctx = _traps.RUN_CONTEXT
+    if not _traps.on:
+        return (yield from run_async(op, stream).__await__())
+    try:
+        task = ctx.task
+    except AttributeError:  # not in trio: let trio's function say so
+        return (yield from run_async(op, stream).__await__())
+    runner = task._runner
+    # trio.lowlevel.checkpoint_if_cancelled(), inlined:
+    if task._cancel_status.effectively_cancelled or (runner.ki_pending and task is runner.main_task):
+        return (yield from run_async(op, stream).__await__())  # raises Cancelled
+    task._cancel_points += 1
+    if stream is None:
+        stream = current_device()._submission_stream()
+    submit_now = op._submit_now
+    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
+        done = submit_now(stream)
+        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
+            value, ev, names = done
+            if ev is None:
+                (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+                return value
+            # wait_event(ev), inlined with trio.lowlevel.checkpoint() in it:
+            try:
+                if _notifier._budget_ns is None:  # the first wait of the process reads the budget
+                    yield from wait_event(ev).__await__()
+                    return value
+                dev = ev.device
+                started = time.perf_counter_ns()
+                if ev.done or (ev.flag >= 0 and dev.reached(ev)):
+                    # known complete, or its completion word says so: the first poll now
+                    if dev.poll(ev):
+                        _notifier._paths[0] += 1
+                        (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+                        return value
+                else:
+                    # just recorded: the first poll after one pass of the scheduler
+                    (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+                    task._cancel_points += 1
+                    if task._cancel_status.effectively_cancelled or (runner.ki_pending and task is runner.main_task):
+                        yield from trio.lowlevel.checkpoint_if_cancelled().__await__()  # raises
+                    if dev.poll(ev):
+                        _notifier._paths[0] += 1
+                        return value
+                yield from wait_pending(ev, started).__await__()
+            except DeviceError as err:
+                raise name_fault(err, names, stream.device.ordinal) from err
+            return value
+    return (yield from _run_planned(op, stream).__await__())
 
 
 def run_sync(op: Any, stream: Stream | None = None) -> Any:
