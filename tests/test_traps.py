@@ -95,17 +95,26 @@ async def test_an_await_is_a_checkpoint_and_a_schedule_point(path: str, monkeypa
         await add(z.partition((32,)), x, y).then(lambda _: z.to_host())
 
 
-async def test_an_await_lets_other_tasks_run(path: str) -> None:
+class _Steps(trio.abc.Instrument):
+    """Counts the steps trio runs of ``task``."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.steps = task, 0
+
+    def before_task_step(self, task: Any) -> None:
+        self.steps += task is self.task
+
+
+async def test_an_await_is_resumed_by_the_scheduler(path: str) -> None:
+    # It yields to trio (a schedule point) even when the work is done at the first poll.
     x, y, z = await _operands()
-    ran = []
-
-    async def other() -> None:
-        ran.append(True)
-
-    async with trio.open_nursery() as n:
-        n.start_soon(other)
+    inst = _Steps(trio.lowlevel.current_task())
+    trio.lowlevel.add_instrument(inst)
+    try:
         await add(z.partition((32,)), x, y)
-        assert ran, "the await never yielded to the scheduler"
+    finally:
+        trio.lowlevel.remove_instrument(inst)
+    assert inst.steps >= 1
 
 
 async def test_cancelled_before_the_await_submits_nothing(path: str) -> None:
@@ -150,6 +159,7 @@ async def test_cancelled_at_the_schedule_point_after_submitting(path: str, monke
 
 async def test_cancelled_while_waiting_for_slow_work(path: str) -> None:
     c = await counter()
+    await sleep(c, 1000)  # compiled and loaded: no submission below waits for that
     for _ in range(2):  # the first is planned, the second direct
         before = lowlevel.submission_statistics()
         with trio.move_on_after(0.02) as scope:
@@ -157,7 +167,7 @@ async def test_cancelled_while_waiting_for_slow_work(path: str) -> None:
         assert scope.cancelled_caught
         assert lowlevel.submission_statistics().enqueued == before.enqueued + 1
     assert lowlevel.submission_statistics().direct == before.direct + 1
-    np.testing.assert_array_equal(await c.to_host(), [2])  # neither was recalled
+    np.testing.assert_array_equal(await c.to_host(), [3])  # neither was recalled
 
 
 def test_a_pending_keyboard_interrupt_is_delivered_at_the_await(path: str) -> None:
