@@ -17,10 +17,12 @@ import threading
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 import trio_cuda
 from trio_cuda import OpAlreadyExecuted, _submit, api, lowlevel, ops
 from trio_cuda._config import env_switch
+from trio_cuda._ops import _core
 from trio_cuda.kernels import add, sleep
 
 from .conftest import Resetter, counter, run_with_deadline, settle
@@ -364,3 +366,116 @@ async def test_a_renamed_kernel_is_named_by_its_new_name_in_faults(monkeypatch: 
     assert info.value.op == "my_add"
     monkeypatch.undo()
     await trio.to_thread.run_sync(dev.synchronize)
+
+
+def prepared_gemms() -> int:
+    """Recipes whose one step is a GEMM prepared for direct submissions."""
+    return sum(1 for r in _core._cache.values() if r.direct is not None and r.direct.ready)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["matmul", "matmul into a view", "transposed operand", "batched", "linear with bias", "linear with bias and gelu"],
+)
+async def test_a_prepared_gemm_computes_what_the_general_path_does(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    # The third call of the same GEMM on the same memory runs its prepared form (the
+    # descriptor aligned and the addresses taken once): each call's result must equal
+    # the general path's, also when the operands change value in between.
+    rng = np.random.default_rng(7)
+    xshape = {"batched": (3, 16, 8), "matmul into a view": (16, 16)}.get(case, (16, 8))
+    if case.startswith("linear"):
+        xshape = (8, 16)
+    hx = rng.standard_normal(xshape).astype(np.float32)
+    hw = rng.standard_normal((3, 16, 16) if case == "batched" else (16, 16)).astype(np.float32)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    b = await api.from_host(rng.standard_normal(16).astype(np.float32))
+
+    def make(out: trio_cuda.Tensor) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+        if case == "transposed operand":
+            return ops.matmul(w.transpose(), x, out=out)
+        if case.startswith("linear"):
+            return ops.linear(x, w, b, activation="gelu" if "gelu" in case else None, out=out)
+        return ops.matmul(w, x, out=out)
+
+    if case == "matmul into a view":
+        out = (await api.zeros((4, 16, 16)))[1]  # at an offset into its buffer
+    else:
+        out = await api.zeros(xshape)
+    ref_out = await api.zeros(xshape)
+    prepared = prepared_gemms()
+    for _ in range(4):
+        await make(out)  # planned, direct (prepares), then prepared
+        monkeypatch.setattr(_submit, "direct_on", False)
+        await make(ref_out)  # the general path, on the same operands
+        monkeypatch.undo()
+        np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())
+        await ops.multiply(x, 1.5, out=x)  # new values, same memory
+    assert prepared_gemms() > prepared
+    if case == "matmul":
+        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 1.5**3)
+        np.testing.assert_allclose(await out.to_host(), expected, rtol=1e-4, atol=1e-4)
+
+
+async def test_a_prepared_gemm_does_not_outlive_its_operands_memory() -> None:
+    # A GEMM prepared on some memory is never run on other memory at the same address:
+    # new tensors (which may get the freed addresses) make new recipes.
+    hw = f32(16, 16)
+    w = await api.from_host(hw)
+    for round_ in range(3):
+        hx = f32(16, 8) + round_
+        x, y = await api.from_host(hx), await api.zeros((16, 8))
+        for _ in range(3):
+            await ops.matmul(w, x, out=y)
+        np.testing.assert_allclose(await y.to_host(), hw.astype(np.float64) @ hx, rtol=1e-4, atol=1e-4)
+        del x, y
+        await tidy(trio_cuda.current_device())
+
+
+def test_a_prepared_gemm_after_a_reset_is_not_run(dev: trio_cuda.Device) -> None:
+    async def rounds() -> None:
+        hw, hx = f32(16, 16), f32(16, 8)
+        w, x, y = await api.from_host(hw), await api.from_host(hx), await api.zeros((16, 8))
+        for _ in range(3):
+            await ops.matmul(w, x, out=y)
+        np.testing.assert_allclose(await y.to_host(), hw.astype(np.float64) @ hx, rtol=1e-4, atol=1e-4)
+
+    trio.run(rounds)
+    dev.reset()
+    trio.run(rounds)  # the same shapes and, maybe, the same addresses: new memory, new recipes
+
+
+@pytest.mark.parametrize("access", ["its output", "its input"])
+async def test_work_on_another_stream_waits_for_a_prepared_gemm(monkeypatch: pytest.MonkeyPatch, access: str) -> None:
+    # A prepared GEMM queued behind slow work registers its accesses: a later read of
+    # its output (read-after-write), or a later write of its input (write-after-read),
+    # on another stream waits for it.
+    dev = trio_cuda.current_device()
+    s_gemm, s_other = dev.create_stream(), dev.create_stream()
+    hx, hw = f32(16, 8), f32(16, 16)
+    x, w, y = await api.from_host(hx), await api.from_host(hw), await api.zeros((16, 8))
+    seen = await api.zeros((16, 8))
+    monkeypatch.setattr(dev, "policy", trio_cuda.SingleStream(stream=s_gemm))
+    for _ in range(3):
+        await ops.matmul(w, x, out=y)  # prepared from the third call
+    await ops.copy(await api.zeros((16, 8)), out=y)
+    await tidy(dev)
+    before = direct()
+
+    async def gemm_behind_slow_work() -> None:
+        await lowlevel.submit(sleep(counter(), SLOW_NS), s_gemm)
+        await ops.matmul(w, x, out=y)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gemm_behind_slow_work)
+        await trio.testing.wait_all_tasks_blocked()  # its GEMM is enqueued, behind the sleep
+        assert direct() == before + 1
+        if access == "its output":
+            await lowlevel.submit(ops.copy(y, out=seen), s_other)
+        else:
+            await lowlevel.submit(ops.multiply(x, 0.0, out=x), s_other)
+    expected = hw.astype(np.float64) @ hx
+    if access == "its output":
+        np.testing.assert_allclose(await seen.to_host(), expected, rtol=1e-4, atol=1e-4)
+    else:
+        np.testing.assert_allclose(await y.to_host(), expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(await x.to_host(), np.zeros((16, 8), np.float32))

@@ -179,6 +179,12 @@ _cache: dict[tuple[Any, ...], _Recipe] = {}
 _counts = {"hits": 0, "misses": 0}
 _recording: _Recording | None = None  # the build being recorded (under the runtime lock)
 _replayable: set[Callable[[Lane, Any], None]] = set()
+# What a preparer returns for a step's argument: the function direct_enqueue runs,
+# ``fn(stream, (static, writes, reads))``; its fixed argument; and which entries of the
+# step's argument it writes and reads (their (buffer, tracked) pairs are made per call).
+Prepared = tuple[Callable[[Any, Any], None], Any, tuple[int, ...], tuple[int, ...]]
+# Replayable steps that can also be prepared for direct submissions (see prepared_step).
+_preparers: dict[Callable[[Lane, Any], None], Callable[[Any], Prepared | None]] = {}
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,17 @@ def replayable_step(fn: Callable[[Lane, Any], None]) -> Callable[[Lane, Any], No
     values (recipes replay it on the new call's views)."""
     _replayable.add(fn)
     return fn
+
+
+def prepared_step(fn: Callable[[Lane, Any], None], prepare: Callable[[Any], Prepared | None]) -> None:
+    """Declare how to prepare replayable step ``fn`` for direct submissions: at the first
+    direct submission of a recipe whose one step it is, ``prepare(arg)`` (the step's
+    argument, made on that call's operands) returns what later direct submissions of
+    the recipe run instead (or None: run ``fn`` on a lane each time). The operands are
+    then the same memory each time (the recipe's key says so), so what depends only on
+    their addresses may be computed once, as a kernel's prepared launch is."""
+    assert fn in _replayable
+    _preparers[fn] = prepare
 
 
 def _op_key(op: TensorOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -282,7 +299,7 @@ def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> 
 class _Step:
     """A kernel launch (``kernel`` set) or another replayable step (``fn``) of a recipe."""
 
-    __slots__ = ("cfg", "fn", "kernel", "prepared", "pure", "reads", "specs", "writes")
+    __slots__ = ("cfg", "fn", "kernel", "prepared", "pure", "reads", "ready", "specs", "writes")
 
     def __init__(self, kernel: Kernel | None, fn: Any, specs: list[tuple[int, Any]], pure: bool) -> None:
         self.kernel = kernel
@@ -295,9 +312,12 @@ class _Step:
         # set with its prepared launch (see _Recipe.submit_now).
         self.writes: tuple[tuple[int, bool | None], ...] = ()
         self.reads: tuple[tuple[int, bool | None], ...] = ()
+        # A pure step of another kind, prepared (see prepared_step): (fn, its fixed
+        # argument); None: not prepared yet; False: it cannot be.
+        self.ready: tuple[Callable[[Stream, Any], None], Any] | bool | None = None
 
-    def set_prepared(self, cfg: Any, prepared: Any) -> None:
-        """Keep the prepared launch of a pure launch step, and where its buffers come from."""
+    def _sources(self, positions: Sequence[int]) -> tuple[tuple[int, bool | None], ...]:
+        """Where the buffers of these entries of a pure step's argument come from."""
 
         def source(spec: tuple[int, Any]) -> tuple[int, bool | None]:
             kind, p = spec
@@ -308,9 +328,26 @@ class _Step:
             assert kind == _OPERAND_VIEW
             return p[0], p[5]
 
-        self.writes = tuple(source(self.specs[i]) for i in cfg.writes)
-        self.reads = tuple(source(self.specs[i]) for i in cfg.reads)
+        return tuple(source(self.specs[i]) for i in positions)
+
+    def set_prepared(self, cfg: Any, prepared: Any) -> None:
+        """Keep the prepared launch of a pure launch step, and where its buffers come from."""
+        self.writes = self._sources(cfg.writes)
+        self.reads = self._sources(cfg.reads)
         self.cfg, self.prepared = cfg, prepared
+
+    def prepare(self, made: Any) -> None:
+        """Prepare this pure step of another kind on ``made``, its argument as made on
+        an operand's call (see prepared_step)."""
+        prepare = _preparers.get(self.fn)
+        got = prepare(made) if prepare is not None else None
+        if got is None:
+            self.ready = False
+            return
+        fn, static, writes, reads = got
+        self.writes = self._sources(writes)
+        self.reads = self._sources(reads)
+        self.ready = (fn, static)
 
 
 class _Recipe:
@@ -362,8 +399,14 @@ class _Recipe:
             if k is not None:
                 accesses = (_buffers(args, st.writes), _buffers(args, st.reads))
                 ev = direct_enqueue(s, enqueue_prepared, (st.cfg, st.prepared, *accesses))
+            elif st.ready:
+                fn, static = st.ready  # type: ignore[misc]
+                ev = direct_enqueue(s, fn, (static, _buffers(args, st.writes), _buffers(args, st.reads)))
             else:
-                ev = direct_enqueue(s, lane_step, (st.fn, tuple([_make(sp, args, ()) for sp in st.specs])))
+                made = tuple([_make(sp, args, ()) for sp in st.specs])
+                ev = direct_enqueue(s, lane_step, (st.fn, made))
+                if st.ready is None:  # the first direct submission: prepare the next ones
+                    st.prepare(made)
         return _make(self.result, args, ()), ev, self.ops
 
     def replay(self, plan: Plan, lane: Lane, args: tuple[Any, ...]) -> Tensor:

@@ -17,7 +17,8 @@ import numpy as np
 
 from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
-from .._submit import Lane, Plan
+from .._stream import Stream
+from .._submit import Lane, Plan, note_accesses, order_accesses
 from .._tensor import Tensor
 from ._core import (
     TensorOp,
@@ -28,6 +29,7 @@ from ._core import (
     one_stride,
     operand,
     output,
+    prepared_step,
     replayable_step,
     view,
 )
@@ -111,6 +113,35 @@ def _gemm_step(lane: Lane, arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor |
     for t in (a, b, bias):
         if t is not None:
             lane.was_read(t._buffer, seq, t._tracked)
+
+
+def _prepare_gemm(arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor | None]) -> Any:
+    """_gemm_step prepared for the direct submissions of a recipe (see
+    _core.prepared_step): the operands are the same memory each time, so the aligned
+    descriptor and the addresses are computed once."""
+    desc, a, b, d, bias = arg
+    align = _align(a, b, d, bias)
+    if desc.align != align:
+        desc = dataclasses.replace(desc, align=align)
+    static = (desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0)
+    return _gemm_direct, static, (3,), (1, 2) if bias is None else (1, 2, 4)
+
+
+def _gemm_direct(s: Stream, arg: tuple[tuple[GemmDesc, int, int, int, int], Any, Any]) -> None:
+    """_gemm_step of a direct submission (not capturing), prepared: ordered after the
+    pending accesses of its buffers on other streams and registered as their writer or
+    reader, as the lane's accesses are. Under LOCK."""
+    (desc, a, b, d, bias), writes, reads = arg
+    order_accesses(s, writes, reads)
+    device = s.device
+    # as in _gemm_step: not capturing, unless another library's stream may be
+    capturing = None if device._foreign_streams else False
+    device._driver.matmul(desc, a, b, d, bias, s.handle, capturing, s._foreign)
+    s.seq += 1
+    note_accesses(s, s.seq, writes, reads)
+
+
+prepared_step(_gemm_step, _prepare_gemm)
 
 
 def _plan_gemm(
