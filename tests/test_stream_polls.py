@@ -20,6 +20,7 @@ import trio
 
 import trio_cuda
 from trio_cuda import _device, _notifier, _submit, api, lowlevel, ops
+from trio_cuda._guard import LOCK
 from trio_cuda.kernels import sleep
 
 from numba import cuda
@@ -31,11 +32,9 @@ from .test_adversarial import ready_to_fault, scribble
 def wordless_stream(dev: trio_cuda.Device) -> trio_cuda.Stream:
     """A stream without a completion word (as every CUDA stream by default), so its
     polls go to the driver on the simulated device too."""
-    free, dev._flag_free = dev._flag_free, []
-    try:
-        s = dev.create_stream()
-    finally:
-        dev._flag_free = free
+    s = dev.create_stream()
+    with LOCK:  # a new stream has nothing pending: its word may go back at once
+        dev._give_flag(s)
     assert s._flag < 0
     return s
 

@@ -1283,18 +1283,18 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     trap itself and does trio's cancel checks inline (see _traps), so the common await
     passes through two frames, not six, each time it yields. The same checks in the
     same order; a cancelled task and the general path go through trio's functions."""
-    ctx = _traps.RUN_CONTEXT
     if not _traps.on:
         return (yield from run_async(op, stream).__await__())
     try:
-        task = ctx.task
+        task = _traps.RUN_CONTEXT.task
     except AttributeError:  # not in trio: let trio's function say so
         return (yield from run_async(op, stream).__await__())
-    runner = task._runner
     # trio.lowlevel.checkpoint_if_cancelled(), inlined:
-    if task._cancel_status.effectively_cancelled or (runner.ki_pending and task is runner.main_task):
+    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
+        del task
         return (yield from run_async(op, stream).__await__())  # raises Cancelled
     task._cancel_points += 1
+    del task  # (a frame in an error's traceback must not keep trio's task and runner alive)
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
@@ -1319,11 +1319,19 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
                         (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
                         return value
                 else:
-                    # just recorded: the first poll after one pass of the scheduler
+                    # just recorded: the first poll after one pass of the scheduler, as
+                    # trio.lowlevel.checkpoint() does it (schedule point, cancel point)
                     (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+                    task = _traps.RUN_CONTEXT.task
                     task._cancel_points += 1
-                    if task._cancel_status.effectively_cancelled or (runner.ki_pending and task is runner.main_task):
-                        yield from trio.lowlevel.checkpoint_if_cancelled().__await__()  # raises
+                    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
+                        # Cancelled (or interrupted) during the pass: trio's checkpoint()
+                        # raises it, one pass later (trio's own raises it at once; what
+                        # it does for that needs more of its internals).
+                        del task
+                        yield from trio.lowlevel.checkpoint().__await__()
+                    else:
+                        del task
                     if dev.poll(ev):
                         _notifier._paths[0] += 1
                         return value

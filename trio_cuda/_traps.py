@@ -7,9 +7,10 @@ came back: the coroutine wrapper of ``run_async``, ``run_async`` itself,
 submitting, the schedule point before the first poll), and that cost 0.7 us of a
 6.4 us await on the development machine with a null driver (12%; 14% with 256
 tasks). Here the await is one generator that yields trio's trap object itself and
-does trio's cancel checks inline, exactly as ``checkpoint_if_cancelled`` and
-``checkpoint`` do them; a cancelled task goes through trio's own functions, which
-raise.
+does trio's cancel checks inline, as ``checkpoint_if_cancelled`` and ``checkpoint`` do
+them; a cancelled task goes through trio's own functions, which raise (a cancel found
+at the schedule point before the first poll of a direct submission is raised by
+``checkpoint()``, one scheduler pass later than trio's own would raise it).
 
 This reads trio internals (the run context's current task, its cancel status and
 checkpoint counters, the trap object). They are looked up once, at import: if any is
@@ -20,14 +21,13 @@ through trio's public functions, as before. ``TRIO_CUDA_TRIO_TRAPS=0`` does the 
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 import trio
 
 from ._config import env_switch
 
-__all__ = ["CANCEL_SHIELDED_CHECKPOINT", "RUN_CONTEXT", "available", "checkpoint", "on"]
+__all__ = ["CANCEL_SHIELDED_CHECKPOINT", "RUN_CONTEXT", "available", "on"]
 
 
 def _field_names(cls: Any) -> set[str]:
@@ -69,13 +69,3 @@ RUN_CONTEXT, CANCEL_SHIELDED_CHECKPOINT = _lookup()
 available = RUN_CONTEXT is not None
 #: Whether awaits yield the trap themselves (False: through trio's public functions).
 on = available and env_switch("TRIO_CUDA_TRIO_TRAPS")
-
-
-def checkpoint() -> Generator[Any, Any, None]:
-    """``yield from checkpoint()``: ``await trio.lowlevel.checkpoint()`` in one frame
-    (a schedule point, then a cancel point). Only while ``on``."""
-    task = RUN_CONTEXT.task
-    (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
-    task._cancel_points += 1
-    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
-        yield from trio.lowlevel.checkpoint_if_cancelled().__await__()  # raises

@@ -183,7 +183,9 @@ _replayable: set[Callable[[Lane, Any], None]] = set()
 # ``fn(stream, (static, writes, reads))``; its fixed argument; and which entries of the
 # step's argument it writes and reads (their (buffer, tracked) pairs are made per call).
 Prepared = tuple[Callable[[Any, Any], None], Any, tuple[int, ...], tuple[int, ...]]
-# Replayable steps that can also be prepared for direct submissions (see prepared_step).
+# Replayable steps that can also be prepared for direct submissions (see prepared_step);
+# prepare_steps=False runs them on a lane each time (for A/B measurements).
+prepare_steps = True
 _preparers: dict[Callable[[Lane, Any], None], Callable[[Any], Prepared | None]] = {}
 
 
@@ -339,7 +341,7 @@ class _Step:
     def prepare(self, made: Any) -> None:
         """Prepare this pure step of another kind on ``made``, its argument as made on
         an operand's call (see prepared_step)."""
-        prepare = _preparers.get(self.fn)
+        prepare = _preparers.get(self.fn) if prepare_steps else None
         got = prepare(made) if prepare is not None else None
         if got is None:
             self.ready = False
