@@ -17,7 +17,6 @@ import threading
 import numpy as np
 import pytest
 import trio
-import trio.testing
 
 import trio_cuda
 from trio_cuda import OpAlreadyExecuted, _submit, api, lowlevel, ops
@@ -461,13 +460,15 @@ async def test_work_on_another_stream_waits_for_a_prepared_gemm(monkeypatch: pyt
     await tidy(dev)
     before = direct()
 
-    async def gemm_behind_slow_work() -> None:
+    async def gemm_behind_slow_work(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await lowlevel.submit(sleep(counter(), SLOW_NS), s_gemm)
+        task_status.started()
+        # (this task goes on before its parent resumes: a direct await submits before its
+        # first schedule point)
         await ops.matmul(w, x, out=y)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(gemm_behind_slow_work)
-        await trio.testing.wait_all_tasks_blocked()  # its GEMM is enqueued, behind the sleep
+        await nursery.start(gemm_behind_slow_work)  # its GEMM is enqueued, behind the sleep
         assert direct() == before + 1
         if access == "its output":
             await lowlevel.submit(ops.copy(y, out=seen), s_other)
