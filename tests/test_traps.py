@@ -29,9 +29,13 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     after a schedule point) or the device's own streams (with words on the simulated
     device: a word read first, then the poll)."""
     monkeypatch.setattr(_traps, "on", request.param.startswith("traps"))
+    dev = trio_cuda.current_device()
     if request.param.endswith("wordless"):
-        dev = trio_cuda.current_device()
         monkeypatch.setattr(dev, "policy", trio_cuda.SingleStream(stream=wordless_stream(dev)))
+    else:
+        # a word read right after submitting says "not yet", as on the simulated device
+        # (on a GPU it may say done already: test_work_done_at_submission covers that)
+        monkeypatch.setattr(dev, "reached", lambda ev: False)
     yield request.param
 
 
@@ -168,6 +172,43 @@ async def test_cancelled_while_waiting_for_slow_work(path: str) -> None:
         assert lowlevel.submission_statistics().enqueued == before.enqueued + 1
     assert lowlevel.submission_statistics().direct == before.direct + 1
     np.testing.assert_array_equal(await c.to_host(), [3])  # neither was recalled
+
+
+@pytest.mark.parametrize("traps", [True, False])
+async def test_work_done_at_submission_is_returned_even_if_cancelled_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, traps: bool
+) -> None:
+    # When its completion word says the work is done already after submitting, the
+    # await polls at once and its schedule point is cancel-shielded: a cancel arriving
+    # there does not hide a result that exists (both ways).
+    monkeypatch.setattr(_traps, "on", traps)
+    dev = trio_cuda.current_device()
+    if dev._flags is None:
+        pytest.skip("completion words are off (CUDA: TRIO_CUDA_COMPLETION_WORDS=1 turns them on)")
+    _, y, _ = await _operands()
+    acc = await api.zeros((64,), np.float32)
+    await add(acc.partition((32,)), acc, y)  # acc = 3, and direct next time
+    reached = dev.reached
+
+    def done_now(ev: Any) -> bool:  # the word says done: read it until it does
+        assert ev.flag >= 0
+        while not reached(ev):
+            pass
+        return True
+
+    monkeypatch.setattr(dev, "reached", done_now)
+    before = lowlevel.submission_statistics()
+    with trio.CancelScope() as scope:
+        inst = _CancelWhenResumed(trio.lowlevel.current_task(), scope, before.enqueued)
+        trio.lowlevel.add_instrument(inst)
+        try:
+            got = await add(acc.partition((32,)), acc, y)
+        finally:
+            trio.lowlevel.remove_instrument(inst)
+        assert got is not None  # returned, not cancelled
+    assert inst.cancelled_at_enqueued == before.enqueued + 1 and not scope.cancelled_caught
+    monkeypatch.undo()
+    np.testing.assert_array_equal(await acc.to_host(), np.full(64, 6.0, np.float32))
 
 
 def test_a_pending_keyboard_interrupt_is_delivered_at_the_await(path: str) -> None:
