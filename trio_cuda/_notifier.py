@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import outcome
 import trio
 
+from . import _traps
 from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
@@ -220,13 +221,13 @@ async def wait_event(event: Event) -> None:
         # Known complete, or its completion word says so: the first poll, right away.
         if dev.poll(event):
             _paths[0] += 1
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            await _traps.cancel_shielded_checkpoint()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        await trio.lowlevel.checkpoint()
+        await _traps.checkpoint()
         if dev.poll(event):
             _paths[0] += 1
             return
@@ -244,7 +245,7 @@ async def wait_pending(event: Event, started: int) -> None:
     deadline = started + budget  # a budget of 0 parks what the first poll found pending
     while clock() < deadline:
         before = clock()
-        await trio.lowlevel.checkpoint()
+        await _traps.checkpoint()
         if dev.poll(event):
             _paths[0] += 1
             return

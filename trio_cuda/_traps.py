@@ -9,8 +9,9 @@ submitting, the schedule point before the first poll), and that cost 0.7 us of a
 tasks). Here the await is one generator that yields trio's trap object itself and
 does trio's cancel checks inline, as ``checkpoint_if_cancelled`` and ``checkpoint`` do
 them; a cancelled task goes through trio's own functions, which raise (a cancel found
-at the schedule point before the first poll of a direct submission is raised by
-``checkpoint()``, one scheduler pass later than trio's own would raise it).
+at the schedule point before a poll is raised by trio's ``checkpoint()``, one scheduler
+pass later than trio's own would raise it). The waits' polls use the same checkpoint
+(:func:`checkpoint`).
 
 This reads trio internals (the run context's current task, its cancel status and
 checkpoint counters, the trap object). They are looked up once, at import: if any is
@@ -21,13 +22,14 @@ through trio's public functions, as before. ``TRIO_CUDA_TRIO_TRAPS=0`` does the 
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Generator
 from typing import Any
 
 import trio
 
 from ._config import env_switch
 
-__all__ = ["CANCEL_SHIELDED_CHECKPOINT", "RUN_CONTEXT", "available", "on"]
+__all__ = ["CANCEL_SHIELDED_CHECKPOINT", "RUN_CONTEXT", "available", "cancel_shielded_checkpoint", "checkpoint", "on"]
 
 
 def _field_names(cls: Any) -> set[str]:
@@ -69,3 +71,42 @@ RUN_CONTEXT, CANCEL_SHIELDED_CHECKPOINT = _lookup()
 available = RUN_CONTEXT is not None
 #: Whether awaits yield the trap themselves (False: through trio's public functions).
 on = available and env_switch("TRIO_CUDA_TRIO_TRAPS")
+
+
+def _checkpoint() -> Generator[Any, Any, None]:
+    task = RUN_CONTEXT.task
+    (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
+    task._cancel_points += 1
+    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
+        del task  # (not kept alive by the traceback of what trio raises)
+        yield from trio.lowlevel.checkpoint().__await__()  # raises it, one pass later
+
+
+def _cancel_shielded_checkpoint() -> Generator[Any, Any, None]:
+    (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
+
+
+class _Checkpoint:
+    __slots__ = ("_gen",)
+
+    def __init__(self, gen: Any) -> None:
+        self._gen = gen
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return self._gen()  # type: ignore[no-any-return]
+
+
+_CHECKPOINT = _Checkpoint(_checkpoint)
+_CANCEL_SHIELDED_CHECKPOINT = _Checkpoint(_cancel_shielded_checkpoint)
+
+
+def checkpoint() -> Awaitable[None]:
+    """``await checkpoint()``: ``trio.lowlevel.checkpoint()`` in one generator frame while
+    ``on`` (a cancel found after the schedule point is raised by trio's checkpoint(),
+    one pass later), else trio's own."""
+    return _CHECKPOINT if on else trio.lowlevel.checkpoint()
+
+
+def cancel_shielded_checkpoint() -> Awaitable[None]:
+    """``await cancel_shielded_checkpoint()``: trio's, in one generator frame while ``on``."""
+    return _CANCEL_SHIELDED_CHECKPOINT if on else trio.lowlevel.cancel_shielded_checkpoint()
