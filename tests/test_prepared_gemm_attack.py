@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
-import trio.testing
 
 import trio_cuda
 from trio_cuda import _submit, api, lowlevel, ops
@@ -306,13 +305,13 @@ async def test_a_later_write_of_the_bias_on_another_stream_waits_for_a_prepared_
     await tidy(dev)
     calls = guard.calls
 
-    async def gemm_behind_slow_work() -> None:
+    async def gemm_behind_slow_work(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         await lowlevel.submit(sleep(counter(), SLOW_NS), s_gemm)
+        task_status.started()  # (a direct await submits before its parent resumes)
         await ops.linear(x, w, b, out=y)
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(gemm_behind_slow_work)
-        await trio.testing.wait_all_tasks_blocked()
+        await nursery.start(gemm_behind_slow_work)
         assert guard.calls == calls + 1
         await lowlevel.submit(ops.multiply(b, 0.0, out=b), s_other)
     np.testing.assert_allclose(await y.to_host(), hx.astype(np.float64) @ hw.T + hb, rtol=1e-4, atol=1e-4)
@@ -344,12 +343,19 @@ async def test_a_prepared_gemm_on_untracked_views_keeps_its_input_memory_alive(
         async with trio.open_nursery() as n:
             cancel = trio.CancelScope()
 
-            async def run_gemm(cancel: trio.CancelScope, xu: Any, yu: Any, pol: Any) -> None:
+            async def run_gemm(
+                cancel: trio.CancelScope,
+                xu: Any,
+                yu: Any,
+                pol: Any,
+                *,
+                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+            ) -> None:
                 with cancel:
+                    task_status.started()  # (a direct await submits before its parent resumes)
                     await ops.matmul(w, xu, out=yu).schedule(pol)  # enqueued, then waits
 
-            n.start_soon(run_gemm, cancel, xu, yu, pol)
-            await trio.testing.wait_all_tasks_blocked()
+            await n.start(run_gemm, cancel, xu, yu, pol)
             assert guard.calls == calls + 1  # the prepared GEMM is enqueued behind the sleep
             cancel.cancel()  # the waiter leaves; the GEMM stays enqueued
         del x, xu
