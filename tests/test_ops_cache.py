@@ -226,3 +226,28 @@ async def test_replayed_ops_capture_into_graphs(dev: trio_cuda.Device) -> None:
     np.testing.assert_allclose(await out.to_host(), (hx + 1) * 2, rtol=1e-6)
     with pytest.raises(trio_cuda.GraphCaptureError):
         ops.add(x, 1.0).graph()  # allocates: refused inside a capture, also when replayed
+
+
+async def test_the_constructors_key_is_the_recipe_key() -> None:
+    # TensorOp's constructor keys the common call (allocated tensors, None, plain scalars)
+    # in one pass: the key must be _op_key's, or recipes would be missed or, worse, shared.
+    x, y, g = await api.ones((4, 8)), await api.zeros((4, 8)), await api.ones((8,))
+    v = x[1:3]  # a view: its descriptor is made on first use
+    cases = [
+        ops.add(x, y),
+        ops.add(x, 2.0, out=y),
+        ops.add(x, 2, out=y),
+        ops.add(x, True),
+        ops.multiply(v, np.float32(3.0)),  # a numpy scalar: the general way
+        ops.rms_norm(x, g, 1e-5, out=y),
+        ops.rms_norm(x, None, 1e-5),
+        ops.matmul(x, x.transpose()),
+        ops.linear(x, x, None),
+        ops.sum(x, axis=1),
+    ]
+    for op in cases:
+        assert op._key is not None, op
+        assert op._key == _core._op_key(op, op._args), op
+    # and calls that differ in any argument get different keys
+    keys = {op._key for op in cases}
+    assert len(keys) == len(cases)
