@@ -230,7 +230,7 @@ async def test_replayed_ops_capture_into_graphs(dev: trio_cuda.Device) -> None:
 
 async def test_the_constructors_key_is_the_recipe_key() -> None:
     # TensorOp's constructor keys the common call (allocated tensors, None, plain scalars)
-    # in one pass: the key must be _op_key's, or recipes would be missed or, worse, shared.
+    # at once, and the key must be _op_key's, or recipes would be missed or, worse, shared.
     x, y, g = await api.ones((4, 8)), await api.zeros((4, 8)), await api.ones((8,))
     v = x[1:3]  # a view: its descriptor is made on first use
     cases = [

@@ -1316,14 +1316,15 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
                     (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
                     task = _traps.RUN_CONTEXT.task
                     task._cancel_points += 1
-                    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
+                    cancelled = task._cancel_status.effectively_cancelled or (
+                        task._runner.ki_pending and task is task._runner.main_task
+                    )
+                    del task
+                    if cancelled:
                         # Cancelled (or interrupted) during the pass: trio's checkpoint()
                         # raises it, one pass later (trio's own raises it at once; what
                         # it does for that needs more of its internals).
-                        del task
                         yield from trio.lowlevel.checkpoint().__await__()
-                    else:
-                        del task
                     if dev.poll(ev):
                         _notifier._paths[0] += 1
                         return value

@@ -77,8 +77,9 @@ def _checkpoint() -> Generator[Any, Any, None]:
     task = RUN_CONTEXT.task
     (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
     task._cancel_points += 1
-    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
-        del task  # (not kept alive by the traceback of what trio raises)
+    cancelled = task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task)
+    del task  # (not kept alive by the traceback of what trio raises)
+    if cancelled:
         yield from trio.lowlevel.checkpoint().__await__()  # raises it, one pass later
 
 

@@ -118,30 +118,12 @@ class TensorOp(DeviceOp[Tensor]):
         self._hit: _Recipe | None = None
         self._key: tuple[Any, ...] | None = None
         if self._cacheable:
-            # The common call, in one pass: operands that are allocated tensors, None and
-            # plain scalars (no op inputs). The key is _op_key's; anything else, the
-            # general way below.
-            key: list[Any] | None = [type(self), self.name]
-            for a in args:
-                t = type(a)
-                if t is Tensor:
-                    d = a._args
-                    if d is None:
-                        key = None
-                        break
-                    key.append(d[0])  # type: ignore[union-attr]
-                elif a is None or t is int or t is bool:
-                    key.append((t, a))  # type: ignore[union-attr]
-                elif t is float:
-                    key.append(_scalar_key(a))  # type: ignore[union-attr]
-                else:
-                    key = None
-                    break
+            # The common call first: a key means no op inputs (_op_key keys none).
+            key = self._key = _op_key(self, args)
             if key is not None:
                 self._inputs = ()
                 self._at: tuple[int, ...] = ()
-                k = self._key = tuple(key)
-                hit = _cache.get(k)
+                hit = _cache.get(key)
                 if hit is not None and hit.generation == hit.device.generation:
                     self._hit = hit  # these arguments passed the checks before
                     return
@@ -156,13 +138,6 @@ class TensorOp(DeviceOp[Tensor]):
         self._inputs = tuple(ops)
         self._at = tuple(at)
         if not ops:
-            if self._cacheable:
-                k2 = self._key = _op_key(self, args)
-                if k2 is not None:
-                    hit = _cache.get(k2)
-                    if hit is not None and hit.generation == hit.device.generation:
-                        self._hit = hit  # these arguments passed the checks before
-                        return
             self._check(*args)
 
     def _check(self, *args: Any) -> None:
