@@ -1,9 +1,14 @@
-"""The one compiled part of trio-cuda: the CUDA backend's driver-call fast path
-(trio_cuda/_backends/_cudafast.c, issue 12). Everything else is in pyproject.toml.
+"""The compiled parts of trio-cuda (issue 12); everything else is in pyproject.toml.
 
-The extension is optional: without a C compiler the install still succeeds and the
-backend uses its pure-Python path (the same behaviour, about 2 us slower per await on
-an H200). It uses the limited API, so one binary serves every Python >= 3.11.
+* ``trio_cuda._backends._cudafast`` (trio_cuda/_backends/_cudafast.c): the CUDA backend's
+  three driver calls of every await. Limited API (abi3): one binary serves every Python
+  >= 3.11.
+* ``trio_cuda._hotpath`` (trio_cuda/_hotpath.c): the runtime's direct submission of a
+  prepared kernel launch and its poll. It reads the runtime's ``__slots__`` at their
+  offsets, which needs CPython's own structures: built for the Python at hand.
+
+Both are optional: without a C compiler the install still succeeds and the pure-Python
+paths run (the same behaviour, slower per await).
 """
 
 from setuptools import Extension, setup
@@ -16,8 +21,7 @@ setup(
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             py_limited_api=True,
             optional=True,
-        )
+        ),
+        Extension("trio_cuda._hotpath", sources=["trio_cuda/_hotpath.c"], optional=True),
     ],
-    # The wheel says what the binary is: abi3, for CPython 3.11 and later.
-    options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

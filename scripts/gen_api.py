@@ -31,6 +31,9 @@ import types
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The reference documents the Python methods; the compiled hot path (trio_cuda/_hotpath.c)
+# replaces some of them (Device.poll) with equivalents that inspect cannot read.
+os.environ["TRIO_CUDA_HOTPATH"] = "0"
 OUT = ROOT / "docs" / "api.md"
 
 # Submodules in the order they appear; (name, required). A missing optional module is

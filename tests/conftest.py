@@ -26,6 +26,10 @@ import trio_cuda
 
 DEADLINE = float(os.environ.get("TRIO_CUDA_TEST_DEADLINE", "90"))
 ON_CUDA = trio_cuda.backend_name() == "cuda"
+# Completion words: the simulated device has them unless TRIO_CUDA_COMPLETION_WORDS=0
+# (CI runs the suite both ways); CUDA only with TRIO_CUDA_COMPLETION_WORDS=1.
+_WORDS_ENV = os.environ.get("TRIO_CUDA_COMPLETION_WORDS", "").strip()
+WORDS = _WORDS_ENV == "1" if ON_CUDA else _WORDS_ENV != "0"
 # Tests marked faults_device poison the device on purpose. On CUDA each runs in a child
 # process, so the rest of the session keeps a healthy device (TRIO_CUDA_ISOLATE_FAULTS=1
 # does the same on the simulated device, to test this machinery).

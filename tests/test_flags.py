@@ -6,7 +6,6 @@ reset."""
 from __future__ import annotations
 
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -16,14 +15,12 @@ import trio_cuda
 from trio_cuda import _notifier, api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA, counter
+from .conftest import WORDS, counter
 
-# The simulated device always has completion words; CUDA only with the switch (they cost
-# more than they save there: see trio_cuda/_backends/_cuda.py).
-pytestmark = pytest.mark.skipif(
-    ON_CUDA and os.environ.get("TRIO_CUDA_COMPLETION_WORDS") != "1",
-    reason="completion words are off on CUDA unless TRIO_CUDA_COMPLETION_WORDS=1",
-)
+# The simulated device has completion words unless TRIO_CUDA_COMPLETION_WORDS=0; CUDA only
+# with TRIO_CUDA_COMPLETION_WORDS=1 (they cost more than they save there: see
+# trio_cuda/_backends/_cuda.py).
+pytestmark = pytest.mark.skipif(not WORDS, reason="completion words are off (TRIO_CUDA_COMPLETION_WORDS)")
 
 
 async def test_awaited_work_is_seen_done_through_its_word() -> None:

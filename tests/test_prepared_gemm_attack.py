@@ -549,8 +549,8 @@ async def test_the_driver_gets_the_same_arguments_both_ways(monkeypatch: pytest.
         real(desc, a, b, d, bias, stream, capturing, foreign_)
 
     monkeypatch.setattr(dev._driver, "matmul", spy)
-    if foreign:
-        monkeypatch.setattr(dev, "_foreign_streams", True)
+    # (set either way: an earlier test that wrapped another library's stream left it True)
+    monkeypatch.setattr(dev, "_foreign_streams", foreign)
     s = dev.create_stream()
     monkeypatch.setattr(dev, "policy", trio_cuda.SingleStream(stream=s))
     x = await api.from_host(f32(4, 3, 8)[1])  # at an offset

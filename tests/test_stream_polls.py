@@ -25,7 +25,7 @@ from trio_cuda.kernels import sleep
 
 from numba import cuda
 
-from .conftest import Resetter, counter, needs_devices
+from .conftest import WORDS, Resetter, counter, needs_devices
 from .test_adversarial import ready_to_fault, scribble
 
 
@@ -245,6 +245,8 @@ async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_d
 ) -> None:
     # lowlevel.stream_wait ("an event of any device") made device 0's stream wait for
     # device 1's work without marking device 0 (found by review): the failed add read done.
+    if words and not WORDS:
+        pytest.skip("completion words are off (TRIO_CUDA_COMPLETION_WORDS)")
     monkeypatch.setattr(_device, "poll_by_stream", by_stream)
     d0, d1 = fresh_device, trio_cuda.device(1)
     c1, z1 = await ready_to_fault(1)

@@ -60,7 +60,7 @@ def first_poll_done(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         answers.append(True)
         return True
 
-    monkeypatch.setattr(dev, "poll", waited_poll)
+    monkeypatch.setitem(vars(dev), "poll", waited_poll)  # (setattr would leave a bound method behind)
     return answers
 
 

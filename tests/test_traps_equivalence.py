@@ -71,7 +71,7 @@ def first_poll_done() -> contextlib.AbstractContextManager[Any]:
         return True
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(dev, "poll", waited_poll)
+    mp.setitem(vars(dev), "poll", waited_poll)  # (setattr would leave a bound method behind)
 
     @contextlib.contextmanager
     def cm() -> Iterator[None]:

@@ -36,6 +36,7 @@ import numpy as np
 
 from ._backends._boundary import signature_of
 from ._checks import as_int, is_scalar
+from ._config import env_switch
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
@@ -537,7 +538,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         inputs, launched before with these exact arguments on this device, memory
         allocated, nothing to wait for, nothing to tidy up first. The same checks and the
         same effects as the general path, without building a plan (the common
-        ``await kernel(tensors...)``). None: take the general path."""
+        ``await kernel(tensors...)``). None: take the general path.
+
+        trio_cuda/_hotpath.c does the same in C (installed in place of this method when
+        built): a change here must be made there too; tests/test_hotpath.py compares them."""
         if self._inputs or _tls.submitting:
             return None
         args = self._args
@@ -633,3 +637,77 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             plan.steps.append((_launch_step, lane, (k, cfg, args, need, prepared)))
         plan.ops.append(k.name)
         return args
+
+
+# -- the compiled hot path ---------------------------------------------------------------
+# trio_cuda/_hotpath.c: _Launch._submit_now and Device.poll in C, reading and writing the
+# runtime's __slots__ at their offsets (see its docstring). Each hands any case it does
+# not handle, before any effect, to the Python method. Optional: without it (no compiler
+# at install, TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
+_submit_now_py = _Launch._submit_now
+_poll_py: Any = None
+_hot: tuple[Any, Any] | None = None
+
+
+def _hot_setup_objects() -> dict[str, Any]:
+    """What trio_cuda/_hotpath.c works on: the classes whose slots it reads and writes,
+    the Python methods it hands other cases to, and the runtime's shared objects."""
+    from . import _device
+    from ._memory import Buffer
+    from ._stream import Event, Stream
+
+    return {
+        "Launch": _Launch,
+        "Partition": Partition,
+        "Tensor": Tensor,
+        "Stream": Stream,
+        "Config": _Config,
+        "Counters": _device._Counters,
+        "Buffer": Buffer,
+        "Event": Event,
+        "Device": _device.Device,
+        "submit": _submit_now_py,
+        "poll": _poll_py,
+        "device_globals": vars(_device),
+        "lock": LOCK,
+        "tls": _tls,
+        "counts": _counts,
+        "executing": EXECUTING,
+        "direct_failed": direct_failed,
+    }
+
+
+def _load_hotpath() -> tuple[Any, Any] | None:
+    global _poll_py
+    from ._device import Device
+
+    _poll_py = Device.poll
+    if not env_switch("TRIO_CUDA_HOTPATH"):
+        return None
+    try:
+        from . import _hotpath
+    except ImportError:
+        return None
+    methods: tuple[Any, Any] = _hotpath.setup(_hot_setup_objects())
+    return methods
+
+
+def use_hotpath(on: bool) -> bool:
+    """Use the compiled ``_Launch._submit_now`` and ``Device.poll`` (if built) or the
+    Python ones; returns whether the compiled ones are in use now (tests run both)."""
+    from ._device import Device
+
+    if on and _hot is not None:
+        _Launch._submit_now, Device.poll = _hot  # type: ignore[method-assign]
+    else:
+        _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
+    return hotpath_active()
+
+
+def hotpath_active() -> bool:
+    """True if the compiled methods are in use."""
+    return _hot is not None and _Launch._submit_now is _hot[0]
+
+
+_hot = _load_hotpath()
+use_hotpath(True)

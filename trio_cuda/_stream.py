@@ -52,6 +52,8 @@ class Event:
     )
 
     def __init__(self, stream: Stream, seq: int, handle: Any, flag: int = -1, ticket: int = 0) -> None:
+        # (trio_cuda/_hotpath.c makes Events without calling this: a new attribute must
+        # be set there too.)
         self.device = stream.device
         self._stream = stream._wref  # weak: no cycle with the stream's last event
         self.stream_handle = stream.handle
@@ -228,6 +230,7 @@ class Stream:
 
         A destroyed stream answers with the event after its last work.
         """
+        # (The compiled submission, trio_cuda/_hotpath.c, does the same after its launch.)
         if self.handle is None:
             assert self._final is not None
             return self._final

@@ -428,6 +428,7 @@ class CudaDevice(DeviceDriver):
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fast = fast_path()
+        self.hot_calls = (_tls, _Prepared, _NOT_READY)  # used while _fast is set
 
     def _register_flags(self) -> None:
         """With ``TRIO_CUDA_COMPLETION_WORDS=1``: map the completion words into this
@@ -538,7 +539,7 @@ class CudaDevice(DeviceDriver):
         if fast is not None:
             err = _cudafast.record(fast[1], int(event), int(stream))
             if err:
-                raise error(_result(err), "cuEventRecord", self, launch=True)
+                self._record_failed(err)
         else:
             err = cu.cuEventRecord(event, stream)[0]
             if err != _SUCCESS:
@@ -796,8 +797,16 @@ class CudaDevice(DeviceDriver):
         else:
             err = int(cu.cuLaunchKernel(p.function, p.gx, p.gy, p.gz, p.bx, p.by, p.bz, 0, stream, p.params, 0)[0])
         if err:
-            grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
-            raise error(_result(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
+            self._launch_failed(err, p)
+
+    def _launch_failed(self, err: int, p: _Prepared) -> None:
+        """Raise the error of a launch that returned ``err`` (here and in _hotpath.c)."""
+        grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
+        raise error(_result(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
+
+    def _record_failed(self, err: int) -> None:
+        """Raise the error of an event record that returned ``err`` (the fast path's, and _hotpath.c's)."""
+        raise error(_result(err), "cuEventRecord", self, launch=True)
 
     # -- graphs ----------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:

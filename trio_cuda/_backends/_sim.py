@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .._config import env_flag, env_int
+from .._config import env_flag, env_int, env_switch
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import (
     FLAG_WORDS,
@@ -245,7 +245,10 @@ class _SimDevice(DeviceDriver):
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
-        self.flag_words = memoryview(bytearray(8 * FLAG_WORDS)).cast("Q")
+        # Completion words (on by default here; TRIO_CUDA_COMPLETION_WORDS=0 runs without
+        # them, as the CUDA backend does by default: every poll then queries).
+        words = env_switch("TRIO_CUDA_COMPLETION_WORDS")
+        self.flag_words = memoryview(bytearray(8 * FLAG_WORDS)).cast("Q") if words else None
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:

@@ -1,0 +1,99 @@
+"""The compiled hot path (trio_cuda/_hotpath.c) against the Python methods it replaces,
+A/B in one process (issue 12).
+
+Variants, alternated in short blocks (a lent machine's host changes speed between
+processes, see benchmarks/results/host-direct-2026-11-30.md):
+
+* ``python``: ``_Launch._submit_now`` and ``Device.poll`` in Python (as with
+  ``TRIO_CUDA_HOTPATH=0``);
+* ``compiled``: both in C, with the launch, record and query made straight through
+  the driver's entry points where the backend offers them (CUDA with its fast path).
+
+Figures: the tiny op round trip (``await inc(p)``, median of 200); awaits of
+``inc(p)`` in a loop, the op made each time (us per await, the "sync after every op"
+figure of bench_host); awaits/s of 16 and 256 tasks, as in probe_poll.py; and the
+decode step of bench_decode.py awaited per kernel on one stream (88 awaits: ops and
+the add kernel; ms per token over 3 tokens). Each variant's ratio to ``python`` within
+the same cycle is printed (> 1 is better). Either backend (on the simulated device use
+--hidden 16 --layers 2; only the ratios mean anything there).
+
+    python benchmarks/probe_hotpath_ab.py [--cycles 20] [--hidden 2048] [--layers 22]
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+from typing import Any
+
+import trio
+
+import trio_cuda
+from trio_cuda import _kernel, api
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+from bench_decode import per_kernel_ops  # this folder and examples/ (run as a script)
+from bench_runtime import inc
+from cuda_graphs_deviceop import build
+from probe_poll import paired, standard_figures, tasks_rate
+
+
+async def main(cycles: int, hidden: int, layers: int) -> None:
+    if not _kernel.use_hotpath(True):
+        raise SystemExit("trio_cuda._hotpath is not built (or TRIO_CUDA_HOTPATH=0): nothing to compare")
+    p = (await api.zeros((32,))).partition((32,))
+    many = {count: [(await api.zeros((32,))).partition((32,)) for _ in range(count)] for count in (16, 256)}
+    m = await build(hidden, layers)
+    makers = per_kernel_ops(m)
+    dev = trio_cuda.current_device()
+    one_stream = trio_cuda.SingleStream(dev)  # as bench_decode: the step on one stream
+
+    async def decode_ms() -> float:
+        """ms per step (3 steps), each kernel awaited."""
+        pool, dev.policy = dev.policy, one_stream
+        try:
+            t0 = time.perf_counter_ns()
+            for _ in range(3):
+                for make in makers:
+                    await make()
+            return (time.perf_counter_ns() - t0) / 3e6
+        finally:
+            dev.policy = pool
+
+    async def sync_each_us() -> float:
+        """us per ``await inc(p)`` in a loop of 500 (the op made each time)."""
+        t0 = time.perf_counter_ns()
+        for _ in range(500):
+            await inc(p)
+        return (time.perf_counter_ns() - t0) / 500e3
+
+    figures = standard_figures(p, many)
+    figures["await per op in a loop, us"] = sync_each_us
+    figures["decode step, await per kernel, ms"] = decode_ms
+
+    async def warm_up() -> None:
+        await tasks_rate(many[256], 4)
+        await decode_ms()
+
+    variants: list[tuple[str, Any]] = [
+        ("python", lambda: _kernel.use_hotpath(False)),
+        ("compiled", lambda: _kernel.use_hotpath(True)),
+    ]
+    await paired(figures, variants, cycles, warm_up)
+    _kernel.use_hotpath(True)
+    from trio_cuda import _hotpath
+
+    print()
+    print("compiled hot path counters (whole run):", _hotpath.counters())
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=22)
+    args = ap.parse_args()
+    trio.run(main, args.cycles, args.hidden, args.layers)

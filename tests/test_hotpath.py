@@ -1,0 +1,642 @@
+"""The runtime's compiled hot path (trio_cuda/_hotpath.c, issue 12).
+
+The C module replaces ``_Launch._submit_now`` (the direct submission of a prepared
+kernel launch) and ``Device.poll``. Its contract: it does exactly what the Python
+methods do, or hands the call to them before any effect. So every scenario here runs
+with the compiled methods and with the Python ones, and compares what can be observed:
+results, the runtime's counters, the buffers' pending accesses, the streams' points,
+errors. Counters of the module say that the compiled code did the work (it did not
+just hand everything to the Python). Its direct driver calls (the CUDA backend's entry
+points) are driven with ctypes stand-ins, as tests/test_fastpath.py does for
+_cudafast; on a GPU the whole suite runs through them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import _kernel, api, lowlevel
+from trio_cuda._guard import LOCK, _tls
+from trio_cuda._op import ScheduledOp
+from trio_cuda.kernels import add, saxpy, sleep
+
+try:
+    from trio_cuda import _hotpath
+except ImportError:
+    _hotpath = None
+
+if _hotpath is None and os.environ.get("TRIO_CUDA_REQUIRE_HOTPATH") != "1":
+    pytestmark = pytest.mark.skip(reason="the compiled hot path was not built (no C compiler at install)")
+elif os.environ.get("TRIO_CUDA_HOTPATH", "").strip() == "0":
+    pytestmark = pytest.mark.skip(reason="TRIO_CUDA_HOTPATH=0: this run tests the Python methods alone")
+
+ON_CUDA = trio_cuda.backend_name() == "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _built() -> Iterator[None]:
+    """With TRIO_CUDA_REQUIRE_HOTPATH=1 (CI where a compiler and Python's headers exist)
+    every test here fails, instead of skipping, when the module is missing; each test
+    leaves the hot path as it found it."""
+    if _hotpath is None:
+        pytest.fail("TRIO_CUDA_REQUIRE_HOTPATH=1 but trio_cuda._hotpath was not built (see the build_ext output)")
+    was = _kernel.hotpath_active()
+    yield
+    _kernel.use_hotpath(was)
+
+
+@contextlib.contextmanager
+def mode(compiled: bool) -> Iterator[None]:
+    was = _kernel.hotpath_active()
+    assert _kernel.use_hotpath(compiled) is compiled
+    try:
+        yield
+    finally:
+        _kernel.use_hotpath(was)
+
+
+def on(op: Any, stream: trio_cuda.Stream) -> ScheduledOp[Any]:
+    """``op`` bound to ``stream`` (awaited there)."""
+    return ScheduledOp(op, stream)
+
+
+async def _await(x: Any) -> None:
+    await x
+
+
+def counters() -> dict[str, int]:
+    return dict(_hotpath.counters())
+
+
+def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def wordless_stream(dev: trio_cuda.Device) -> trio_cuda.Stream:
+    """A stream without a completion word (as every CUDA stream by default): its polls
+    are the compiled poll's, not the word's."""
+    s = dev.create_stream()
+    with LOCK:
+        dev._give_flag(s)
+    assert s._flag < 0
+    return s
+
+
+def stats_of(dev: trio_cuda.Device) -> dict[str, Any]:
+    st = dev.statistics()
+    sub = lowlevel.submission_statistics()
+    return {
+        "launches": st.launches,
+        "submissions": st.submissions,
+        "stream_waits": st.stream_waits,
+        "planned": sub.planned,
+        "enqueued": sub.enqueued,
+        "failed": sub.failed,
+        "abandoned": sub.abandoned,
+        "direct": sub.direct,
+    }
+
+
+def test_the_compiled_methods_are_installed() -> None:
+    assert _kernel.hotpath_active()
+    assert type(_kernel._Launch._submit_now).__name__ == "method_descriptor"
+    assert type(trio_cuda.Device.poll).__name__ == "method_descriptor"
+    with mode(False):
+        assert _kernel._Launch._submit_now is _kernel._submit_now_py
+        assert trio_cuda.Device.poll is _kernel._poll_py
+    assert _kernel.hotpath_active()
+
+
+async def _mixed_program(
+    stream: trio_cuda.Stream, x: Any, y: Any, z: Any
+) -> tuple[dict[str, Any], list[np.ndarray], dict[str, int]]:
+    """Awaits on one stream: scalars of each key kind, reads and writes, repeats."""
+    dev = stream.device
+    before, c0 = stats_of(dev), counters()
+    for a in (2.0, 0.0, -0.0, 3, True, 2.0, 0.0, -0.0, 1.5):
+        await on(saxpy(a, x, y.partition((128,))), stream)  # y += a * x
+    for _ in range(5):
+        await on(add(z.partition((64,)), x, y), stream)  # z = x + y
+    after = stats_of(dev)
+    got = [await y.to_host(), await z.to_host()]
+    return delta(before, after), got, delta(c0, counters())
+
+
+async def test_same_results_counters_and_points_both_ways() -> None:
+    dev = trio_cuda.current_device()
+    results = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            x, y, z = await api.arange(300), await api.zeros((300,)), await api.zeros((300,))
+            # the first run of each key goes the general way (it prepares); then direct
+            await _mixed_program(s, x, y, z)
+            results[compiled] = await _mixed_program(s, x, y, z)
+    (py_stats, py_out, py_c), (c_stats, c_out, c_c) = results[False], results[True]
+    assert py_stats == c_stats
+    assert py_stats["direct"] == 14 and py_stats["launches"] == 14 and py_stats["failed"] == 0
+    for a, b in zip(py_out, c_out, strict=True):
+        np.testing.assert_array_equal(a, b)
+    x = np.arange(300, dtype=np.float32)
+    np.testing.assert_array_equal(c_out[0], x * 19)  # 2 runs of (2+0+0+3+1+2+0+0+1.5) x
+    # the compiled run did the submissions and polls itself; the Python run none of them
+    assert py_c["submits"] == 0 and py_c["polls"] == 0
+    assert c_c["submits"] == 14 and c_c["submits_python"] == 0
+    assert c_c["polls"] >= 14
+
+
+async def test_keys_of_scalars_tell_bits_apart() -> None:
+    """0.0 and -0.0, 1 and 1.0 and True pass different bits: each has its own prepared
+    launch (as _scalar_key says), in both modes."""
+    dev = trio_cuda.current_device()
+    x = await api.arange(8)
+    y = await api.zeros((8,))
+    for compiled in (False, True):
+        with mode(compiled):
+            saxpy._fast.clear()
+            for a in (0.0, -0.0, 1, 1.0, True):
+                await saxpy(a, x, y.partition((8,)))
+            keys = {k[0] for k in saxpy._fast}
+            assert keys == {(float, 0.0, 1.0), (float, -0.0, -1.0), (int, 1), (float, 1.0, 1.0), (bool, True)}
+            c0 = counters()
+            for a in (0.0, -0.0, 1, 1.0, True):
+                await saxpy(a, x, y.partition((8,)))
+            if compiled:
+                assert delta(c0, counters())["submits"] == 5
+    assert dev.generation >= 0
+    np.testing.assert_array_equal(await y.to_host(), np.arange(8, dtype=np.float32) * 12)
+
+
+async def test_cross_stream_order_and_pending_accesses_match() -> None:
+    """A direct launch on stream B after writes on stream A (still running behind a
+    sleep) waits for them (a driver wait), registers itself as the writer and as a
+    reader: the same state and the same results both ways."""
+    dev = trio_cuda.current_device()
+    states = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            a, b = wordless_stream(dev), wordless_stream(dev)
+            x = await api.arange(64)
+            y = await api.zeros((64,))
+            z = await api.zeros((64,))
+            c = await api.zeros((1,), np.int32)
+            await on(add(z.partition((64,)), x, y), b)  # prepared on b
+            await on(saxpy(1.0, x, y.partition((64,))), a)  # prepared on a
+            await on(add(z.partition((64,)), x, y), b)
+            c0 = counters()
+            w0 = dev.statistics().stream_waits
+            # a: a 50 ms sleep, then y += x (1 -> 2x); b must read y after that write
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            pending = await lowlevel.submit(saxpy(1.0, x, y.partition((64,))), a)
+            await on(add(z.partition((64,)), x, y), b)  # z = x + y, after the write on a
+            waits = dev.statistics().stream_waits - w0
+            await pending.wait()
+            zb, yb = z._buffer, y._buffer
+            states[compiled] = (
+                waits,
+                b._waited.get(a._token, 0) >= a.seq,
+                zb.writer == (b, b.seq),
+                dict(yb.readers) == {b: b.seq},
+                (await z.to_host()).tolist(),
+            )
+            if compiled:
+                assert delta(c0, counters())["submits"] == 1  # the add on b (lowlevel.submit plans)
+    assert states[False] == states[True]
+    assert states[True][:4] == (1, True, True, True)
+    assert states[True][4] == (3 * np.arange(64, dtype=np.float32)).tolist()
+
+
+async def test_writes_wait_for_other_streams_writers_and_readers() -> None:
+    """A direct write on stream B of memory that stream A is still writing, and then of
+    memory that stream A is still reading: both wait (both ways, the same results)."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            a, b = wordless_stream(dev), wordless_stream(dev)
+            x = await api.arange(64)
+            y = await api.zeros((64,))
+            z = await api.zeros((64,))
+            c = await api.zeros((1,), np.int32)
+            for s in (a, b):
+                await on(saxpy(1.0, x, y.partition((64,))), s)  # y = 2x; prepared on both
+                await on(add(z.partition((64,)), y, x), s)  # z = 3x; prepared on both
+            # write after write: a sleeps, then y += x (3x); b then y += x (4x)
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            first = await lowlevel.submit(saxpy(1.0, x, y.partition((64,))), a)
+            w0 = dev.statistics().stream_waits
+            await on(saxpy(1.0, x, y.partition((64,))), b)
+            waw = dev.statistics().stream_waits - w0
+            await first.wait()
+            # write after read: a sleeps, then z = y + x (5x) reads y; b then y += x (5x)
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            reading = await lowlevel.submit(add(z.partition((64,)), y, x), a)
+            w0 = dev.statistics().stream_waits
+            await on(saxpy(1.0, x, y.partition((64,))), b)
+            war = dev.statistics().stream_waits - w0
+            await reading.wait()
+            seen[compiled] = (waw, war, (await y.to_host()).tolist(), (await z.to_host()).tolist())
+    assert seen[False] == seen[True]
+    xs = np.arange(64, dtype=np.float32)
+    assert seen[True] == (1, 1, (5 * xs).tolist(), (5 * xs).tolist())
+
+
+async def test_untracked_views_register_lifetimes_not_order() -> None:
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            x = await api.arange(32)
+            y = await api.zeros((32,))
+            xu, yu = x.untracked(), y.untracked()
+            for _ in range(3):
+                await on(saxpy(2.0, xu, yu.partition((32,))), s)
+            yb, xb = y._buffer, x._buffer
+            seen[compiled] = (
+                yb.writer is None or yb.writer[0] is not s,
+                yb.lifetime.get(s) == s.seq,
+                xb.lifetime.get(s) == s.seq,
+                s in xb.readers,
+            )
+            np.testing.assert_array_equal(await y.to_host(), np.arange(32, dtype=np.float32) * 6)
+    assert seen[False] == seen[True] == (True, True, True, False)
+
+
+async def test_each_unhandled_case_goes_to_the_python_before_any_effect() -> None:
+    """Cases the C code leaves to the Python method: a first launch (nothing prepared),
+    an op with op inputs, a nested submission, a reset since preparing, keep-alives to
+    retire, deferred frees. Each still submits correctly."""
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    x = await api.arange(16)
+    y = await api.zeros((16,))
+    c0 = counters()
+    await on(add(y.partition((16,)), x, x), s)  # maybe the first time: not prepared
+    await on(add(y.partition((16,)), x, x), s)
+    d = delta(c0, counters())
+    assert d["submits"] + d["submits_python"] >= 2 and d["submits"] >= 1
+    # op inputs: the general path (no direct submission at all)
+    c0 = counters()
+    await on(add(y.partition((16,)), x, api.arange(16)), s)
+    assert delta(c0, counters())["submits"] == 0
+    # a deferred free pending: the Python method frees first
+    tmp = await api.zeros((1024,))
+    del tmp
+    gc.collect()
+    assert dev._dead_buffers
+    c0 = counters()
+    await on(add(y.partition((16,)), x, x), s)
+    d = delta(c0, counters())
+    assert d["submits"] == 0 and d["submits_python"] == 1
+    assert not dev._dead_buffers
+    np.testing.assert_array_equal(await y.to_host(), 2 * np.arange(16, dtype=np.float32))
+
+
+async def test_a_reset_since_preparing_is_seen() -> None:
+    dev = trio_cuda.current_device()
+    errors: list[str] = []
+    for compiled in (False, True):
+        with mode(compiled):
+            x = await api.arange(16)
+            y = await api.zeros((16,))
+            await add(y.partition((16,)), x, x)
+            await add(y.partition((16,)), x, x)
+            await trio.to_thread.run_sync(dev.reset)
+            c0 = counters()
+            with pytest.raises(ValueError, match="allocated before device 0 was reset") as info:
+                await add(y.partition((16,)), x, x)
+            errors.append(str(info.value))
+            # the compiled method saw the old generation and left it to the Python
+            assert delta(c0, counters())["submits"] == 0
+            x = await api.arange(16)
+            y = await api.zeros((16,))
+            for _ in range(2):
+                await add(y.partition((16,)), x, x)
+            np.testing.assert_array_equal(await y.to_host(), 2 * np.arange(16, dtype=np.float32))
+    assert errors[0] == errors[1]
+
+
+async def test_nested_submission_and_reuse_raise_the_same_errors() -> None:
+    x = await api.arange(16)
+    y = await api.zeros((16,))
+    await add(y.partition((16,)), x, x)
+    await add(y.partition((16,)), x, x)
+    errors = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            op = add(y.partition((16,)), x, x)
+            await op
+            with pytest.raises(trio_cuda.OpAlreadyExecuted) as info:
+                await op
+            nested: list[type[BaseException]] = []
+
+            def inside(_: Any, nested: list[type[BaseException]] = nested) -> Any:
+                try:
+                    add(y.partition((16,)), x, x).sync()
+                except BaseException as err:  # recorded and compared
+                    nested.append(type(err))
+                return add(y.partition((16,)), x, x)
+
+            await add(y.partition((16,)), x, x).then(inside)
+            assert not _tls.submitting
+            errors[compiled] = (type(info.value), list(nested))
+    assert errors[False] == errors[True] == (trio_cuda.OpAlreadyExecuted, [trio_cuda.NestedExecutionError])
+
+
+async def test_a_failed_launch_counts_and_releases_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver refusing the launch: the error reaches the awaiting task; the
+    submission counts as failed; the lock, the in-submission flag and the op's state
+    are as the Python leaves them."""
+    dev = trio_cuda.current_device()
+    x = await api.arange(16)
+    y = await api.zeros((16,))
+    await add(y.partition((16,)), x, x)
+    await add(y.partition((16,)), x, x)
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+
+            def refuse(*a: Any) -> None:
+                raise trio_cuda.LaunchError("refused by the test")
+
+            monkeypatch.setattr(dev._driver, "launch", refuse)
+            st0 = stats_of(dev)
+            op = add(y.partition((16,)), x, x)
+            with pytest.raises(trio_cuda.LaunchError, match="refused by the test"):
+                await op
+            monkeypatch.undo()
+            # the lock is free for another thread, the flag is down
+            got: list[bool] = []
+
+            def take(got: list[bool] = got) -> None:
+                got.append(LOCK.acquire(timeout=5))
+                LOCK.release()
+
+            t = threading.Thread(target=take)
+            t.start()
+            t.join()
+            seen[compiled] = (delta(st0, stats_of(dev)), got, _tls.submitting, op._state is not None)
+    assert seen[False] == seen[True]
+    assert seen[True][0]["failed"] == 1 and seen[True][1] == [True]
+    await add(y.partition((16,)), x, x)
+    np.testing.assert_array_equal(await y.to_host(), 2 * np.arange(16, dtype=np.float32))
+
+
+async def test_polls_answer_and_advance_streams_the_same() -> None:
+    dev = trio_cuda.current_device()
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            c = await api.zeros((1,), np.int32)
+            ok0 = s._ok_seq
+            await on(sleep(c.partition((1,)), 1000), s)
+            c0 = counters()
+            with LOCK:
+                s.seq += 1
+                ev = s.event_at(s.seq)
+            while not dev.poll(ev):
+                await trio.lowlevel.checkpoint()
+            assert ev.done and s.done_seq >= ev.seq and s._ok_seq == ev.seq > ok0
+            assert dev.poll(ev) is True
+            if compiled:
+                assert delta(c0, counters())["polls"] >= 2
+            # a reset: the stale event raises DeviceReset, through the Python
+            with LOCK:
+                s.seq += 1
+                ev2 = s.event_at(s.seq)
+            await trio.to_thread.run_sync(dev.reset)
+            with pytest.raises(trio_cuda.DeviceReset):
+                dev.poll(ev2)
+
+
+async def test_threads_racing_for_one_op_and_many_ops() -> None:
+    """Threads submitting through the compiled path while trio awaits on it: one winner
+    per op, every increment counted, no refcount left over."""
+    x = await api.arange(256)
+    y = await api.zeros((256,))
+    await saxpy(1.0, x, y.partition((256,)))
+    await saxpy(1.0, x, y.partition((256,)))
+    op = saxpy(1.0, x, y.partition((256,)))
+    outcomes: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def race() -> None:
+        barrier.wait()
+        try:
+            op.sync()
+            outcomes.append("ran")
+        except trio_cuda.OpAlreadyExecuted:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=race) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["ran", "refused", "refused", "refused"]
+
+    def many() -> None:
+        for _ in range(50):
+            saxpy(1.0, x, y.partition((256,))).sync()
+
+    before = sys.getrefcount(x), sys.getrefcount(y)
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(trio.to_thread.run_sync, many)
+        for _ in range(50):
+            await saxpy(1.0, x, y.partition((256,)))
+    gc.collect()
+    assert (sys.getrefcount(x), sys.getrefcount(y)) == before
+    np.testing.assert_array_equal(await y.to_host(), np.arange(256, dtype=np.float32) * (3 + 150 + 50))
+
+
+async def test_no_reference_is_leaked_or_lost() -> None:
+    """Thousands of compiled submissions and polls: the objects they touch keep their
+    reference counts, events die and their handles go back to the pool."""
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    x = await api.arange(64)
+    y = await api.zeros((64,))
+    part = y.partition((64,))
+    for _ in range(3):
+        await on(saxpy(0.5, x, part), s)
+    gc.collect()
+    refs = [sys.getrefcount(o) for o in (x, y, part, s, dev, saxpy, x._buffer, y._buffer, saxpy._fast)]
+    c0 = counters()
+    evs = []
+    for i in range(2000):
+        await on(saxpy(0.5, x, part), s)
+        if i % 500 == 0:
+            evs.append(weakref.ref(s._last_event))
+    assert delta(c0, counters())["submits"] == 2000
+    gc.collect()
+    assert [sys.getrefcount(o) for o in (x, y, part, s, dev, saxpy, x._buffer, y._buffer, saxpy._fast)] == refs
+    assert all(e() is None for e in evs[:-1])  # old events are gone
+    assert len(dev._event_pool) < 50
+    np.testing.assert_array_equal(await y.to_host(), np.arange(64, dtype=np.float32) * 0.5 * 2003)
+
+
+# -- the direct driver calls, with stand-ins for the entry points --------------------------
+VP = ctypes.c_void_p
+U = ctypes.c_uint
+LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, U, U, U, U, U, U, U, VP, VP, VP)
+RECORD = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
+QUERY = ctypes.CFUNCTYPE(ctypes.c_int, VP)
+
+
+class _Fake:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.answer = {"launch": 0, "record": 0, "query": 0}
+        self._cbs = (
+            LAUNCH(lambda *a: self._call("launch", a)),
+            RECORD(lambda *a: self._call("record", a)),
+            QUERY(lambda *a: self._call("query", a)),
+        )
+        self.entry_points = tuple(int(ctypes.cast(cb, VP).value or 0) for cb in self._cbs)
+
+    def _call(self, name: str, args: tuple[Any, ...]) -> int:
+        self.calls.append((name, *args))
+        return self.answer[name]
+
+
+class _Prepared:
+    __slots__ = ("bx", "by", "bz", "fn", "function", "gx", "gy", "gz", "name", "params")
+
+    def __init__(self) -> None:
+        self.fn, self.function, self.params, self.name = 0x300, None, 0x400, "k"
+        self.gx, self.gy, self.gz, self.bx, self.by, self.bz = 7, 6, 5, 4, 3, 2
+
+
+def _cuda_driver(fake: _Fake, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from trio_cuda._backends import _cuda
+
+    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)  # no context: only the three calls run
+    d.ordinal = 0
+    d._fault = None
+    d._lock = threading.Lock()
+    d._token = object()
+    monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
+    d._flag_dev = 0
+    d._fast = fake.entry_points
+    d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY)
+    return d
+
+
+def test_direct_calls_pass_handles_and_map_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cuda.bindings import driver as cu
+
+    fake = _Fake()
+    d = _cuda_driver(fake, monkeypatch)
+    ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
+    assert fake.calls[-1] == ("launch", 0x300, 7, 6, 5, 4, 3, 2, 0, 0x200, 0x400, None)
+    assert _hotpath.direct_call("record", d, ev, st) == 1
+    assert fake.calls[-1] == ("record", 0x100, 0x200)
+    assert _hotpath.direct_call("query", d, ev) == 1
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_NOT_READY)
+    assert _hotpath.direct_call("query", d, ev) == 0
+    fake.answer["query"] = int(cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    assert _hotpath.direct_call("query", d, ev) == 2  # the Python query says what it means
+    # errors of a launch and a record become the backend's errors, as on its own path
+    fake.answer["launch"] = int(cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    with pytest.raises(trio_cuda.LaunchError, match="kernel k") as c_err:
+        _hotpath.direct_call("launch", d, _Prepared(), st)
+    with pytest.raises(trio_cuda.LaunchError, match="kernel k") as py_err:
+        d.launch(_Prepared(), st)
+    assert str(c_err.value) == str(py_err.value)
+    fake.answer["record"] = int(cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
+    with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord") as c_rec:
+        _hotpath.direct_call("record", d, ev, st)
+    with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord") as py_rec:
+        d.record(ev, st)
+    assert type(c_rec.value) is type(py_rec.value) and str(c_rec.value) == str(py_rec.value)
+
+
+def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not made (the Python methods then): another context current on this thread, no
+    fast path, a prepared launch of another type, dimensions that do not fit, no
+    hot_calls (the simulated device)."""
+    from cuda.bindings import driver as cu
+
+    from trio_cuda._backends import _cuda
+
+    fake = _Fake()
+    d = _cuda_driver(fake, monkeypatch)
+    st = cu.CUstream(0x200)
+    monkeypatch.setattr(_cuda._tls, "token", object())
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) is None
+    monkeypatch.setattr(_cuda._tls, "token", d._token)
+    d._fast = None
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) is None
+    d._fast = fake.entry_points
+
+    class Other(_Prepared):
+        __slots__ = ()
+
+    assert _hotpath.direct_call("launch", d, Other(), st) == 0
+    big = _Prepared()
+    big.gx = 1 << 32
+    assert _hotpath.direct_call("launch", d, big, st) == 0
+    assert _hotpath.direct_call("launch", d, _Prepared(), "not a handle") == 0
+    # a method replaced on the driver object (fault injection, a tool's wrapper) is called
+    monkeypatch.setattr(d, "launch", lambda *a: None)
+    monkeypatch.setattr(d, "query", lambda *a: True)
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 0
+    assert _hotpath.direct_call("query", d, cu.CUevent(0x100)) == 2
+    assert _hotpath.direct_call("record", d, cu.CUevent(0x100), st) == 1  # not replaced
+    assert fake.calls == [("record", 0x100, 0x200)]
+    fake.calls.clear()
+    monkeypatch.delattr(d, "launch")
+    monkeypatch.delattr(d, "query")
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
+    assert fake.calls[-1][0] == "launch"
+    # the class's own method bound to the driver in its dict (what monkeypatch.setattr
+    # leaves behind when it undoes a replacement) is no replacement
+    monkeypatch.setitem(vars(d), "launch", d.launch)
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
+    other = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
+    monkeypatch.setitem(vars(d), "launch", other.launch)  # bound to another driver: a replacement
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 0
+    fake.calls.clear()
+    sim = trio_cuda.current_device()._driver
+    if not ON_CUDA:
+        assert _hotpath.direct_call("query", sim, object()) is None
+
+
+def test_setup_refuses_classes_it_does_not_know() -> None:
+    """A class whose attribute is not a plain slot makes setup fail (the runtime then
+    keeps the Python methods)."""
+
+    class NotSlotted:
+        pass
+
+    objs = dict(_kernel._hot_setup_objects())
+    objs["Partition"] = NotSlotted
+    with pytest.raises((TypeError, AttributeError)):
+        _hotpath.setup(objs)
+    assert _kernel.hotpath_active()
+
+
+def test_switched_off_by_the_environment() -> None:
+    import subprocess
+
+    code = "import trio_cuda._kernel as k; print(k.hotpath_active())"
+    env = dict(os.environ, TRIO_CUDA_HOTPATH="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "False"

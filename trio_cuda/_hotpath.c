@@ -1,0 +1,1287 @@
+/* The runtime's compiled hot path (issue 12): the direct submission of a prepared
+ * kernel launch, ``_Launch._submit_now`` (trio_cuda/_kernel.py), in C.
+ *
+ * Why C helps here and nowhere else: the work is ~40 reads and writes of the runtime's
+ * objects' attributes, a lock, and three calls. C reading attributes through
+ * PyObject_GetAttr is no faster than Python's specialized bytecode (measured), so this
+ * module reads and writes the ``__slots__`` of the runtime's classes directly at their
+ * offsets. The offsets are taken at setup from the classes' member descriptors, each
+ * checked to be a plain object slot; a class that is not what this file expects makes
+ * setup fail, and the runtime keeps its pure-Python path (the same code, which stays
+ * the reference and is tested both ways). Objects of exactly the expected classes only.
+ *
+ * The contract: the compiled ``_submit_now(stream)`` either does exactly what the Python
+ * ``_Launch._submit_now`` does, or, before any effect, hands the call to it (any case
+ * this file does not handle: op inputs, arguments not seen before, memory not yet
+ * allocated, deferred frees to run first, keep-alives to retire, a capture, ...).
+ * Everything here runs under the GIL; the runtime lock is the same RLock the Python
+ * code takes.
+ *
+ * Not built with the limited API: the member descriptors' offsets need CPython's
+ * structures (stable since 3.11). Built per Python version at install; optional.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+/* ---- slots ------------------------------------------------------------------------ */
+
+#define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
+
+static int slot_offset(PyObject *cls, const char *name, Py_ssize_t *out) {
+    if (!PyType_Check(cls)) {
+        PyErr_Format(PyExc_TypeError, "_hotpath: %R is not a class", cls);
+        return -1;
+    }
+    PyObject *descr = PyObject_GetAttrString(cls, name);
+    if (descr == NULL) return -1;
+    int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+             ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX &&
+             !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+    if (ok) *out = ((PyMemberDescrObject *)descr)->d_member->offset;
+    Py_DECREF(descr);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "_hotpath: %R.%s is not a plain __slots__ attribute", cls, name);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- what setup() binds ----------------------------------------------------------- */
+
+static PyObject *Launch_T, *Partition_T, *Tensor_T, *Stream_T, *Config_T, *Counters_T, *Event_T, *Device_T;
+#define IS(o, T) ((PyObject *)Py_TYPE(o) == (T))
+
+static struct {
+    /* op (DeviceOp / _Launch) */
+    Py_ssize_t op_inputs, op_state, op_args, op_kernel;
+    /* Partition, Tensor */
+    Py_ssize_t part_k, part_tensor, part_tile, tensor_args, tensor_buffer, tensor_tracked;
+    /* Buffer */
+    Py_ssize_t buf_capture, buf_writer, buf_readers, buf_lifetime, buf_ptr;
+    /* Stream */
+    Py_ssize_t s_device, s_generation, s_capture, s_dropped, s_keep, s_seq, s_done_seq, s_handle;
+    /* _Config */
+    Py_ssize_t cfg_writes, cfg_reads, cfg_grid;
+    Py_ssize_t s_last_event, s_flag, s_wref, s_ok_seq, s_newest_pending;
+    /* Event */
+    Py_ssize_t ev_device, ev_stream, ev_stream_handle, ev_seq, ev_handle, ev_done, ev_error, ev_generation, ev_flag,
+        ev_ticket;
+    /* _Counters */
+    Py_ssize_t ctr_launches, ctr_submissions;
+} O;
+
+static PyObject *py_submit;   /* the Python _Launch._submit_now: every case not handled here */
+static PyObject *lock_obj;    /* the runtime RLock */
+static PyObject *tls;         /* _guard._tls (a threading.local) */
+static PyObject *counts;      /* _submit._counts */
+static PyObject *executing;   /* _submit.EXECUTING */
+static PyObject *direct_failed;
+static PyObject *Buffer_T;    /* (checked through the tensor's slot) */
+static PyObject *py_poll;     /* the Python Device.poll */
+static PyObject *device_globals; /* _device's module dict (poll_by_stream) */
+
+static PyObject *one, *zero;
+static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetting, *s_driver, *s_fault,
+    *s_dead_buffers, *s_dead_streams, *s_lingering, *s_dead_graphs, *s_stats, *s_fast, *s_name, *s_launch,
+    *s__key, *s__arg, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
+
+/* What ran here, for tests and probes (under the GIL; wrap-around is not a concern). */
+static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries;
+
+/* ---- helpers ---------------------------------------------------------------------- */
+
+static int add_one(PyObject *obj, Py_ssize_t off) { /* obj.<slot> += 1 */
+    PyObject *v = SLOT(obj, off);
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_hotpath: a counter is unset");
+        return -1;
+    }
+    PyObject *n = PyNumber_Add(v, one);
+    if (n == NULL) return -1;
+    Py_SETREF(SLOT(obj, off), n);
+    return 0;
+}
+
+static int count(PyObject *key) { /* _counts[key] += 1 */
+    PyObject *v = PyDict_GetItemWithError(counts, key);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "_hotpath: a submission counter is missing");
+        return -1;
+    }
+    PyObject *n = PyNumber_Add(v, one);
+    if (n == NULL) return -1;
+    int r = PyDict_SetItem(counts, key, n);
+    Py_DECREF(n);
+    return r;
+}
+
+/* A true attribute of a dict-based object (the device): 1, 0, or -1 on error. */
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int lock_call(PyObject *name) {
+    PyObject *r = PyObject_CallMethodNoArgs(lock_obj, name);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int set_submitting(PyObject *flag) { return PyObject_SetAttr(tls, s_submitting, flag); }
+
+/* The key of one scalar argument, as _kernel._scalar_key (float and int-like exact
+ * types only; NULL without an error: not handled here). */
+static PyObject *scalar_key(PyObject *a) {
+    PyTypeObject *t = Py_TYPE(a);
+    if (t == &PyFloat_Type) {
+        double v = PyFloat_AS_DOUBLE(a);
+        return Py_BuildValue("(OOd)", (PyObject *)t, a, copysign(1.0, v));
+    }
+    if (t == &PyLong_Type || t == &PyBool_Type) return PyTuple_Pack(2, (PyObject *)t, a);
+    return NULL;
+}
+
+/* The prepared key of the arguments (as _kernel._prepared_key); NULL without an error:
+ * not handled here. */
+static PyObject *prepared_key(PyObject *args) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *key = PyTuple_New(n);
+    if (key == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        PyObject *k;
+        if (IS(a, Partition_T)) {
+            k = SLOT(a, O.part_k);
+            if (k == NULL) goto unhandled;
+            if (k == Py_None) {
+                /* Partition._key(): (its tensor's writable descriptor, its tiles), cached */
+                PyObject *t = SLOT(a, O.part_tensor), *tile = SLOT(a, O.part_tile);
+                if (t == NULL || tile == NULL || !IS(t, Tensor_T)) goto unhandled;
+                PyObject *d = SLOT(t, O.tensor_args), *b = SLOT(t, O.tensor_buffer);
+                if (d == NULL || b == NULL || !IS(b, Buffer_T)) goto unhandled;
+                if (d != Py_None && PyTuple_CheckExact(d) && PyTuple_GET_SIZE(d) == 2) {
+                    k = PyTuple_Pack(2, PyTuple_GET_ITEM(d, 1), tile);
+                    if (k == NULL) goto failed;
+                    Py_INCREF(k);
+                    Py_XSETREF(SLOT(a, O.part_k), k);
+                } else {
+                    PyObject *ptr = SLOT(b, O.buf_ptr);
+                    if (ptr == NULL || ptr == Py_None) goto unhandled; /* not allocated yet */
+                    k = PyObject_CallMethodNoArgs(a, s__key);
+                    if (k == NULL) goto failed;
+                }
+            } else {
+                Py_INCREF(k);
+            }
+        } else if (IS(a, Tensor_T)) {
+            PyObject *d = SLOT(a, O.tensor_args);
+            if (d == NULL) goto unhandled;
+            if (d == Py_None) {
+                PyObject *b = SLOT(a, O.tensor_buffer);
+                if (b == NULL || !IS(b, Buffer_T)) goto unhandled;
+                PyObject *ptr = SLOT(b, O.buf_ptr);
+                if (ptr == NULL || ptr == Py_None) goto unhandled;
+                k = PyObject_CallMethodObjArgs(a, s__arg, Py_False, NULL);
+                if (k == NULL) goto failed;
+            } else {
+                if (!PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) < 1) goto unhandled;
+                k = PyTuple_GET_ITEM(d, 0);
+                Py_INCREF(k);
+            }
+        } else {
+            k = scalar_key(a);
+            if (k == NULL) {
+                if (PyErr_Occurred()) {
+                    Py_DECREF(key);
+                    return NULL;
+                }
+                goto unhandled;
+            }
+        }
+        PyTuple_SET_ITEM(key, i, k);
+    }
+    return key;
+unhandled:
+    Py_DECREF(key);
+    return NULL;
+failed:
+    Py_DECREF(key);
+    return NULL; /* (with the error) */
+}
+
+/* The buffer of argument i of a launch, as a write (a Partition: its tensor's) or a
+ * read (a Tensor); the tensor through *tensor. Borrowed; NULL: not handled. */
+static PyObject *arg_buffer(PyObject *args, PyObject *index, int write, PyObject **tensor) {
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *a = PyTuple_GET_ITEM(args, i);
+    PyObject *t;
+    if (write) {
+        if (!IS(a, Partition_T)) return NULL;
+        t = SLOT(a, O.part_tensor);
+        if (t == NULL || !IS(t, Tensor_T)) return NULL;
+    } else {
+        if (!IS(a, Tensor_T)) return NULL;
+        t = a;
+    }
+    *tensor = t;
+    return SLOT(t, O.tensor_buffer);
+}
+
+static int wait_for(PyObject *s, PyObject *other, PyObject *seq) {
+    PyObject *r = PyObject_CallMethodObjArgs(s, s_wait_for, other, seq, NULL);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ---- direct driver calls ---------------------------------------------------------- */
+/* A backend that offers them (DeviceDriver.hot_calls, the CUDA backend with its fast
+ * path) has the launch, the record and the query of the hot path made here straight
+ * through the driver's entry points, as trio_cuda/_backends/_cudafast.c does for the
+ * Python methods: the same calls, the same handles, the GIL released around each. */
+
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                         unsigned shmem, void *stream, void **params, void **extra);
+typedef int (*record_fn)(void *event, void *stream);
+typedef int (*query_fn)(void *event);
+
+typedef struct {
+    void *launch, *record, *query;
+    PyObject *hot; /* the driver's hot_calls (owned), for its prepared type */
+    long not_ready;
+} Direct;
+
+/* Is method ``name`` of ``obj`` replaced in its instance dict? Not when the entry is
+ * the class's own function bound to ``obj`` (what pytest's monkeypatch leaves behind
+ * when it restores a method it replaced on an instance). */
+static int replaced(PyObject *obj, PyObject *dict, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(dict, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj &&
+        PyMethod_GET_FUNCTION(v) == _PyType_Lookup(Py_TYPE(obj), name))
+        return 0;
+    return 1;
+}
+
+/* Fill *d: 1 if direct calls may be made on this thread now, 0 if not (the Python
+ * methods then), -1 on error. */
+static int direct_calls(PyObject *driver, Direct *d) {
+    d->hot = NULL;
+    PyObject *hc = PyObject_GetAttr(driver, s_hot_calls);
+    if (hc == NULL) return -1;
+    if (hc == Py_None || !PyTuple_CheckExact(hc) || PyTuple_GET_SIZE(hc) != 3 || !PyType_Check(PyTuple_GET_ITEM(hc, 1))) {
+        Py_DECREF(hc);
+        return 0;
+    }
+    PyObject *fast = PyObject_GetAttr(driver, s__fast);
+    if (fast == NULL) {
+        Py_DECREF(hc);
+        return -1;
+    }
+    int ok = PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 3;
+    if (ok) {
+        PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(hc, 0), s_token);
+        PyObject *mine = tok == NULL ? NULL : PyObject_GetAttr(driver, s__token);
+        ok = tok != NULL && mine != NULL && tok == mine; /* this device's context is current here */
+        Py_XDECREF(tok);
+        Py_XDECREF(mine);
+        if (PyErr_Occurred()) PyErr_Clear(); /* (no token yet on this thread: the Python makes it current) */
+    }
+    if (ok) {
+        d->launch = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 0));
+        d->record = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 1));
+        d->query = PyLong_AsVoidPtr(PyTuple_GET_ITEM(fast, 2));
+        d->not_ready = PyLong_AsLong(PyTuple_GET_ITEM(hc, 2));
+        if (PyErr_Occurred() || !d->launch || !d->record || !d->query) {
+            PyErr_Clear();
+            ok = 0;
+        }
+    }
+    if (ok) {
+        /* A method replaced on this driver object (a test's fault injection, a tool's
+         * wrapper) is called, as the Python path would call it: no direct call for it. */
+        PyObject *dict = PyObject_GenericGetDict(driver, NULL);
+        if (dict == NULL) {
+            PyErr_Clear();
+            ok = 0;
+        } else {
+            if (PyDict_GET_SIZE(dict)) {
+                if (replaced(driver, dict, s_launch)) d->launch = NULL;
+                if (replaced(driver, dict, s_record)) d->record = NULL;
+                if (replaced(driver, dict, s_query)) d->query = NULL;
+            }
+            Py_DECREF(dict);
+        }
+    }
+    Py_DECREF(fast);
+    if (!ok) {
+        Py_DECREF(hc);
+        return 0;
+    }
+    d->hot = hc;
+    return 1;
+}
+
+/* A handle or an address as a pointer (an int, or an object with __int__ such as a
+ * cuda.bindings handle); NULL with an error set on failure. */
+static void *as_pointer(PyObject *o, int *failed) {
+    *failed = 0;
+    if (PyLong_Check(o)) {
+        void *p = PyLong_AsVoidPtr(o);
+        if (p == NULL && PyErr_Occurred()) *failed = 1;
+        return p;
+    }
+    PyObject *i = PyNumber_Long(o);
+    if (i == NULL) {
+        *failed = 1;
+        return NULL;
+    }
+    void *p = PyLong_AsVoidPtr(i);
+    Py_DECREF(i);
+    if (p == NULL && PyErr_Occurred()) *failed = 1;
+    return p;
+}
+
+static PyObject *prep_type;
+static Py_ssize_t prep_off[8]; /* fn, gx, gy, gz, bx, by, bz, params */
+
+/* The launch of a prepared launch on a stream handle: 1 made, 0 not made here (the
+ * Python method then, nothing happened), -1 an error raised (a failed launch). */
+static int launch_direct(PyObject *driver, Direct *d, PyObject *p, PyObject *stream) {
+    if (d->launch == NULL) return 0;
+    PyObject *ptype = PyTuple_GET_ITEM(d->hot, 1);
+    if (!IS(p, ptype)) return 0;
+    if (prep_type != ptype) {
+        static const char *names[8] = {"fn", "gx", "gy", "gz", "bx", "by", "bz", "params"};
+        for (int i = 0; i < 8; i++) {
+            if (slot_offset(ptype, names[i], &prep_off[i]) < 0) {
+                PyErr_Clear();
+                return 0;
+            }
+        }
+        Py_INCREF(ptype);
+        Py_XSETREF(prep_type, ptype);
+    }
+    unsigned long dims[6];
+    PyObject *fn = SLOT(p, prep_off[0]), *params = SLOT(p, prep_off[7]);
+    if (fn == NULL || params == NULL || !PyLong_CheckExact(fn) || !PyLong_CheckExact(params)) return 0;
+    for (int i = 0; i < 6; i++) {
+        PyObject *v = SLOT(p, prep_off[1 + i]);
+        if (v == NULL || !PyLong_CheckExact(v)) return 0;
+        dims[i] = PyLong_AsUnsignedLong(v);
+        if ((dims[i] == (unsigned long)-1 && PyErr_Occurred()) || dims[i] > 0xFFFFFFFFul) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    int failed;
+    void *f = PyLong_AsVoidPtr(fn), *pp = PyLong_AsVoidPtr(params), *st = as_pointer(stream, &failed);
+    if (failed || PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    int err;
+    launch_fn call = (launch_fn)d->launch;
+    Py_BEGIN_ALLOW_THREADS
+    err = call(f, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], (unsigned)dims[3], (unsigned)dims[4],
+               (unsigned)dims[5], 0, st, (void **)pp, NULL);
+    Py_END_ALLOW_THREADS
+    n_launches++;
+    if (err) {
+        PyObject *el = PyLong_FromLong(err);
+        PyObject *r = el == NULL ? NULL : PyObject_CallMethodObjArgs(driver, s_launch_failed, el, p, NULL);
+        Py_XDECREF(el);
+        if (r != NULL) { /* _launch_failed always raises */
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_SystemError, "_hotpath: a failed launch raised nothing");
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* cuEventRecord(event, stream): 1 made, 0 not made here, -1 an error raised. */
+static int record_direct(PyObject *driver, Direct *d, PyObject *event, PyObject *stream) {
+    if (d->record == NULL) return 0;
+    int failed1, failed2;
+    void *e = as_pointer(event, &failed1), *st = as_pointer(stream, &failed2);
+    if (failed1 || failed2) {
+        PyErr_Clear();
+        return 0;
+    }
+    int err;
+    record_fn call = (record_fn)d->record;
+    Py_BEGIN_ALLOW_THREADS
+    err = call(e, st);
+    Py_END_ALLOW_THREADS
+    n_records++;
+    if (err) {
+        PyObject *el = PyLong_FromLong(err);
+        PyObject *r = el == NULL ? NULL : PyObject_CallMethodObjArgs(driver, s_record_failed, el, NULL);
+        Py_XDECREF(el);
+        if (r != NULL) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_SystemError, "_hotpath: a failed record raised nothing");
+        }
+        return -1;
+    }
+    return 1;
+}
+
+/* cuEventQuery(event): 1 done, 0 pending, 2 anything else (not made here, or an
+ * answer the Python must interpret: it asks again). */
+static int query_direct(Direct *d, PyObject *event) {
+    if (d->query == NULL) return 2;
+    int failed;
+    void *e = as_pointer(event, &failed);
+    if (failed) {
+        PyErr_Clear();
+        return 2;
+    }
+    int err;
+    query_fn call = (query_fn)d->query;
+    Py_BEGIN_ALLOW_THREADS
+    err = call(e);
+    Py_END_ALLOW_THREADS
+    n_queries++;
+    if (err == 0) return 1;
+    return err == d->not_ready ? 0 : 2;
+}
+
+/* Stream.event_at(seq) for a stream that just enqueued point ``seq`` (not capturing,
+ * with a live handle): the stream's last event if it covers seq, else a new Event
+ * recorded now. New reference; NULL on error. */
+static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct *direct, PyObject *flag, PyObject *wref,
+                           PyObject *handle, PyObject *gen);
+
+static PyObject *event_at(PyObject *s, PyObject *device, PyObject *seq, Direct *direct) {
+    PyObject *last = SLOT(s, O.s_last_event);
+    if (last != NULL && last != Py_None) {
+        if (!IS(last, Event_T)) {
+            PyErr_SetString(PyExc_TypeError, "_hotpath: a stream's last event is not an Event");
+            return NULL;
+        }
+        int covers = PyObject_RichCompareBool(SLOT(last, O.ev_seq), seq, Py_GE);
+        if (covers < 0) return NULL;
+        if (covers) return Py_NewRef(last);
+    }
+    PyObject *flag = SLOT(s, O.s_flag), *wref = SLOT(s, O.s_wref), *handle = SLOT(s, O.s_handle),
+             *gen = SLOT(s, O.s_generation);
+    if (flag == NULL || wref == NULL || handle == NULL || gen == NULL || !PyLong_CheckExact(flag)) {
+        PyErr_SetString(PyExc_AttributeError, "_hotpath: a stream is missing an attribute");
+        return NULL;
+    }
+    /* held across the calls below */
+    Py_INCREF(flag);
+    Py_INCREF(wref);
+    Py_INCREF(handle);
+    Py_INCREF(gen);
+    PyObject *ev = event_new(s, device, seq, direct, flag, wref, handle, gen);
+    Py_DECREF(flag);
+    Py_DECREF(wref);
+    Py_DECREF(handle);
+    Py_DECREF(gen);
+    return ev;
+}
+
+static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct *direct, PyObject *flag, PyObject *wref,
+                           PyObject *handle, PyObject *gen) {
+    long f = PyLong_AsLong(flag);
+    if (f == -1 && PyErr_Occurred()) return NULL;
+    PyObject *ticket;
+    if (f >= 0) {
+        PyObject *t = PyObject_GetAttr(device, s_ticket);
+        if (t == NULL) return NULL;
+        ticket = PyNumber_Add(t, one);
+        Py_DECREF(t);
+        if (ticket == NULL) return NULL;
+        if (PyObject_SetAttr(device, s_ticket, ticket) < 0) {
+            Py_DECREF(ticket);
+            return NULL;
+        }
+    } else {
+        ticket = Py_NewRef(zero);
+    }
+    PyObject *eh = PyObject_CallMethodNoArgs(device, s_event_handle);
+    if (eh == NULL) {
+        Py_DECREF(ticket);
+        return NULL;
+    }
+    PyTypeObject *et = (PyTypeObject *)Event_T;
+    PyObject *ev = et->tp_alloc(et, 0);
+    if (ev == NULL) {
+        /* the handle goes back to the device's pool, as Event.__del__ would do it */
+        Py_DECREF(eh);
+        Py_DECREF(ticket);
+        return NULL;
+    }
+#define SET(off, v) Py_XSETREF(SLOT(ev, O.off), Py_NewRef(v))
+    SET(ev_device, device);
+    SET(ev_stream, wref);
+    SET(ev_stream_handle, handle);
+    SET(ev_seq, seq);
+    SET(ev_handle, eh);
+    SET(ev_done, Py_False);
+    SET(ev_error, Py_None);
+    SET(ev_generation, gen);
+    SET(ev_flag, flag);
+    SET(ev_ticket, ticket);
+#undef SET
+    Py_DECREF(eh);
+    PyObject *driver = PyObject_GetAttr(device, s_driver);
+    int made = 0;
+    if (driver != NULL && f < 0 && direct != NULL) made = record_direct(driver, direct, SLOT(ev, O.ev_handle), handle);
+    if (made == 0 && driver != NULL) {
+        PyObject *r = PyObject_CallMethodObjArgs(driver, s_record, SLOT(ev, O.ev_handle), handle, flag, ticket, NULL);
+        made = r == NULL ? -1 : 1;
+        Py_XDECREF(r);
+    }
+    Py_XDECREF(driver);
+    Py_DECREF(ticket);
+    if (driver == NULL || made < 0) {
+        Py_DECREF(ev);
+        return NULL;
+    }
+    Py_INCREF(ev);
+    Py_XSETREF(SLOT(s, O.s_last_event), ev);
+    return ev;
+}
+
+/* ---- submit ----------------------------------------------------------------------- */
+
+static PyObject *delegate(PyObject *op, PyObject *s) {
+    n_submits_python++;
+    return PyObject_CallFunctionObjArgs(py_submit, op, s, NULL);
+}
+
+/* Is everything this file reads there, of the expected types? (Before any effect.) */
+static int shape_ok(PyObject *op, PyObject *s, PyObject *cfg, PyObject *args) {
+    if (!IS(cfg, Config_T)) return 0;
+    PyObject *w = SLOT(cfg, O.cfg_writes), *r = SLOT(cfg, O.cfg_reads), *g = SLOT(cfg, O.cfg_grid);
+    if (w == NULL || r == NULL || g == NULL || !PyTuple_Check(w) || !PyTuple_Check(r) || !PyTuple_Check(g)) return 0;
+    for (int pass = 0; pass < 2; pass++) {
+        PyObject *pos = pass == 0 ? w : r;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+            PyObject *t;
+            PyObject *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), pass == 0, &t);
+            if (b == NULL || !IS(b, Buffer_T)) return 0;
+            PyObject *tracked = SLOT(t, O.tensor_tracked);
+            if (tracked != Py_True && tracked != Py_False) return 0;
+            PyObject *wr = SLOT(b, O.buf_writer), *rd = SLOT(b, O.buf_readers), *lt = SLOT(b, O.buf_lifetime),
+                     *cap = SLOT(b, O.buf_capture);
+            if (wr == NULL || rd == NULL || lt == NULL || cap == NULL || !PyDict_CheckExact(rd) || !PyDict_CheckExact(lt))
+                return 0;
+            if (wr != Py_None && !(PyTuple_CheckExact(wr) && PyTuple_GET_SIZE(wr) == 2)) return 0;
+            if (cap != Py_None) return 0; /* recorded by an open capture: the Python path says no */
+        }
+    }
+    PyObject *seq = SLOT(s, O.s_seq), *done = SLOT(s, O.s_done_seq), *h = SLOT(s, O.s_handle);
+    if (seq == NULL || done == NULL || h == NULL || !PyLong_CheckExact(seq)) return 0;
+    return 1;
+}
+
+static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject *k, PyObject *device);
+
+static PyObject *submit_now(PyObject *op, PyObject *s) {
+    if (!IS(op, Launch_T) || !IS(s, Stream_T)) return delegate(op, s);
+    PyObject *inputs = SLOT(op, O.op_inputs), *args = SLOT(op, O.op_args), *k = SLOT(op, O.op_kernel),
+             *device = SLOT(s, O.s_device);
+    if (inputs == NULL || args == NULL || k == NULL || device == NULL || !PyTuple_CheckExact(inputs) ||
+        PyTuple_GET_SIZE(inputs) != 0 || !PyTuple_CheckExact(args))
+        return delegate(op, s);
+    /* held across the calls below (any of them may run other threads) */
+    Py_INCREF(args);
+    Py_INCREF(k);
+    Py_INCREF(device);
+    PyObject *r = submit_held(op, s, args, k, device);
+    Py_DECREF(args);
+    Py_DECREF(k);
+    Py_DECREF(device);
+    return r;
+}
+
+static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject *k, PyObject *device) {
+    {
+        PyObject *sub = PyObject_GetAttr(tls, s_submitting);
+        if (sub == NULL) return NULL;
+        int nested = PyObject_IsTrue(sub);
+        Py_DECREF(sub);
+        if (nested) return nested < 0 ? NULL : delegate(op, s);
+    }
+    PyObject *key = prepared_key(args);
+    if (key == NULL) return PyErr_Occurred() ? NULL : delegate(op, s);
+    PyObject *fast = PyObject_GetAttr(k, s_fast);
+    if (fast == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
+    Py_DECREF(key);
+    if (hit == NULL) {
+        Py_DECREF(fast);
+        return PyErr_Occurred() ? NULL : delegate(op, s);
+    }
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device) {
+        Py_DECREF(fast);
+        return delegate(op, s);
+    }
+    Py_INCREF(hit); /* the cache may drop it while we call out */
+    Py_DECREF(fast);
+    PyObject *generation = PyTuple_GET_ITEM(hit, 1), *cfg = PyTuple_GET_ITEM(hit, 2),
+             *prepared = PyTuple_GET_ITEM(hit, 3);
+    PyObject *result = NULL, *ev = NULL, *names = NULL, *name = NULL;
+    int locked = 0, flagged = 0, executing_set = 0, use_direct = 0;
+    Direct direct = {NULL, NULL, NULL, NULL, 0};
+
+    if (lock_call(s_acquire) < 0) goto error;
+    locked = 1;
+    /* direct_ready(s, generation), inlined as in the Python */
+    {
+        PyObject *state = SLOT(op, O.op_state);
+        if (state == NULL || state != Py_None) goto python;
+        PyObject *dgen = PyObject_GetAttr(device, s_generation);
+        if (dgen == NULL) goto error;
+        int ne = PyObject_RichCompareBool(generation, dgen, Py_NE);
+        Py_DECREF(dgen);
+        if (ne) goto python_or_error;
+        int r = attr_true(device, s_resetting);
+        if (r) goto python_or_error;
+        PyObject *driver = PyObject_GetAttr(device, s_driver);
+        if (driver == NULL) goto error;
+        PyObject *fault = PyObject_GetAttr(driver, s_fault);
+        Py_DECREF(driver);
+        if (fault == NULL) goto error;
+        int faulted = fault != Py_None;
+        Py_DECREF(fault);
+        if (faulted) goto python;
+        PyObject *sgen = SLOT(s, O.s_generation), *scap = SLOT(s, O.s_capture), *sdrop = SLOT(s, O.s_dropped);
+        if (sgen == NULL || scap == NULL || sdrop == NULL) goto python;
+        ne = PyObject_RichCompareBool(sgen, generation, Py_NE);
+        if (ne) goto python_or_error;
+        if (scap != Py_None || sdrop != Py_False) goto python;
+        if (!shape_ok(op, s, cfg, args)) goto python;
+        /* deferred work the general path does first: let the Python do it */
+        if ((r = attr_true(device, s_dead_buffers)) || (r = attr_true(device, s_dead_streams)) ||
+            (r = attr_true(device, s_lingering)) || (r = attr_true(device, s_dead_graphs)))
+            goto python_or_error;
+        PyObject *keep = SLOT(s, O.s_keep);
+        if (keep == NULL) goto python;
+        r = PyObject_IsTrue(keep);
+        if (r) goto python_or_error;
+    }
+    {
+        PyObject *driver = PyObject_GetAttr(device, s_driver);
+        if (driver == NULL) goto error;
+        use_direct = direct_calls(driver, &direct);
+        Py_DECREF(driver);
+        if (use_direct < 0) goto error;
+    }
+    /* the submission: nothing above had an effect */
+    Py_INCREF(executing);
+    Py_XSETREF(SLOT(op, O.op_state), executing);
+    executing_set = 1;
+    PyObject *start = SLOT(s, O.s_seq);
+    Py_INCREF(start);
+    if (set_submitting(Py_True) < 0) {
+        Py_DECREF(start);
+        goto failed;
+    }
+    flagged = 1;
+    {
+        /* _enqueue_launch(s, device, cfg, args, prepared), inlined */
+        PyObject *wpos = SLOT(cfg, O.cfg_writes), *rpos = SLOT(cfg, O.cfg_reads), *grid = SLOT(cfg, O.cfg_grid);
+        Py_ssize_t nw = PyTuple_GET_SIZE(wpos), nr = PyTuple_GET_SIZE(rpos);
+        for (Py_ssize_t j = 0; j < nw; j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(wpos, j), 1, &t);
+            if (b == NULL) goto changed;
+            if (SLOT(t, O.tensor_tracked) != Py_True) continue;
+            PyObject *w = SLOT(b, O.buf_writer);
+            if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
+                Py_INCREF(w);
+                int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
+                Py_DECREF(w);
+                if (e < 0) goto start_failed;
+            }
+            PyObject *readers = SLOT(b, O.buf_readers);
+            if (PyDict_GET_SIZE(readers)) {
+                PyObject *items = PyDict_Items(readers);
+                if (items == NULL) goto start_failed;
+                for (Py_ssize_t m = 0; m < PyList_GET_SIZE(items); m++) {
+                    PyObject *it = PyList_GET_ITEM(items, m);
+                    if (PyTuple_GET_ITEM(it, 0) != s && wait_for(s, PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1)) < 0) {
+                        Py_DECREF(items);
+                        goto start_failed;
+                    }
+                }
+                Py_DECREF(items);
+            }
+        }
+        for (Py_ssize_t j = 0; j < nr; j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(rpos, j), 0, &t);
+            if (b == NULL) goto changed;
+            if (SLOT(t, O.tensor_tracked) != Py_True) continue;
+            PyObject *w = SLOT(b, O.buf_writer);
+            if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
+                Py_INCREF(w);
+                int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
+                Py_DECREF(w);
+                if (e < 0) goto start_failed;
+            }
+        }
+        int empty = PySequence_Contains(grid, zero);
+        if (empty < 0) goto start_failed;
+        if (!empty) {
+            PyObject *driver = PyObject_GetAttr(device, s_driver);
+            if (driver == NULL) goto start_failed;
+            int made = 0;
+            if (use_direct) made = launch_direct(driver, &direct, prepared, SLOT(s, O.s_handle));
+            if (made == 0) {
+                PyObject *r = PyObject_CallMethodObjArgs(driver, s_launch, prepared, SLOT(s, O.s_handle), NULL);
+                made = r == NULL ? -1 : 1;
+                Py_XDECREF(r);
+            }
+            Py_DECREF(driver);
+            if (made < 0) goto start_failed;
+        }
+        if (add_one(s, O.s_seq) < 0) goto start_failed;
+        PyObject *seq = SLOT(s, O.s_seq);
+        Py_INCREF(seq);
+        for (Py_ssize_t j = 0; j < nw; j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(wpos, j), 1, &t);
+            if (b == NULL) goto seq_changed;
+            if (SLOT(t, O.tensor_tracked) == Py_True) {
+                PyObject *w = PyTuple_Pack(2, s, seq);
+                if (w == NULL) goto seq_failed;
+                Py_XSETREF(SLOT(b, O.buf_writer), w);
+                PyObject *readers = SLOT(b, O.buf_readers);
+                if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
+            } else if (PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq) < 0) {
+                goto seq_failed;
+            }
+        }
+        for (Py_ssize_t j = 0; j < nr; j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(rpos, j), 0, &t);
+            if (b == NULL) goto seq_changed;
+            PyObject *d = SLOT(t, O.tensor_tracked) == Py_True ? SLOT(b, O.buf_readers) : SLOT(b, O.buf_lifetime);
+            if (PyDict_SetItem(d, s, seq) < 0) goto seq_failed;
+        }
+        {
+            PyObject *stats = PyObject_GetAttr(device, s_stats);
+            if (stats == NULL) goto seq_failed;
+            int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_launches) : -1;
+            if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
+            Py_DECREF(stats);
+            if (e < 0) goto seq_failed;
+        }
+        /* ev = s.event_at(seq) if seq > start and seq > s.done_seq else None */
+        int later = PyObject_RichCompareBool(seq, start, Py_GT);
+        if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
+        if (later < 0) goto seq_failed;
+        if (later) {
+            ev = event_at(s, device, seq, use_direct ? &direct : NULL);
+            if (ev == NULL) goto seq_failed;
+        } else {
+            ev = Py_NewRef(Py_None);
+        }
+        Py_DECREF(seq);
+        Py_DECREF(start);
+        goto enqueued;
+    seq_changed: /* (checked under the lock before: only a bug could get here) */
+        PyErr_SetString(PyExc_SystemError, "_hotpath: a launch argument changed during its submission");
+    seq_failed:
+        Py_DECREF(seq);
+        goto start_failed;
+    changed:
+        PyErr_SetString(PyExc_SystemError, "_hotpath: a launch argument changed during its submission");
+    start_failed:
+        Py_DECREF(start);
+        goto failed;
+    }
+enqueued:
+    flagged = 0;
+    if (set_submitting(Py_False) < 0) goto error;
+    {
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto error;
+        int e = add_one(stats, O.ctr_submissions);
+        Py_DECREF(stats);
+        if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
+    }
+    locked = 0;
+    if (lock_call(s_release) < 0) goto error;
+    name = PyObject_GetAttr(k, s_name);
+    if (name == NULL) goto error;
+    names = PyList_New(1);
+    if (names == NULL) goto error;
+    PyList_SET_ITEM(names, 0, name);
+    name = NULL;
+    result = PyTuple_Pack(3, args, ev, names);
+    n_submits++;
+    Py_XDECREF(direct.hot);
+    Py_DECREF(names);
+    Py_DECREF(ev);
+    Py_DECREF(hit);
+    return result;
+
+failed: { /* direct_failed(), as the Python does on any error of the enqueue */
+    PyObject *et, *ev_, *tb;
+    PyErr_Fetch(&et, &ev_, &tb);
+    PyObject *r = PyObject_CallNoArgs(direct_failed);
+    if (r == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev_);
+        Py_XDECREF(tb);
+    } else {
+        Py_DECREF(r);
+        PyErr_Restore(et, ev_, tb);
+    }
+    goto error;
+}
+python_or_error:
+    if (PyErr_Occurred()) goto error;
+python:
+    /* nothing was done: the Python path decides (it takes the lock again) */
+    Py_CLEAR(direct.hot);
+    if (lock_call(s_release) < 0) {
+        Py_DECREF(hit);
+        return NULL;
+    }
+    Py_DECREF(hit);
+    return delegate(op, s);
+error: {
+    PyObject *et, *ev_, *tb;
+    PyErr_Fetch(&et, &ev_, &tb);
+    if (flagged) {
+        if (set_submitting(Py_False) < 0) PyErr_Clear();
+    }
+    if (locked) {
+        if (lock_call(s_release) < 0) PyErr_Clear();
+    }
+    PyErr_Restore(et, ev_, tb);
+    (void)executing_set;
+    Py_XDECREF(direct.hot);
+    Py_XDECREF(name);
+    Py_XDECREF(ev);
+    Py_DECREF(hit);
+    return NULL;
+}
+}
+
+/* op._submit_now(stream), the method that replaces the Python one */
+static PyObject *submit_method(PyObject *op, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 1) {
+        PyErr_SetString(PyExc_TypeError, "_submit_now(stream)");
+        return NULL;
+    }
+    return submit_now(op, argv[0]);
+}
+
+static PyMethodDef submit_def = {"_submit_now", (PyCFunction)(void (*)(void))submit_method, METH_FASTCALL,
+                                 "_Launch._submit_now, compiled (trio_cuda/_hotpath.c)."};
+
+/* ---- poll ------------------------------------------------------------------------- */
+
+/* a.<slot> = max(a.<slot>, v) for ints */
+static int raise_to(PyObject *o, Py_ssize_t off, PyObject *v) {
+    PyObject *cur = SLOT(o, off);
+    if (cur == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_hotpath: a stream point is unset");
+        return -1;
+    }
+    int lt = PyObject_RichCompareBool(cur, v, Py_LT);
+    if (lt <= 0) return lt;
+    Py_INCREF(v);
+    Py_SETREF(SLOT(o, off), v);
+    return 0;
+}
+
+static PyObject *poll_delegate(PyObject *dev, PyObject *ev) {
+    n_polls_python++;
+    return PyObject_CallFunctionObjArgs(py_poll, dev, ev, NULL);
+}
+
+/* Device.poll(ev) for an event without a completion word (see _device.Device.poll):
+ * the answer from the stream, or one driver query. Every other case (done with an
+ * error, a completion word, a reset, a query that failed, the stream's newest event to
+ * ask about first) is handed, before any effect, to the Python method. */
+static PyObject *poll_held(PyObject *dev, PyObject *ev, PyObject *flag, PyObject *egen, PyObject *eseq, PyObject *wref,
+                           PyObject *handle);
+
+static PyObject *poll_method(PyObject *dev, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 1) {
+        PyErr_SetString(PyExc_TypeError, "poll(event)");
+        return NULL;
+    }
+    PyObject *ev = argv[0];
+    if (!IS(ev, Event_T) || !IS(dev, Device_T)) return poll_delegate(dev, ev);
+    PyObject *done = SLOT(ev, O.ev_done), *err = SLOT(ev, O.ev_error), *flag = SLOT(ev, O.ev_flag),
+             *egen = SLOT(ev, O.ev_generation), *eseq = SLOT(ev, O.ev_seq), *wref = SLOT(ev, O.ev_stream),
+             *handle = SLOT(ev, O.ev_handle);
+    if (done == NULL || err == NULL || flag == NULL || egen == NULL || eseq == NULL || wref == NULL || handle == NULL)
+        return poll_delegate(dev, ev);
+    if (done == Py_True && err == Py_None) {
+        n_polls++;
+        Py_RETURN_TRUE;
+    }
+    if (done != Py_False) return poll_delegate(dev, ev);
+    /* held across the calls below */
+    Py_INCREF(egen);
+    Py_INCREF(eseq);
+    Py_INCREF(wref);
+    Py_INCREF(handle);
+    PyObject *r = poll_held(dev, ev, flag, egen, eseq, wref, handle);
+    Py_DECREF(egen);
+    Py_DECREF(eseq);
+    Py_DECREF(wref);
+    Py_DECREF(handle);
+    return r;
+}
+
+static PyObject *poll_held(PyObject *dev, PyObject *ev, PyObject *flag, PyObject *egen, PyObject *eseq, PyObject *wref,
+                           PyObject *handle) {
+    if (!PyLong_CheckExact(flag) || !PyWeakref_CheckRef(wref)) return poll_delegate(dev, ev);
+    long f = PyLong_AsLong(flag);
+    if (f == -1 && PyErr_Occurred()) return NULL;
+    if (f >= 0) return poll_delegate(dev, ev); /* a completion word: the Python reads it */
+    if (lock_call(s_acquire) < 0) return NULL;
+    PyObject *result = NULL;
+    PyObject *s = NULL, *driver = NULL;
+    {
+        PyObject *dgen = PyObject_GetAttr(dev, s_generation);
+        if (dgen == NULL) goto error;
+        int ne = PyObject_RichCompareBool(egen, dgen, Py_NE);
+        Py_DECREF(dgen);
+        if (ne) goto python_or_error; /* reset since it was recorded: the Python raises */
+        s = PyWeakref_GetObject(wref);
+        if (s == NULL) goto error;
+        Py_INCREF(s);
+        if (s != Py_None && !IS(s, Stream_T)) goto python;
+        driver = PyObject_GetAttr(dev, s_driver);
+        if (driver == NULL) goto error;
+        if (s != Py_None) {
+            PyObject *pbs = PyDict_GetItemWithError(device_globals, s_poll_by_stream);
+            if (pbs == NULL) goto python_or_error;
+            int by_stream = PyObject_IsTrue(pbs);
+            if (by_stream < 0) goto error;
+            if (by_stream) {
+                int r = attr_true(dev, s_cross_device);
+                if (r < 0) goto error;
+                by_stream = !r;
+            }
+            if (by_stream) {
+                PyObject *sgen = SLOT(s, O.s_generation);
+                if (sgen == NULL) goto python;
+                int eq = PyObject_RichCompareBool(sgen, egen, Py_EQ);
+                if (eq < 0) goto error;
+                by_stream = eq;
+            }
+            if (by_stream) {
+                PyObject *fault = PyObject_GetAttr(driver, s_fault);
+                if (fault == NULL) goto error;
+                by_stream = fault == Py_None;
+                Py_DECREF(fault);
+            }
+            if (by_stream) {
+                PyObject *ok = SLOT(s, O.s_ok_seq);
+                if (ok == NULL) goto python;
+                int le = PyObject_RichCompareBool(eseq, ok, Py_LE);
+                if (le < 0) goto error;
+                if (le) {
+                    Py_XSETREF(SLOT(ev, O.ev_done), Py_NewRef(Py_True));
+                    result = Py_NewRef(Py_True);
+                    goto out;
+                }
+                PyObject *last = SLOT(s, O.s_last_event);
+                if (last == NULL) goto python;
+                if (last != Py_None && !IS(last, Event_T)) goto python;
+                if (last != Py_None && last != ev) {
+                    /* a newer event of the stream to ask about first (_newest_done): the Python */
+                    int gt = PyObject_RichCompareBool(SLOT(last, O.ev_seq), eseq, Py_GT);
+                    if (gt) goto python_or_error;
+                }
+            }
+        }
+        int isdone = 2;
+        Direct direct;
+        int dc = direct_calls(driver, &direct);
+        if (dc < 0) goto error;
+        if (dc) {
+            isdone = query_direct(&direct, handle);
+            Py_DECREF(direct.hot);
+            if (isdone == 0) { /* pending: unless the device faulted (the Python raises that) */
+                PyObject *fault = PyObject_GetAttr(driver, s_fault);
+                if (fault == NULL) goto error;
+                int faulted = fault != Py_None;
+                Py_DECREF(fault);
+                if (faulted) goto python;
+            }
+        }
+        if (isdone == 2) {
+            PyObject *r = PyObject_CallMethodObjArgs(driver, s_query, handle, NULL);
+            if (r == NULL) {
+                /* a fault or a refused query: the Python asks again and says what it means */
+                PyErr_Clear();
+                goto python;
+            }
+            isdone = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (isdone < 0) goto error;
+        }
+        if (isdone) {
+            Py_XSETREF(SLOT(ev, O.ev_done), Py_NewRef(Py_True));
+            if (s != Py_None && (raise_to(s, O.s_done_seq, eseq) < 0 || raise_to(s, O.s_ok_seq, eseq) < 0)) goto error;
+            result = Py_NewRef(Py_True);
+        } else {
+            result = Py_NewRef(Py_False);
+        }
+        goto out;
+    }
+python_or_error:
+    if (PyErr_Occurred()) goto error;
+python:
+    Py_XDECREF(s);
+    Py_XDECREF(driver);
+    if (lock_call(s_release) < 0) return NULL;
+    return poll_delegate(dev, ev);
+error:
+    Py_XDECREF(s);
+    Py_XDECREF(driver);
+    {
+        PyObject *et, *ev_, *tb;
+        PyErr_Fetch(&et, &ev_, &tb);
+        if (lock_call(s_release) < 0) PyErr_Clear();
+        PyErr_Restore(et, ev_, tb);
+    }
+    return NULL;
+out:
+    n_polls++;
+    Py_XDECREF(s);
+    Py_XDECREF(driver);
+    if (lock_call(s_release) < 0) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    return result;
+}
+
+static PyMethodDef poll_def = {"poll", (PyCFunction)(void (*)(void))poll_method, METH_FASTCALL,
+                               "poll($self, ev, /)\n--\n\nTrue if ``ev`` has completed (non-blocking; any thread).\n\n"
+                               "Raises:\n    DeviceReset: The device was reset after the event was recorded.\n"
+                               "    DeviceFault: The work before the event failed, or the device faulted.\n\n"
+                               "(Compiled: trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method.)"};
+
+/* ---- setup ------------------------------------------------------------------------ */
+
+static PyObject *setup_inner(PyObject *kw) {
+    /* setup(dict): the classes and objects this file works on, by name */
+#define GET(var, name)                                                               \
+    do {                                                                             \
+        PyObject *v_ = PyDict_GetItemString(kw, name);                               \
+        if (v_ == NULL) {                                                            \
+            PyErr_Format(PyExc_KeyError, "_hotpath.setup needs %s", name);         \
+            return NULL;                                                             \
+        }                                                                            \
+        Py_INCREF(v_);                                                               \
+        Py_XSETREF(var, v_);                                                         \
+    } while (0)
+#define OFF(cls, name, field) \
+    if (slot_offset((PyObject *)(cls), name, &O.field) < 0) return NULL
+    if (!PyDict_Check(kw)) {
+        PyErr_SetString(PyExc_TypeError, "setup(dict)");
+        return NULL;
+    }
+    GET(Launch_T, "Launch");
+    GET(Partition_T, "Partition");
+    GET(Tensor_T, "Tensor");
+    GET(Stream_T, "Stream");
+    GET(Config_T, "Config");
+    GET(Counters_T, "Counters");
+    GET(Buffer_T, "Buffer");
+    GET(Event_T, "Event");
+    GET(Device_T, "Device");
+    GET(py_poll, "poll");
+    GET(device_globals, "device_globals");
+    GET(py_submit, "submit");
+    GET(lock_obj, "lock");
+    GET(tls, "tls");
+    GET(counts, "counts");
+    GET(executing, "executing");
+    GET(direct_failed, "direct_failed");
+    if (!PyDict_CheckExact(counts)) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: counts is not a dict");
+        return NULL;
+    }
+    OFF(Launch_T, "_inputs", op_inputs);
+    OFF(Launch_T, "_state", op_state);
+    OFF(Launch_T, "_args", op_args);
+    OFF(Launch_T, "_kernel", op_kernel);
+    OFF(Partition_T, "_k", part_k);
+    OFF(Partition_T, "tensor", part_tensor);
+    OFF(Partition_T, "tile_shape", part_tile);
+    OFF(Tensor_T, "_args", tensor_args);
+    OFF(Tensor_T, "_buffer", tensor_buffer);
+    OFF(Tensor_T, "_tracked", tensor_tracked);
+    OFF(Buffer_T, "capture", buf_capture);
+    OFF(Buffer_T, "writer", buf_writer);
+    OFF(Buffer_T, "readers", buf_readers);
+    OFF(Buffer_T, "lifetime", buf_lifetime);
+    OFF(Buffer_T, "ptr", buf_ptr);
+    OFF(Stream_T, "device", s_device);
+    OFF(Stream_T, "generation", s_generation);
+    OFF(Stream_T, "capture", s_capture);
+    OFF(Stream_T, "_dropped", s_dropped);
+    OFF(Stream_T, "_keep", s_keep);
+    OFF(Stream_T, "seq", s_seq);
+    OFF(Stream_T, "done_seq", s_done_seq);
+    OFF(Stream_T, "handle", s_handle);
+    OFF(Config_T, "writes", cfg_writes);
+    OFF(Config_T, "reads", cfg_reads);
+    OFF(Config_T, "grid", cfg_grid);
+    OFF(Stream_T, "_last_event", s_last_event);
+    OFF(Stream_T, "_flag", s_flag);
+    OFF(Stream_T, "_wref", s_wref);
+    OFF(Stream_T, "_ok_seq", s_ok_seq);
+    OFF(Stream_T, "_newest_pending", s_newest_pending);
+    OFF(Event_T, "device", ev_device);
+    OFF(Event_T, "_stream", ev_stream);
+    OFF(Event_T, "stream_handle", ev_stream_handle);
+    OFF(Event_T, "seq", ev_seq);
+    OFF(Event_T, "handle", ev_handle);
+    OFF(Event_T, "done", ev_done);
+    OFF(Event_T, "error", ev_error);
+    OFF(Event_T, "generation", ev_generation);
+    OFF(Event_T, "flag", ev_flag);
+    OFF(Event_T, "ticket", ev_ticket);
+    OFF(Counters_T, "launches", ctr_launches);
+    OFF(Counters_T, "submissions", ctr_submissions);
+    if (!PyDict_Check(device_globals)) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: device_globals is not a dict");
+        return NULL;
+    }
+    /* the methods to install as _Launch._submit_now and Device.poll */
+    PyObject *m1 = PyDescr_NewMethod((PyTypeObject *)Launch_T, &submit_def);
+    PyObject *m2 = m1 == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)Device_T, &poll_def);
+    if (m2 == NULL) {
+        Py_XDECREF(m1);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", m1, m2);
+#undef GET
+#undef OFF
+}
+
+/* setup() all or nothing: a refused call leaves the module as it was (the runtime may
+ * be using it). */
+static PyObject *setup(PyObject *module, PyObject *kw) {
+    PyObject **globals[] = {&Launch_T, &Partition_T, &Tensor_T, &Stream_T, &Config_T, &Counters_T, &Buffer_T,
+                            &Event_T, &Device_T, &py_poll, &device_globals, &py_submit, &lock_obj, &tls,
+                            &counts, &executing, &direct_failed};
+    enum { N = sizeof(globals) / sizeof(globals[0]) };
+    PyObject *saved[N];
+    for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
+    __typeof__(O) saved_offsets = O;
+    PyObject *r = setup_inner(kw);
+    for (int i = 0; i < N; i++) {
+        if (r == NULL) Py_XSETREF(*globals[i], saved[i]);
+        else Py_XDECREF(saved[i]);
+    }
+    if (r == NULL) O = saved_offsets;
+    return r;
+}
+
+static PyObject *counters(PyObject *module, PyObject *unused) {
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python, "polls", n_polls,
+                         "polls_python", n_polls_python, "launches", n_launches, "records", n_records, "queries",
+                         n_queries);
+}
+
+/* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
+ * as the hot path makes it. None: not made here (the Python method would be used). */
+static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc < 2 || !PyUnicode_Check(argv[0])) {
+        PyErr_SetString(PyExc_TypeError, "direct_call(what, driver, ...)");
+        return NULL;
+    }
+    Direct d;
+    int dc = direct_calls(argv[1], &d);
+    if (dc < 0) return NULL;
+    if (dc == 0) Py_RETURN_NONE;
+    int r;
+    if (PyUnicode_CompareWithASCIIString(argv[0], "launch") == 0 && argc == 4) {
+        r = launch_direct(argv[1], &d, argv[2], argv[3]);
+    } else if (PyUnicode_CompareWithASCIIString(argv[0], "record") == 0 && argc == 4) {
+        r = record_direct(argv[1], &d, argv[2], argv[3]);
+    } else if (PyUnicode_CompareWithASCIIString(argv[0], "query") == 0 && argc == 3) {
+        r = query_direct(&d, argv[2]);
+    } else {
+        Py_DECREF(d.hot);
+        PyErr_SetString(PyExc_ValueError, "direct_call: launch(driver, prepared, stream), record(driver, event, stream) or query(driver, event)");
+        return NULL;
+    }
+    Py_DECREF(d.hot);
+    if (r < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+static PyMethodDef methods[] = {
+    {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
+    {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
+    {"setup", (PyCFunction)setup, METH_O,
+     "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hotpath", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__hotpath(void) {
+#define NAME(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    NAME(s_submitting, "submitting");
+    NAME(s_acquire, "acquire");
+    NAME(s_release, "release");
+    NAME(s_generation, "generation");
+    NAME(s_resetting, "_resetting");
+    NAME(s_driver, "_driver");
+    NAME(s_fault, "_fault");
+    NAME(s_dead_buffers, "_dead_buffers");
+    NAME(s_dead_streams, "_dead_streams");
+    NAME(s_lingering, "_lingering");
+    NAME(s_dead_graphs, "_dead_graphs");
+    NAME(s_stats, "_stats");
+    NAME(s_fast, "_fast");
+    NAME(s_name, "name");
+    NAME(s_launch, "launch");
+    NAME(s__key, "_key");
+    NAME(s__arg, "_arg");
+    NAME(s_event_handle, "_event_handle");
+    NAME(s_record, "record");
+    NAME(s_ticket, "_ticket");
+    NAME(s_wait_for, "wait_for");
+    NAME(s_query, "query");
+    NAME(s_hot_calls, "hot_calls");
+    NAME(s__fast, "_fast");
+    NAME(s_token, "token");
+    NAME(s__token, "_token");
+    NAME(s_launch_failed, "_launch_failed");
+    NAME(s_record_failed, "_record_failed");
+    NAME(s_cross_device, "_cross_device");
+    NAME(s_poll_by_stream, "poll_by_stream");
+    NAME(s_planned, "planned");
+    NAME(s_enqueued, "enqueued");
+    NAME(s_direct, "direct");
+#undef NAME
+    if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;
+    return PyModule_Create(&module);
+}
