@@ -54,6 +54,27 @@ def per_kernel_ops(m: Any) -> list[Any]:
     return ops_
 
 
+async def per_kernel_step_figure(hidden: int, layers: int) -> Any:
+    """For the A/B probes: an async function giving ms per step of the example's step
+    awaited op by op on one stream, as below (3 steps per call)."""
+    makers = per_kernel_ops(await build(hidden, layers))
+    dev = trio_cuda.current_device()
+    one_stream = trio_cuda.SingleStream(dev)
+
+    async def decode_ms() -> float:
+        pool, dev.policy = dev.policy, one_stream
+        try:
+            t0 = time.perf_counter_ns()
+            for _ in range(3):
+                for make in makers:
+                    await make()
+            return (time.perf_counter_ns() - t0) / 3e6
+        finally:
+            dev.policy = pool
+
+    return decode_ms
+
+
 async def trio_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float], Any, Any]:
     m = await build(hidden, layers)
     dev = trio_cuda.current_device()

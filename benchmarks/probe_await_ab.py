@@ -26,19 +26,16 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
 from typing import Any
 
 import trio
 
-import trio_cuda
 from trio_cuda import _traps, api, ops
 from trio_cuda._ops import _core
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_ops  # this folder and examples/ (run as a script)
-from cuda_graphs_deviceop import build
+from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
 from probe_completion import round_trip_us
 from probe_poll import paired, standard_figures, tasks_rate
 
@@ -58,22 +55,7 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
     p = (await api.zeros((32,))).partition((32,))
     many = {count: [(await api.zeros((32,))).partition((32,)) for _ in range(count)] for count in (16, 256)}
     w, x, y = await api.ones((hidden, hidden)), await api.ones((hidden,)), await api.zeros((hidden,))
-    m = await build(hidden, layers)
-    makers = per_kernel_ops(m)
-    dev = trio_cuda.current_device()
-    one_stream = trio_cuda.SingleStream(dev)  # as bench_decode: the step on one stream
-
-    async def decode_ms() -> float:
-        """ms per step (3 steps), each kernel awaited."""
-        pool, dev.policy = dev.policy, one_stream
-        try:
-            t0 = time.perf_counter_ns()
-            for _ in range(3):
-                for make in makers:
-                    await make()
-            return (time.perf_counter_ns() - t0) / 3e6
-        finally:
-            dev.policy = pool
+    decode_ms = await per_kernel_step_figure(hidden, layers)
 
     figures = standard_figures(p, many)
     figures["GEMV round trip, us"] = lambda: round_trip_us(lambda: ops.matmul(w, x, out=y), 200)

@@ -30,14 +30,12 @@ from typing import Any
 
 import trio
 
-import trio_cuda
 from trio_cuda import _kernel, api
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_ops  # this folder and examples/ (run as a script)
+from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
 from bench_runtime import inc
-from cuda_graphs_deviceop import build
 from probe_poll import paired, standard_figures, tasks_rate
 
 
@@ -46,22 +44,7 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
         raise SystemExit("trio_cuda._hotpath is not built (or TRIO_CUDA_HOTPATH=0): nothing to compare")
     p = (await api.zeros((32,))).partition((32,))
     many = {count: [(await api.zeros((32,))).partition((32,)) for _ in range(count)] for count in (16, 256)}
-    m = await build(hidden, layers)
-    makers = per_kernel_ops(m)
-    dev = trio_cuda.current_device()
-    one_stream = trio_cuda.SingleStream(dev)  # as bench_decode: the step on one stream
-
-    async def decode_ms() -> float:
-        """ms per step (3 steps), each kernel awaited."""
-        pool, dev.policy = dev.policy, one_stream
-        try:
-            t0 = time.perf_counter_ns()
-            for _ in range(3):
-                for make in makers:
-                    await make()
-            return (time.perf_counter_ns() - t0) / 3e6
-        finally:
-            dev.policy = pool
+    decode_ms = await per_kernel_step_figure(hidden, layers)
 
     async def sync_each_us() -> float:
         """us per ``await inc(p)`` in a loop of 500 (the op made each time)."""

@@ -307,16 +307,12 @@ class _FakeDriver:
         return self.answer[name]
 
 
-def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA backend's launch, record and query on the fast path, with the driver's
-    entry points replaced by fakes (no GPU needed): what they pass, and how result codes
-    become the project's errors, as on the cuda.bindings path."""
-    from cuda.bindings import driver as cu
-
+def fake_cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A CUDA backend driver object without a context whose entry points are ``fake``'s
+    (only the launch, record and query can run; also used by tests/test_hotpath.py)."""
     from trio_cuda._backends import _cuda
 
-    fake = _FakeDriver()
-    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)  # no context: only the three calls run
+    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
     d.ordinal = 0
     d._fault = None
     d._lock = threading.Lock()
@@ -324,6 +320,17 @@ def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pyte
     monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
     d._flag_dev = 0
     d._fast = fake.entry_points
+    return d
+
+
+def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA backend's launch, record and query on the fast path, with the driver's
+    entry points replaced by fakes (no GPU needed): what they pass, and how result codes
+    become the project's errors, as on the cuda.bindings path."""
+    from cuda.bindings import driver as cu
+
+    fake = _FakeDriver()
+    d = fake_cuda_driver(fake, monkeypatch)
     ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
 
     d.record(ev, st)

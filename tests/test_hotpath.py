@@ -14,7 +14,6 @@ _cudafast; on a GPU the whole suite runs through them.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import sys
@@ -32,6 +31,8 @@ from trio_cuda import _kernel, api, lowlevel
 from trio_cuda._guard import LOCK, _tls
 from trio_cuda._op import ScheduledOp
 from trio_cuda.kernels import add, saxpy, sleep
+
+from .test_fastpath import _FakeDriver, fake_cuda_driver
 
 try:
     from trio_cuda import _hotpath
@@ -491,29 +492,6 @@ async def test_no_reference_is_leaked_or_lost() -> None:
 
 
 # -- the direct driver calls, with stand-ins for the entry points --------------------------
-VP = ctypes.c_void_p
-U = ctypes.c_uint
-LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, U, U, U, U, U, U, U, VP, VP, VP)
-RECORD = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
-QUERY = ctypes.CFUNCTYPE(ctypes.c_int, VP)
-
-
-class _Fake:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.answer = {"launch": 0, "record": 0, "query": 0}
-        self._cbs = (
-            LAUNCH(lambda *a: self._call("launch", a)),
-            RECORD(lambda *a: self._call("record", a)),
-            QUERY(lambda *a: self._call("query", a)),
-        )
-        self.entry_points = tuple(int(ctypes.cast(cb, VP).value or 0) for cb in self._cbs)
-
-    def _call(self, name: str, args: tuple[Any, ...]) -> int:
-        self.calls.append((name, *args))
-        return self.answer[name]
-
-
 class _Prepared:
     __slots__ = ("bx", "by", "bz", "fn", "function", "gx", "gy", "gz", "name", "params")
 
@@ -522,17 +500,10 @@ class _Prepared:
         self.gx, self.gy, self.gz, self.bx, self.by, self.bz = 7, 6, 5, 4, 3, 2
 
 
-def _cuda_driver(fake: _Fake, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
     from trio_cuda._backends import _cuda
 
-    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)  # no context: only the three calls run
-    d.ordinal = 0
-    d._fault = None
-    d._lock = threading.Lock()
-    d._token = object()
-    monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
-    d._flag_dev = 0
-    d._fast = fake.entry_points
+    d = fake_cuda_driver(fake, monkeypatch)
     d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY)
     return d
 
@@ -540,7 +511,7 @@ def _cuda_driver(fake: _Fake, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_direct_calls_pass_handles_and_map_results(monkeypatch: pytest.MonkeyPatch) -> None:
     from cuda.bindings import driver as cu
 
-    fake = _Fake()
+    fake = _FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
     assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
@@ -575,7 +546,7 @@ def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.
 
     from trio_cuda._backends import _cuda
 
-    fake = _Fake()
+    fake = _FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     st = cu.CUstream(0x200)
     monkeypatch.setattr(_cuda._tls, "token", object())
