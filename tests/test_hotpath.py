@@ -156,7 +156,11 @@ async def test_same_results_counters_and_points_both_ways() -> None:
     # the compiled run did the submissions and polls itself; the Python run none of them
     assert py_c["submits"] == 0 and py_c["polls"] == 0
     assert c_c["submits"] == 14 and c_c["submits_python"] == 0
-    assert c_c["polls"] >= 14
+    # (the compiled poll queries through the driver's entry point, on CUDA; elsewhere it
+    # answers what it knows without a query and hands the query to the Python)
+    assert c_c["polls"] + c_c["polls_python"] >= 14
+    if ON_CUDA:
+        assert c_c["polls"] >= 14
 
 
 async def test_keys_of_scalars_tell_bits_apart() -> None:
@@ -413,8 +417,8 @@ async def test_polls_answer_and_advance_streams_the_same() -> None:
                 await trio.lowlevel.checkpoint()
             assert ev.done and s.done_seq >= ev.seq and s._ok_seq == ev.seq > ok0
             assert dev.poll(ev) is True
-            if compiled:
-                assert delta(c0, counters())["polls"] >= 2
+            if compiled:  # (the first poll queries: compiled on CUDA only, see above)
+                assert delta(c0, counters())["polls"] >= (2 if ON_CUDA else 1)
             # a reset: the stale event raises DeviceReset, through the Python
             with LOCK:
                 s.seq += 1
@@ -504,7 +508,7 @@ def _cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
     from trio_cuda._backends import _cuda
 
     d = fake_cuda_driver(fake, monkeypatch)
-    d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY)
+    d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY, _cuda._OWN_CALLS)
     return d
 
 
@@ -583,6 +587,15 @@ def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.
     other = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
     monkeypatch.setitem(vars(d), "launch", other.launch)  # bound to another driver: a replacement
     assert _hotpath.direct_call("launch", d, _Prepared(), st) == 0
+    monkeypatch.delitem(vars(d), "launch")
+    # a subclass's override, and a method patched on the class, are called too
+    sub = _cuda_driver(fake, monkeypatch)
+    sub.__class__ = type("Sub", (_cuda.CudaDevice,), {"launch": lambda self, p, s: None})
+    assert _hotpath.direct_call("launch", sub, _Prepared(), st) == 0
+    assert _hotpath.direct_call("record", sub, cu.CUevent(0x100), st) == 1
+    monkeypatch.setattr(_cuda.CudaDevice, "query", lambda self, e: True)
+    assert _hotpath.direct_call("query", sub, cu.CUevent(0x100)) == 2
+    monkeypatch.undo()
     fake.calls.clear()
     sim = trio_cuda.current_device()._driver
     if not ON_CUDA:
@@ -611,3 +624,29 @@ def test_switched_off_by_the_environment() -> None:
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_prepared_type_without_a_slot_leaves_the_known_offsets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend's prepared launches of a type that lacks a field are not launched here,
+    and launches of the known type still read the right fields (found by review: the
+    offsets were overwritten part-way, and the next launch read wrong memory)."""
+    from cuda.bindings import driver as cu
+
+    from trio_cuda._backends import _cuda
+
+    fake = _FakeDriver()
+    d = _cuda_driver(fake, monkeypatch)
+    st = cu.CUstream(0x200)
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
+
+    class Partial:
+        __slots__ = ("bx", "fn", "gx", "gy", "gz")  # no by, bz, params
+
+    part = Partial()
+    part.fn, part.gx, part.gy, part.gz, part.bx = 1, 1, 1, 1, 1
+    d.hot_calls = (_cuda._tls, Partial, _cuda._NOT_READY, _cuda._OWN_CALLS)
+    assert _hotpath.direct_call("launch", d, part, st) == 0
+    d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY, _cuda._OWN_CALLS)
+    fake.calls.clear()
+    assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
+    assert fake.calls == [("launch", 0x300, 7, 6, 5, 4, 3, 2, 0, 0x200, 0x400, None)]

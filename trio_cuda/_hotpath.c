@@ -23,6 +23,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <string.h>
 
 /* ---- slots ------------------------------------------------------------------------ */
 
@@ -260,18 +261,23 @@ typedef struct {
     long not_ready;
 } Direct;
 
-/* Is method ``name`` of ``obj`` replaced in its instance dict? Not when the entry is
- * the class's own function bound to ``obj`` (what pytest's monkeypatch leaves behind
- * when it restores a method it replaced on an instance). */
-static int replaced(PyObject *obj, PyObject *dict, PyObject *name) {
-    PyObject *v = PyDict_GetItemWithError(dict, name);
+/* Is method ``name`` of ``obj`` other than the backend's own (``originals[name]``)? A
+ * subclass's override, a method patched on the class, or one in the instance dict
+ * (except the backend's own function bound to ``obj``, which is what pytest's
+ * monkeypatch leaves behind when it restores a method it replaced on an instance). */
+static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *originals) {
+    /* the class's method (a subclass's override, a method patched on the class) */
+    PyObject *own = PyDict_GetItemWithError(originals, name);
+    if (own == NULL || _PyType_Lookup(Py_TYPE(obj), name) != own) {
+        PyErr_Clear();
+        return 1;
+    }
+    PyObject *v = dict == NULL ? NULL : PyDict_GetItemWithError(dict, name);
     if (v == NULL) {
         PyErr_Clear();
         return 0;
     }
-    if (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj &&
-        PyMethod_GET_FUNCTION(v) == _PyType_Lookup(Py_TYPE(obj), name))
-        return 0;
+    if (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj && PyMethod_GET_FUNCTION(v) == own) return 0;
     return 1;
 }
 
@@ -281,7 +287,8 @@ static int direct_calls(PyObject *driver, Direct *d) {
     d->hot = NULL;
     PyObject *hc = PyObject_GetAttr(driver, s_hot_calls);
     if (hc == NULL) return -1;
-    if (hc == Py_None || !PyTuple_CheckExact(hc) || PyTuple_GET_SIZE(hc) != 3 || !PyType_Check(PyTuple_GET_ITEM(hc, 1))) {
+    if (hc == Py_None || !PyTuple_CheckExact(hc) || PyTuple_GET_SIZE(hc) != 4 || !PyType_Check(PyTuple_GET_ITEM(hc, 1)) ||
+        !PyDict_CheckExact(PyTuple_GET_ITEM(hc, 3))) {
         Py_DECREF(hc);
         return 0;
     }
@@ -313,17 +320,12 @@ static int direct_calls(PyObject *driver, Direct *d) {
         /* A method replaced on this driver object (a test's fault injection, a tool's
          * wrapper) is called, as the Python path would call it: no direct call for it. */
         PyObject *dict = PyObject_GenericGetDict(driver, NULL);
-        if (dict == NULL) {
-            PyErr_Clear();
-            ok = 0;
-        } else {
-            if (PyDict_GET_SIZE(dict)) {
-                if (replaced(driver, dict, s_launch)) d->launch = NULL;
-                if (replaced(driver, dict, s_record)) d->record = NULL;
-                if (replaced(driver, dict, s_query)) d->query = NULL;
-            }
-            Py_DECREF(dict);
-        }
+        if (dict == NULL) PyErr_Clear();
+        PyObject *own = PyTuple_GET_ITEM(hc, 3);
+        if (replaced(driver, dict, s_launch, own)) d->launch = NULL;
+        if (replaced(driver, dict, s_record, own)) d->record = NULL;
+        if (replaced(driver, dict, s_query, own)) d->query = NULL;
+        Py_XDECREF(dict);
     }
     Py_DECREF(fast);
     if (!ok) {
@@ -363,14 +365,16 @@ static int launch_direct(PyObject *driver, Direct *d, PyObject *p, PyObject *str
     if (d->launch == NULL) return 0;
     PyObject *ptype = PyTuple_GET_ITEM(d->hot, 1);
     if (!IS(p, ptype)) return 0;
-    if (prep_type != ptype) {
+    if (prep_type != ptype) { /* the offsets of this type, all or none */
         static const char *names[8] = {"fn", "gx", "gy", "gz", "bx", "by", "bz", "params"};
+        Py_ssize_t off[8];
         for (int i = 0; i < 8; i++) {
-            if (slot_offset(ptype, names[i], &prep_off[i]) < 0) {
+            if (slot_offset(ptype, names[i], &off[i]) < 0) {
                 PyErr_Clear();
                 return 0;
             }
         }
+        memcpy(prep_off, off, sizeof(off));
         Py_INCREF(ptype);
         Py_XSETREF(prep_type, ptype);
     }
@@ -628,17 +632,14 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         return NULL;
     }
     PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
+    Py_XINCREF(hit); /* the cache may drop it while we call out */
     Py_DECREF(key);
-    if (hit == NULL) {
-        Py_DECREF(fast);
-        return PyErr_Occurred() ? NULL : delegate(op, s);
-    }
+    Py_DECREF(fast);
+    if (hit == NULL) return PyErr_Occurred() ? NULL : delegate(op, s);
     if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device) {
-        Py_DECREF(fast);
+        Py_DECREF(hit);
         return delegate(op, s);
     }
-    Py_INCREF(hit); /* the cache may drop it while we call out */
-    Py_DECREF(fast);
     PyObject *generation = PyTuple_GET_ITEM(hit, 1), *cfg = PyTuple_GET_ITEM(hit, 2),
              *prepared = PyTuple_GET_ITEM(hit, 3);
     PyObject *result = NULL, *ev = NULL, *names = NULL, *name = NULL;
@@ -680,6 +681,11 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         if (keep == NULL) goto python;
         r = PyObject_IsTrue(keep);
         if (r) goto python_or_error;
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto error;
+        r = IS(stats, Counters_T);
+        Py_DECREF(stats);
+        if (!r) goto python;
     }
     {
         PyObject *driver = PyObject_GetAttr(device, s_driver);
@@ -696,7 +702,7 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
     Py_INCREF(start);
     if (set_submitting(Py_True) < 0) {
         Py_DECREF(start);
-        goto failed;
+        goto error;
     }
     flagged = 1;
     {
@@ -1007,37 +1013,40 @@ static PyObject *poll_held(PyObject *dev, PyObject *ev, PyObject *flag, PyObject
                 if (last == NULL) goto python;
                 if (last != Py_None && !IS(last, Event_T)) goto python;
                 if (last != Py_None && last != ev) {
-                    /* a newer event of the stream to ask about first (_newest_done): the Python */
-                    int gt = PyObject_RichCompareBool(SLOT(last, O.ev_seq), eseq, Py_GT);
-                    if (gt) goto python_or_error;
+                    /* The Python asks about the stream's newest event first (_newest_done)
+                     * when: last.seq > ev.seq, last.seq != s._newest_pending, not
+                     * last.done, last.generation == ev.generation, s.capture is None.
+                     * Then the Python does it; otherwise the event's own query, here. */
+                    PyObject *lseq = SLOT(last, O.ev_seq), *np_ = SLOT(s, O.s_newest_pending),
+                             *ldone = SLOT(last, O.ev_done), *lgen = SLOT(last, O.ev_generation),
+                             *scap = SLOT(s, O.s_capture);
+                    if (lseq == NULL || np_ == NULL || ldone == NULL || lgen == NULL || scap == NULL) goto python;
+                    int ask = PyObject_RichCompareBool(lseq, eseq, Py_GT);
+                    if (ask > 0) ask = PyObject_RichCompareBool(lseq, np_, Py_NE);
+                    if (ask > 0) ask = ldone == Py_False;
+                    if (ask > 0) ask = PyObject_RichCompareBool(lgen, egen, Py_EQ);
+                    if (ask > 0) ask = scap == Py_None;
+                    if (ask) goto python_or_error;
                 }
             }
         }
-        int isdone = 2;
+        /* The query: straight through the driver's entry point, or (no direct calls
+         * here) the Python method does it, with everything around it. */
         Direct direct;
         int dc = direct_calls(driver, &direct);
         if (dc < 0) goto error;
-        if (dc) {
-            isdone = query_direct(&direct, handle);
-            Py_DECREF(direct.hot);
-            if (isdone == 0) { /* pending: unless the device faulted (the Python raises that) */
-                PyObject *fault = PyObject_GetAttr(driver, s_fault);
-                if (fault == NULL) goto error;
-                int faulted = fault != Py_None;
-                Py_DECREF(fault);
-                if (faulted) goto python;
-            }
-        }
-        if (isdone == 2) {
-            PyObject *r = PyObject_CallMethodObjArgs(driver, s_query, handle, NULL);
-            if (r == NULL) {
-                /* a fault or a refused query: the Python asks again and says what it means */
-                PyErr_Clear();
-                goto python;
-            }
-            isdone = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (isdone < 0) goto error;
+        if (dc == 0) goto python;
+        int isdone = query_direct(&direct, handle);
+        Py_DECREF(direct.hot);
+        /* An answer other than done or pending (a fault, a refused query): the Python
+         * asks again and says what it means (a query changes nothing on the device). */
+        if (isdone == 2) goto python;
+        if (isdone == 0) { /* pending: unless the device faulted (the Python raises that) */
+            PyObject *fault = PyObject_GetAttr(driver, s_fault);
+            if (fault == NULL) goto error;
+            int faulted = fault != Py_None;
+            Py_DECREF(fault);
+            if (faulted) goto python;
         }
         if (isdone) {
             Py_XSETREF(SLOT(ev, O.ev_done), Py_NewRef(Py_True));

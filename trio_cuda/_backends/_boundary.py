@@ -253,13 +253,15 @@ class DeviceDriver(abc.ABC):
     #: They live as long as the driver object, across resets; any thread may read them.
     flag_words: memoryview | None = None
     #: For the runtime's compiled hot path (trio_cuda/_hotpath.c): None, or
-    #: ``(tls, prepared_type, not_ready)``: while ``tls.token is self._token`` on the
+    #: ``(tls, prepared_type, not_ready, own)``: while ``tls.token is self._token`` on the
     #: calling thread and ``_fast`` holds the driver's (launch, record, query) entry
     #: points, a launch of a ``prepared_type``, a record without a completion word and a
-    #: query may be made straight through them; a non-zero result goes back through
-    #: ``_launch_failed`` / ``_record_failed`` (which raise what ``launch`` / ``record``
-    #: would) or, for a query answering neither 0 nor ``not_ready``, through ``query`` again.
-    hot_calls: tuple[Any, type, int] | None = None
+    #: query may be made straight through them, each only while the object's method of
+    #: that name is ``own[name]`` (not overridden, patched on the class or replaced on the
+    #: object); a non-zero result goes back through ``_launch_failed`` /
+    #: ``_record_failed`` (which raise what ``launch`` / ``record`` would) or, for a query
+    #: answering neither 0 nor ``not_ready``, to the Python poll, which queries again.
+    hot_calls: tuple[Any, type, int, dict[str, Any]] | None = None
 
     # -- streams and events -------------------------------------------------
     @abc.abstractmethod

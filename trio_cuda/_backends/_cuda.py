@@ -428,7 +428,7 @@ class CudaDevice(DeviceDriver):
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fast = fast_path()
-        self.hot_calls = (_tls, _Prepared, _NOT_READY)  # used while _fast is set
+        self.hot_calls = (_tls, _Prepared, _NOT_READY, _OWN_CALLS)  # used while _fast is set
 
     def _register_flags(self) -> None:
         """With ``TRIO_CUDA_COMPLETION_WORDS=1``: map the completion words into this
@@ -864,6 +864,11 @@ def _nccl() -> tuple[Any, Any]:
     except ImportError as exc:
         raise LaunchError(f"collectives need nccl4py and NCCL (pip install 'trio-cuda[cuda]'): {exc}") from exc
     return core, bindings
+
+
+# The driver calls the runtime's compiled hot path may make itself (DeviceDriver.hot_calls):
+# only while these are the methods of the driver object in use.
+_OWN_CALLS = {name: CudaDevice.__dict__[name] for name in ("launch", "record", "query")}
 
 
 class CudaBackend(Backend):
