@@ -27,7 +27,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import _kernel, api, lowlevel
+from trio_cuda import _kernel, api, lowlevel, ops
 from trio_cuda._guard import LOCK, _tls
 from trio_cuda._op import ScheduledOp
 from trio_cuda.kernels import add, saxpy, sleep
@@ -650,3 +650,78 @@ def test_a_prepared_type_without_a_slot_leaves_the_known_offsets_alone(monkeypat
     fake.calls.clear()
     assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
     assert fake.calls == [("launch", 0x300, 7, 6, 5, 4, 3, 2, 0, 0x200, 0x400, None)]
+
+
+async def test_replayed_ops_enqueue_the_same_both_ways() -> None:
+    """A replayed ``ops`` call whose recipe is one prepared launch (ops.add, ops.rms_norm)
+    goes through the compiled enqueue_direct: the same results, counters, points and
+    pending accesses as the Python, including ordering after another stream's write."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            a, b = wordless_stream(dev), wordless_stream(dev)
+            x = await api.arange(64)
+            y = await api.zeros((64,))
+            w = await api.full((64,), 2.0)
+            c = await api.zeros((1,), np.int32)
+            z = await api.zeros((64,))
+            for s in (a, b):  # recorded and prepared on both streams
+                for _ in range(3):
+                    await on(ops.add(x, y, out=y), s)
+                    await on(ops.rms_norm(x, w, 1e-5, out=y), s)
+                    await on(ops.add(x, x, out=y), s)
+                    await on(ops.add(y, x, out=z), s)
+            st0, c0 = stats_of(dev), counters()
+            # a read after another stream's write: z = y + x on b waits for y = 2x on a
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            first = await lowlevel.submit(ops.add(x, x, out=y), a)
+            w0 = dev.statistics().stream_waits
+            await on(ops.add(y, x, out=z), b)
+            raw = dev.statistics().stream_waits - w0
+            await first.wait()
+            zs = (await z.to_host()).tolist()
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            first = await lowlevel.submit(ops.add(x, x, out=y), a)  # y = 2x on a, behind the sleep
+            w0 = dev.statistics().stream_waits
+            await on(ops.add(y, x, out=y), b)  # y = 3x on b: waits for a's write
+            waits = dev.statistics().stream_waits - w0
+            await first.wait()
+            for _ in range(5):
+                await on(ops.add(y, x, out=y), b)  # y = 8x
+            st = delta(st0, stats_of(dev))
+            yb = y._buffer
+            seen[compiled] = (raw, zs, waits, st, yb.writer == (b, b.seq), (await y.to_host()).tolist())
+            if compiled:  # every direct submission of these ops went through the C
+                assert delta(c0, counters())["enqueues"] == st["direct"] >= 3
+    assert seen[False] == seen[True]
+    xs = np.arange(64, dtype=np.float32)
+    assert seen[True][0] == 1 and seen[True][1] == (3 * xs).tolist()
+    assert seen[True][2] == 1 and seen[True][4]
+    assert seen[True][5] == (8 * xs).tolist()
+
+
+async def test_a_failed_launch_of_a_replayed_op_counts_and_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = trio_cuda.current_device()
+    x = await api.arange(16)
+    y = await api.zeros((16,))
+    for _ in range(3):
+        await ops.add(x, x, out=y)
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+
+            def refuse(*a: Any) -> None:
+                raise trio_cuda.LaunchError("refused by the test")
+
+            monkeypatch.setattr(dev._driver, "launch", refuse)
+            st0 = stats_of(dev)
+            with pytest.raises(trio_cuda.LaunchError, match="refused by the test"):
+                await ops.add(x, x, out=y)
+            monkeypatch.undo()
+            seen[compiled] = (delta(st0, stats_of(dev)), _tls.submitting, LOCK.acquire(blocking=False))
+            LOCK.release()
+    assert seen[False] == seen[True]
+    assert seen[True][0]["failed"] == 1 and seen[True][1] is False
+    await ops.add(x, x, out=y)
+    np.testing.assert_array_equal(await y.to_host(), 2 * np.arange(16, dtype=np.float32))

@@ -85,10 +85,10 @@ static PyObject *device_globals; /* _device's module dict (poll_by_stream) */
 static PyObject *one, *zero;
 static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetting, *s_driver, *s_fault,
     *s_dead_buffers, *s_dead_streams, *s_lingering, *s_dead_graphs, *s_stats, *s_fast, *s_name, *s_launch,
-    *s__key, *s__arg, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
+    *s__key, *s__arg, *s_retire, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
 
 /* What ran here, for tests and probes (under the GIL; wrap-around is not a concern). */
-static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries;
+static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues;
 
 /* ---- helpers ---------------------------------------------------------------------- */
 
@@ -563,6 +563,207 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct 
     return ev;
 }
 
+/* ---- the ops' direct launches ------------------------------------------------------ */
+/* enqueue_direct(s, cfg, prepared, writes, reads): _submit.direct_enqueue(s,
+ * _kernel.enqueue_prepared, (cfg, prepared, writes, reads)) in C, for a replayed op whose
+ * recipe is one prepared launch (_ops._core._Recipe.submit_now). The caller holds the
+ * runtime lock and has done the checks and set the op's state; ``writes`` / ``reads``
+ * are lists of (buffer, tracked) pairs. Arguments of another shape go to the Python,
+ * before any effect. Returns the event to wait for, or None. */
+static PyObject *py_direct_enqueue, *py_enqueue_prepared;
+
+static int pairs_ok(PyObject *pairs) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *it = PyList_GET_ITEM(pairs, i);
+        if (!PyTuple_CheckExact(it) || PyTuple_GET_SIZE(it) != 2) return 0;
+        PyObject *b = PyTuple_GET_ITEM(it, 0), *t = PyTuple_GET_ITEM(it, 1);
+        if (!IS(b, Buffer_T) || (t != Py_True && t != Py_False)) return 0;
+        PyObject *w = SLOT(b, O.buf_writer), *rd = SLOT(b, O.buf_readers), *lt = SLOT(b, O.buf_lifetime);
+        if (w == NULL || rd == NULL || lt == NULL || !PyDict_CheckExact(rd) || !PyDict_CheckExact(lt)) return 0;
+        if (w != Py_None && !(PyTuple_CheckExact(w) && PyTuple_GET_SIZE(w) == 2)) return 0;
+    }
+    return 1;
+}
+
+static int order_pairs(PyObject *s, PyObject *pairs, int write) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *it = PyList_GET_ITEM(pairs, i);
+        if (PyTuple_GET_ITEM(it, 1) != Py_True) continue;
+        PyObject *b = PyTuple_GET_ITEM(it, 0);
+        PyObject *w = SLOT(b, O.buf_writer);
+        if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
+            Py_INCREF(w);
+            int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
+            Py_DECREF(w);
+            if (e < 0) return -1;
+        }
+        if (!write) continue;
+        PyObject *readers = SLOT(b, O.buf_readers);
+        if (PyDict_GET_SIZE(readers)) {
+            PyObject *items = PyDict_Items(readers);
+            if (items == NULL) return -1;
+            for (Py_ssize_t m = 0; m < PyList_GET_SIZE(items); m++) {
+                PyObject *r = PyList_GET_ITEM(items, m);
+                if (PyTuple_GET_ITEM(r, 0) != s && wait_for(s, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)) < 0) {
+                    Py_DECREF(items);
+                    return -1;
+                }
+            }
+            Py_DECREF(items);
+        }
+    }
+    return 0;
+}
+
+static int note_pairs(PyObject *s, PyObject *seq, PyObject *pairs, int write) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
+        PyObject *it = PyList_GET_ITEM(pairs, i);
+        PyObject *b = PyTuple_GET_ITEM(it, 0);
+        if (PyTuple_GET_ITEM(it, 1) != Py_True) {
+            if (PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq) < 0) return -1;
+        } else if (write) {
+            PyObject *w = PyTuple_Pack(2, s, seq);
+            if (w == NULL) return -1;
+            Py_XSETREF(SLOT(b, O.buf_writer), w);
+            PyObject *readers = SLOT(b, O.buf_readers);
+            if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
+        } else if (PyDict_SetItem(SLOT(b, O.buf_readers), s, seq) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyObject *prepared, PyObject *writes,
+                              PyObject *reads);
+
+static PyObject *enqueue_direct(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 5) {
+        PyErr_SetString(PyExc_TypeError, "enqueue_direct(stream, cfg, prepared, writes, reads)");
+        return NULL;
+    }
+    PyObject *s = argv[0], *cfg = argv[1], *prepared = argv[2], *writes = argv[3], *reads = argv[4];
+    PyObject *device = IS(s, Stream_T) ? SLOT(s, O.s_device) : NULL;
+    PyObject *grid = IS(cfg, Config_T) ? SLOT(cfg, O.cfg_grid) : NULL;
+    PyObject *seq = device != NULL ? SLOT(s, O.s_seq) : NULL;
+    if (device == NULL || grid == NULL || !PyTuple_Check(grid) || seq == NULL || !PyLong_CheckExact(seq) ||
+        SLOT(s, O.s_done_seq) == NULL || SLOT(s, O.s_handle) == NULL || SLOT(s, O.s_handle) == Py_None ||
+        SLOT(s, O.s_keep) == NULL || SLOT(s, O.s_capture) != Py_None ||
+        !PyList_CheckExact(writes) || !PyList_CheckExact(reads) || !pairs_ok(writes) || !pairs_ok(reads)) {
+        PyObject *arg = PyTuple_Pack(4, cfg, prepared, writes, reads);
+        if (arg == NULL) return NULL;
+        PyObject *r = PyObject_CallFunctionObjArgs(py_direct_enqueue, s, py_enqueue_prepared, arg, NULL);
+        Py_DECREF(arg);
+        return r;
+    }
+    /* held across the calls below */
+    Py_INCREF(device);
+    Py_INCREF(writes);
+    Py_INCREF(reads);
+    PyObject *r = enqueue_held(s, device, cfg, prepared, writes, reads);
+    Py_DECREF(device);
+    Py_DECREF(writes);
+    Py_DECREF(reads);
+    return r;
+}
+
+static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyObject *prepared, PyObject *writes,
+                              PyObject *reads) {
+    PyObject *start = Py_NewRef(SLOT(s, O.s_seq)), *seq = NULL, *ev = NULL, *driver = NULL;
+    Direct direct = {NULL, NULL, NULL, NULL, 0};
+    int use_direct = 0;
+    if (set_submitting(Py_True) < 0) {
+        Py_DECREF(start);
+        return NULL;
+    }
+    {
+        int r = PyObject_IsTrue(SLOT(s, O.s_keep));
+        if (r < 0) goto failed;
+        if (r) {
+            PyObject *x = PyObject_CallMethodNoArgs(s, s_retire);
+            if (x == NULL) goto failed;
+            Py_DECREF(x);
+        }
+    }
+    if (order_pairs(s, writes, 1) < 0 || order_pairs(s, reads, 0) < 0) goto failed;
+    driver = PyObject_GetAttr(device, s_driver);
+    if (driver == NULL) goto failed;
+    use_direct = direct_calls(driver, &direct);
+    if (use_direct < 0) goto failed;
+    {
+        int empty = PySequence_Contains(SLOT(cfg, O.cfg_grid), zero);
+        if (empty < 0) goto failed;
+        if (!empty) {
+            int made = 0;
+            if (use_direct) made = launch_direct(driver, &direct, prepared, SLOT(s, O.s_handle));
+            if (made == 0) {
+                PyObject *x = PyObject_CallMethodObjArgs(driver, s_launch, prepared, SLOT(s, O.s_handle), NULL);
+                made = x == NULL ? -1 : 1;
+                Py_XDECREF(x);
+            }
+            if (made < 0) goto failed;
+        }
+    }
+    if (add_one(s, O.s_seq) < 0) goto failed;
+    seq = Py_NewRef(SLOT(s, O.s_seq));
+    if (note_pairs(s, seq, writes, 1) < 0 || note_pairs(s, seq, reads, 0) < 0) goto failed;
+    {
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto failed;
+        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_launches) : -1;
+        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
+        Py_DECREF(stats);
+        if (e < 0) goto failed;
+    }
+    {
+        int later = PyObject_RichCompareBool(seq, start, Py_GT);
+        if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
+        if (later < 0) goto failed;
+        ev = later ? event_at(s, device, seq, use_direct ? &direct : NULL) : Py_NewRef(Py_None);
+        if (ev == NULL) goto failed;
+    }
+    Py_CLEAR(direct.hot);
+    Py_CLEAR(driver);
+    Py_CLEAR(seq);
+    Py_CLEAR(start);
+    if (set_submitting(Py_False) < 0) goto error;
+    {
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto error;
+        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_submissions) : -1;
+        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
+        Py_DECREF(stats);
+        if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
+    }
+    n_enqueues++;
+    return ev;
+failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
+    PyObject *et, *ev_, *tb;
+    PyErr_Fetch(&et, &ev_, &tb);
+    PyObject *x = PyObject_CallNoArgs(direct_failed);
+    if (x == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev_);
+        Py_XDECREF(tb);
+    } else {
+        Py_DECREF(x);
+        PyErr_Restore(et, ev_, tb);
+    }
+    PyErr_Fetch(&et, &ev_, &tb);
+    if (set_submitting(Py_False) < 0) PyErr_Clear();
+    PyErr_Restore(et, ev_, tb);
+    Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
+    Py_XDECREF(seq);
+    Py_XDECREF(start);
+    Py_XDECREF(ev);
+    return NULL;
+}
+error:
+    Py_XDECREF(ev);
+    return NULL;
+}
+
 /* ---- submit ----------------------------------------------------------------------- */
 
 static PyObject *delegate(PyObject *op, PyObject *s) {
@@ -592,7 +793,7 @@ static int shape_ok(PyObject *op, PyObject *s, PyObject *cfg, PyObject *args) {
         }
     }
     PyObject *seq = SLOT(s, O.s_seq), *done = SLOT(s, O.s_done_seq), *h = SLOT(s, O.s_handle);
-    if (seq == NULL || done == NULL || h == NULL || !PyLong_CheckExact(seq)) return 0;
+    if (seq == NULL || done == NULL || h == NULL || h == Py_None || !PyLong_CheckExact(seq)) return 0;
     return 1;
 }
 
@@ -1128,6 +1329,8 @@ static PyObject *setup_inner(PyObject *kw) {
     GET(counts, "counts");
     GET(executing, "executing");
     GET(direct_failed, "direct_failed");
+    GET(py_direct_enqueue, "direct_enqueue");
+    GET(py_enqueue_prepared, "enqueue_prepared");
     if (!PyDict_CheckExact(counts)) {
         PyErr_SetString(PyExc_TypeError, "_hotpath: counts is not a dict");
         return NULL;
@@ -1196,7 +1399,7 @@ static PyObject *setup_inner(PyObject *kw) {
 static PyObject *setup(PyObject *module, PyObject *kw) {
     PyObject **globals[] = {&Launch_T, &Partition_T, &Tensor_T, &Stream_T, &Config_T, &Counters_T, &Buffer_T,
                             &Event_T, &Device_T, &py_poll, &device_globals, &py_submit, &lock_obj, &tls,
-                            &counts, &executing, &direct_failed};
+                            &counts, &executing, &direct_failed, &py_direct_enqueue, &py_enqueue_prepared};
     enum { N = sizeof(globals) / sizeof(globals[0]) };
     PyObject *saved[N];
     for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
@@ -1211,9 +1414,9 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python, "polls", n_polls,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python, "polls", n_polls,
                          "polls_python", n_polls_python, "launches", n_launches, "records", n_records, "queries",
-                         n_queries);
+                         n_queries, "enqueues", n_enqueues);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -1245,6 +1448,8 @@ static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t
 }
 
 static PyMethodDef methods[] = {
+    {"enqueue_direct", (PyCFunction)(void (*)(void))enqueue_direct, METH_FASTCALL,
+     "enqueue_direct(stream, cfg, prepared, writes, reads): _submit.direct_enqueue of _kernel.enqueue_prepared, compiled."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup", (PyCFunction)setup, METH_O,
@@ -1273,6 +1478,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_name, "name");
     NAME(s_launch, "launch");
     NAME(s__key, "_key");
+    NAME(s_retire, "retire");
     NAME(s__arg, "_arg");
     NAME(s_event_handle, "_event_handle");
     NAME(s_record, "record");

@@ -48,6 +48,7 @@ from ._submit import (
     _counts,
     _KernelNeed,
     _load_kernels,
+    direct_enqueue,
     direct_failed,
     direct_tidy,
     note_accesses,
@@ -647,6 +648,19 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
 _submit_now_py = _Launch._submit_now
 _poll_py: Any = None
 _hot: tuple[Any, Any] | None = None
+_enqueue_direct_c: Any = None
+
+
+def _enqueue_direct_py(
+    s: Stream, cfg: _Config, prepared: Any, writes: list[tuple[Any, bool]], reads: list[tuple[Any, bool]]
+) -> Event | None:
+    """The direct submission of a replayed op whose recipe is one prepared launch
+    (_ops._core._Recipe.submit_now; under LOCK, checked): its one step, enqueued."""
+    return direct_enqueue(s, enqueue_prepared, (cfg, prepared, writes, reads))
+
+
+#: That submission: trio_cuda/_hotpath.c's enqueue_direct, or the Python (use_hotpath).
+enqueue_direct = _enqueue_direct_py
 
 
 def _hot_setup_objects() -> dict[str, Any]:
@@ -674,11 +688,13 @@ def _hot_setup_objects() -> dict[str, Any]:
         "counts": _counts,
         "executing": EXECUTING,
         "direct_failed": direct_failed,
+        "direct_enqueue": direct_enqueue,
+        "enqueue_prepared": enqueue_prepared,
     }
 
 
 def _load_hotpath() -> tuple[Any, Any] | None:
-    global _poll_py
+    global _poll_py, _enqueue_direct_c
     from ._device import Device
 
     _poll_py = Device.poll
@@ -689,18 +705,23 @@ def _load_hotpath() -> tuple[Any, Any] | None:
     except ImportError:
         return None
     methods: tuple[Any, Any] = _hotpath.setup(_hot_setup_objects())
+    _enqueue_direct_c = _hotpath.enqueue_direct
     return methods
 
 
 def use_hotpath(on: bool) -> bool:
-    """Use the compiled ``_Launch._submit_now`` and ``Device.poll`` (if built) or the
-    Python ones; returns whether the compiled ones are in use now (tests run both)."""
+    """Use the compiled ``_Launch._submit_now``, ``Device.poll`` and ``enqueue_direct``
+    (if built) or the Python ones; returns whether the compiled ones are in use now
+    (tests run both)."""
+    global enqueue_direct
     from ._device import Device
 
     if on and _hot is not None:
         _Launch._submit_now, Device.poll = _hot  # type: ignore[method-assign]
+        enqueue_direct = _enqueue_direct_c
     else:
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
+        enqueue_direct = _enqueue_direct_py
     return hotpath_active()
 
 

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _kernel
 from .._checks import BFLOAT16, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._guard import LOCK, _tls
-from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key, enqueue_prepared
+from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
 from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, lane_step
 from .._tensor import Partition, Tensor, c_strides
@@ -407,7 +408,7 @@ class _Recipe:
             _counts["hits"] += 1
             if k is not None:
                 accesses = (_buffers(args, st.writes), _buffers(args, st.reads))
-                ev = direct_enqueue(s, enqueue_prepared, (st.cfg, st.prepared, *accesses))
+                ev = _kernel.enqueue_direct(s, st.cfg, st.prepared, *accesses)  # (compiled, when built)
             elif st.ready:
                 fn, static = st.ready  # type: ignore[misc]
                 ev = direct_enqueue(s, fn, (static, _buffers(args, st.writes), _buffers(args, st.reads)))
