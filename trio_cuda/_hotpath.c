@@ -585,32 +585,50 @@ static int pairs_ok(PyObject *pairs) {
     return 1;
 }
 
+/* Order the next work on ``s`` after the pending accesses of buffer ``b`` on other
+ * streams: its writer, and for a write its readers too (order_accesses, for one). */
+static int order_one(PyObject *s, PyObject *b, int write) {
+    PyObject *w = SLOT(b, O.buf_writer);
+    if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
+        Py_INCREF(w);
+        int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
+        Py_DECREF(w);
+        if (e < 0) return -1;
+    }
+    if (!write) return 0;
+    PyObject *readers = SLOT(b, O.buf_readers);
+    if (PyDict_GET_SIZE(readers)) {
+        PyObject *items = PyDict_Items(readers);
+        if (items == NULL) return -1;
+        for (Py_ssize_t m = 0; m < PyList_GET_SIZE(items); m++) {
+            PyObject *r = PyList_GET_ITEM(items, m);
+            if (PyTuple_GET_ITEM(r, 0) != s && wait_for(s, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)) < 0) {
+                Py_DECREF(items);
+                return -1;
+            }
+        }
+        Py_DECREF(items);
+    }
+    return 0;
+}
+
+/* Register point ``seq`` of ``s`` as the writer or a reader of buffer ``b`` (untracked:
+ * only its lifetime) (note_accesses, for one). */
+static int note_one(PyObject *s, PyObject *seq, PyObject *b, int tracked, int write) {
+    if (!tracked) return PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq);
+    if (!write) return PyDict_SetItem(SLOT(b, O.buf_readers), s, seq);
+    PyObject *w = PyTuple_Pack(2, s, seq);
+    if (w == NULL) return -1;
+    Py_XSETREF(SLOT(b, O.buf_writer), w);
+    PyObject *readers = SLOT(b, O.buf_readers);
+    if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
+    return 0;
+}
+
 static int order_pairs(PyObject *s, PyObject *pairs, int write) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
         PyObject *it = PyList_GET_ITEM(pairs, i);
-        if (PyTuple_GET_ITEM(it, 1) != Py_True) continue;
-        PyObject *b = PyTuple_GET_ITEM(it, 0);
-        PyObject *w = SLOT(b, O.buf_writer);
-        if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
-            Py_INCREF(w);
-            int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
-            Py_DECREF(w);
-            if (e < 0) return -1;
-        }
-        if (!write) continue;
-        PyObject *readers = SLOT(b, O.buf_readers);
-        if (PyDict_GET_SIZE(readers)) {
-            PyObject *items = PyDict_Items(readers);
-            if (items == NULL) return -1;
-            for (Py_ssize_t m = 0; m < PyList_GET_SIZE(items); m++) {
-                PyObject *r = PyList_GET_ITEM(items, m);
-                if (PyTuple_GET_ITEM(r, 0) != s && wait_for(s, PyTuple_GET_ITEM(r, 0), PyTuple_GET_ITEM(r, 1)) < 0) {
-                    Py_DECREF(items);
-                    return -1;
-                }
-            }
-            Py_DECREF(items);
-        }
+        if (PyTuple_GET_ITEM(it, 1) == Py_True && order_one(s, PyTuple_GET_ITEM(it, 0), write) < 0) return -1;
     }
     return 0;
 }
@@ -618,18 +636,7 @@ static int order_pairs(PyObject *s, PyObject *pairs, int write) {
 static int note_pairs(PyObject *s, PyObject *seq, PyObject *pairs, int write) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(pairs); i++) {
         PyObject *it = PyList_GET_ITEM(pairs, i);
-        PyObject *b = PyTuple_GET_ITEM(it, 0);
-        if (PyTuple_GET_ITEM(it, 1) != Py_True) {
-            if (PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq) < 0) return -1;
-        } else if (write) {
-            PyObject *w = PyTuple_Pack(2, s, seq);
-            if (w == NULL) return -1;
-            Py_XSETREF(SLOT(b, O.buf_writer), w);
-            PyObject *readers = SLOT(b, O.buf_readers);
-            if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
-        } else if (PyDict_SetItem(SLOT(b, O.buf_readers), s, seq) < 0) {
-            return -1;
-        }
+        if (note_one(s, seq, PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1) == Py_True, write) < 0) return -1;
     }
     return 0;
 }
@@ -909,42 +916,12 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
     {
         /* _enqueue_launch(s, device, cfg, args, prepared), inlined */
         PyObject *wpos = SLOT(cfg, O.cfg_writes), *rpos = SLOT(cfg, O.cfg_reads), *grid = SLOT(cfg, O.cfg_grid);
-        Py_ssize_t nw = PyTuple_GET_SIZE(wpos), nr = PyTuple_GET_SIZE(rpos);
-        for (Py_ssize_t j = 0; j < nw; j++) {
-            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(wpos, j), 1, &t);
-            if (b == NULL) goto changed;
-            if (SLOT(t, O.tensor_tracked) != Py_True) continue;
-            PyObject *w = SLOT(b, O.buf_writer);
-            if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
-                Py_INCREF(w);
-                int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
-                Py_DECREF(w);
-                if (e < 0) goto start_failed;
-            }
-            PyObject *readers = SLOT(b, O.buf_readers);
-            if (PyDict_GET_SIZE(readers)) {
-                PyObject *items = PyDict_Items(readers);
-                if (items == NULL) goto start_failed;
-                for (Py_ssize_t m = 0; m < PyList_GET_SIZE(items); m++) {
-                    PyObject *it = PyList_GET_ITEM(items, m);
-                    if (PyTuple_GET_ITEM(it, 0) != s && wait_for(s, PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1)) < 0) {
-                        Py_DECREF(items);
-                        goto start_failed;
-                    }
-                }
-                Py_DECREF(items);
-            }
-        }
-        for (Py_ssize_t j = 0; j < nr; j++) {
-            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(rpos, j), 0, &t);
-            if (b == NULL) goto changed;
-            if (SLOT(t, O.tensor_tracked) != Py_True) continue;
-            PyObject *w = SLOT(b, O.buf_writer);
-            if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
-                Py_INCREF(w);
-                int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
-                Py_DECREF(w);
-                if (e < 0) goto start_failed;
+        for (int write = 1; write >= 0; write--) {
+            PyObject *pos = write ? wpos : rpos;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+                PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
+                if (b == NULL) goto changed;
+                if (SLOT(t, O.tensor_tracked) == Py_True && order_one(s, b, write) < 0) goto start_failed;
             }
         }
         int empty = PySequence_Contains(grid, zero);
@@ -965,24 +942,13 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         if (add_one(s, O.s_seq) < 0) goto start_failed;
         PyObject *seq = SLOT(s, O.s_seq);
         Py_INCREF(seq);
-        for (Py_ssize_t j = 0; j < nw; j++) {
-            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(wpos, j), 1, &t);
-            if (b == NULL) goto seq_changed;
-            if (SLOT(t, O.tensor_tracked) == Py_True) {
-                PyObject *w = PyTuple_Pack(2, s, seq);
-                if (w == NULL) goto seq_failed;
-                Py_XSETREF(SLOT(b, O.buf_writer), w);
-                PyObject *readers = SLOT(b, O.buf_readers);
-                if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
-            } else if (PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq) < 0) {
-                goto seq_failed;
+        for (int write = 1; write >= 0; write--) {
+            PyObject *pos = write ? wpos : rpos;
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+                PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
+                if (b == NULL) goto seq_changed;
+                if (note_one(s, seq, b, SLOT(t, O.tensor_tracked) == Py_True, write) < 0) goto seq_failed;
             }
-        }
-        for (Py_ssize_t j = 0; j < nr; j++) {
-            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(rpos, j), 0, &t);
-            if (b == NULL) goto seq_changed;
-            PyObject *d = SLOT(t, O.tensor_tracked) == Py_True ? SLOT(b, O.buf_readers) : SLOT(b, O.buf_lifetime);
-            if (PyDict_SetItem(d, s, seq) < 0) goto seq_failed;
         }
         {
             PyObject *stats = PyObject_GetAttr(device, s_stats);
