@@ -85,7 +85,7 @@ static PyObject *device_globals; /* _device's module dict (poll_by_stream) */
 static PyObject *one, *zero;
 static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetting, *s_driver, *s_fault,
     *s_dead_buffers, *s_dead_streams, *s_lingering, *s_dead_graphs, *s_stats, *s_fast, *s_name, *s_launch,
-    *s__key, *s__arg, *s_retire, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
+    *s__key, *s__arg, *s_retire, *s_event_at, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
 
 /* What ran here, for tests and probes (under the GIL; wrap-around is not a concern). */
 static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues;
@@ -286,7 +286,10 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
 static int direct_calls(PyObject *driver, Direct *d) {
     d->hot = NULL;
     PyObject *hc = PyObject_GetAttr(driver, s_hot_calls);
-    if (hc == NULL) return -1;
+    if (hc == NULL) { /* (a driver without it: the Python methods, as they would be called) */
+        PyErr_Clear();
+        return 0;
+    }
     if (hc == Py_None || !PyTuple_CheckExact(hc) || PyTuple_GET_SIZE(hc) != 4 || !PyType_Check(PyTuple_GET_ITEM(hc, 1)) ||
         !PyDict_CheckExact(PyTuple_GET_ITEM(hc, 3))) {
         Py_DECREF(hc);
@@ -294,8 +297,9 @@ static int direct_calls(PyObject *driver, Direct *d) {
     }
     PyObject *fast = PyObject_GetAttr(driver, s__fast);
     if (fast == NULL) {
+        PyErr_Clear();
         Py_DECREF(hc);
-        return -1;
+        return 0;
     }
     int ok = PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 3;
     if (ok) {
@@ -471,6 +475,9 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct 
                            PyObject *handle, PyObject *gen);
 
 static PyObject *event_at(PyObject *s, PyObject *device, PyObject *seq, Direct *direct) {
+    PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
+    if (h == NULL || h == Py_None || cap != Py_None) /* a destroyed or capturing stream: the Python says */
+        return PyObject_CallMethodOneArg(s, s_event_at, seq);
     PyObject *last = SLOT(s, O.s_last_event);
     if (last != NULL && last != Py_None) {
         if (!IS(last, Event_T)) {
@@ -525,8 +532,7 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct 
     }
     PyTypeObject *et = (PyTypeObject *)Event_T;
     PyObject *ev = et->tp_alloc(et, 0);
-    if (ev == NULL) {
-        /* the handle goes back to the device's pool, as Event.__del__ would do it */
+    if (ev == NULL) { /* (out of memory: the handle is dropped, as the Python's would be) */
         Py_DECREF(eh);
         Py_DECREF(ticket);
         return NULL;
@@ -587,8 +593,16 @@ static int pairs_ok(PyObject *pairs) {
 
 /* Order the next work on ``s`` after the pending accesses of buffer ``b`` on other
  * streams: its writer, and for a write its readers too (order_accesses, for one). */
+static int changed_slot(void) {
+    PyErr_SetString(PyExc_SystemError, "_hotpath: a buffer's pending accesses changed type during a submission");
+    return -1;
+}
+
 static int order_one(PyObject *s, PyObject *b, int write) {
-    PyObject *w = SLOT(b, O.buf_writer);
+    PyObject *w = SLOT(b, O.buf_writer), *readers = SLOT(b, O.buf_readers);
+    if (w == NULL || readers == NULL || !PyDict_CheckExact(readers) ||
+        (w != Py_None && !(PyTuple_CheckExact(w) && PyTuple_GET_SIZE(w) == 2)))
+        return changed_slot();
     if (w != Py_None && PyTuple_GET_ITEM(w, 0) != s) {
         Py_INCREF(w);
         int e = wait_for(s, PyTuple_GET_ITEM(w, 0), PyTuple_GET_ITEM(w, 1));
@@ -596,7 +610,8 @@ static int order_one(PyObject *s, PyObject *b, int write) {
         if (e < 0) return -1;
     }
     if (!write) return 0;
-    PyObject *readers = SLOT(b, O.buf_readers);
+    readers = SLOT(b, O.buf_readers); /* (again: wait_for ran) */
+    if (readers == NULL || !PyDict_CheckExact(readers)) return changed_slot();
     if (PyDict_GET_SIZE(readers)) {
         PyObject *items = PyDict_Items(readers);
         if (items == NULL) return -1;
@@ -615,12 +630,14 @@ static int order_one(PyObject *s, PyObject *b, int write) {
 /* Register point ``seq`` of ``s`` as the writer or a reader of buffer ``b`` (untracked:
  * only its lifetime) (note_accesses, for one). */
 static int note_one(PyObject *s, PyObject *seq, PyObject *b, int tracked, int write) {
-    if (!tracked) return PyDict_SetItem(SLOT(b, O.buf_lifetime), s, seq);
-    if (!write) return PyDict_SetItem(SLOT(b, O.buf_readers), s, seq);
+    PyObject *lifetime = SLOT(b, O.buf_lifetime), *readers = SLOT(b, O.buf_readers);
+    if (lifetime == NULL || readers == NULL || !PyDict_CheckExact(lifetime) || !PyDict_CheckExact(readers))
+        return changed_slot();
+    if (!tracked) return PyDict_SetItem(lifetime, s, seq);
+    if (!write) return PyDict_SetItem(readers, s, seq);
     PyObject *w = PyTuple_Pack(2, s, seq);
     if (w == NULL) return -1;
     Py_XSETREF(SLOT(b, O.buf_writer), w);
-    PyObject *readers = SLOT(b, O.buf_readers);
     if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
     return 0;
 }
@@ -1445,6 +1462,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_launch, "launch");
     NAME(s__key, "_key");
     NAME(s_retire, "retire");
+    NAME(s_event_at, "event_at");
     NAME(s__arg, "_arg");
     NAME(s_event_handle, "_event_handle");
     NAME(s_record, "record");
