@@ -1,21 +1,29 @@
-/* The runtime's compiled hot path (issue 12): the direct submission of a prepared
- * kernel launch, ``_Launch._submit_now`` (trio_cuda/_kernel.py), in C.
+/* The runtime's compiled hot path (issue 12), in C:
  *
- * Why C helps here and nowhere else: the work is ~40 reads and writes of the runtime's
- * objects' attributes, a lock, and three calls. C reading attributes through
+ * - ``_Launch._submit_now`` (trio_cuda/_kernel.py): the direct submission of a prepared
+ *   kernel launch;
+ * - ``enqueue_direct``: the same enqueue for a replayed op whose recipe is one prepared
+ *   launch (_ops/_core.py, _Recipe.submit_now);
+ * - ``Device.poll`` (trio_cuda/_device.py) for an event without a completion word.
+ *
+ * Why C helps here: the work is ~40 reads and writes of the runtime's objects'
+ * attributes, a lock, and three driver calls. C reading attributes through
  * PyObject_GetAttr is no faster than Python's specialized bytecode (measured), so this
  * module reads and writes the ``__slots__`` of the runtime's classes directly at their
  * offsets. The offsets are taken at setup from the classes' member descriptors, each
  * checked to be a plain object slot; a class that is not what this file expects makes
- * setup fail, and the runtime keeps its pure-Python path (the same code, which stays
- * the reference and is tested both ways). Objects of exactly the expected classes only.
+ * setup fail as a whole, and the runtime keeps its pure-Python path (the same code,
+ * which stays the reference and is tested both ways). Objects of exactly the expected
+ * classes only. On a backend that offers them (DeviceDriver.hot_calls: CUDA with its
+ * fast path) the launch, record and query are made straight through the driver's entry
+ * points, while the driver's methods are the backend's own.
  *
- * The contract: the compiled ``_submit_now(stream)`` either does exactly what the Python
- * ``_Launch._submit_now`` does, or, before any effect, hands the call to it (any case
- * this file does not handle: op inputs, arguments not seen before, memory not yet
- * allocated, deferred frees to run first, keep-alives to retire, a capture, ...).
- * Everything here runs under the GIL; the runtime lock is the same RLock the Python
- * code takes.
+ * The contract: each either does exactly what the Python does, or, before any effect,
+ * hands the call to it (any case this file does not handle: op inputs, arguments not
+ * seen before, memory not yet allocated, deferred frees to run first, keep-alives to
+ * retire, a capture, a completion word, a query it cannot make, ...). Everything here
+ * runs under the GIL; the runtime lock is the same RLock the Python code takes; the GIL
+ * is released around each driver call.
  *
  * Not built with the limited API: the member descriptors' offsets need CPython's
  * structures (stable since 3.11). Built per Python version at install; optional.
