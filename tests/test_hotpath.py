@@ -166,7 +166,6 @@ async def test_same_results_counters_and_points_both_ways() -> None:
 async def test_keys_of_scalars_tell_bits_apart() -> None:
     """0.0 and -0.0, 1 and 1.0 and True pass different bits: each has its own prepared
     launch (as _scalar_key says), in both modes."""
-    dev = trio_cuda.current_device()
     x = await api.arange(8)
     y = await api.zeros((8,))
     for compiled in (False, True):
@@ -181,7 +180,6 @@ async def test_keys_of_scalars_tell_bits_apart() -> None:
                 await saxpy(a, x, y.partition((8,)))
             if compiled:
                 assert delta(c0, counters())["submits"] == 5
-    assert dev.generation >= 0
     np.testing.assert_array_equal(await y.to_host(), np.arange(8, dtype=np.float32) * 12)
 
 

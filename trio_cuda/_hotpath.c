@@ -476,13 +476,25 @@ static int query_direct(Direct *d, PyObject *event) {
     return err == d->not_ready ? 0 : 2;
 }
 
+/* driver.launch(prepared, stream): straight through the entry point when ``d`` allows,
+ * else the driver's method. 0, or -1 with the error set. */
+static int launch_prepared(PyObject *driver, Direct *d, PyObject *prepared, PyObject *stream) {
+    int made = d != NULL ? launch_direct(driver, d, prepared, stream) : 0;
+    if (made == 0) {
+        PyObject *r = PyObject_CallMethodObjArgs(driver, s_launch, prepared, stream, NULL);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return made < 0 ? -1 : 0;
+}
+
 /* Stream.event_at(seq) for a stream that just enqueued point ``seq`` (not capturing,
  * with a live handle): the stream's last event if it covers seq, else a new Event
  * recorded now. New reference; NULL on error. */
-static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct *direct, PyObject *flag, PyObject *wref,
-                           PyObject *handle, PyObject *gen);
+static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
+                           PyObject *flag, PyObject *wref, PyObject *handle, PyObject *gen);
 
-static PyObject *event_at(PyObject *s, PyObject *device, PyObject *seq, Direct *direct) {
+static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct) {
     PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
     if (h == NULL || h == Py_None || cap != Py_None) /* a destroyed or capturing stream: the Python says */
         return PyObject_CallMethodOneArg(s, s_event_at, seq);
@@ -507,7 +519,7 @@ static PyObject *event_at(PyObject *s, PyObject *device, PyObject *seq, Direct *
     Py_INCREF(wref);
     Py_INCREF(handle);
     Py_INCREF(gen);
-    PyObject *ev = event_new(s, device, seq, direct, flag, wref, handle, gen);
+    PyObject *ev = event_new(s, device, driver, seq, direct, flag, wref, handle, gen);
     Py_DECREF(flag);
     Py_DECREF(wref);
     Py_DECREF(handle);
@@ -515,8 +527,8 @@ static PyObject *event_at(PyObject *s, PyObject *device, PyObject *seq, Direct *
     return ev;
 }
 
-static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct *direct, PyObject *flag, PyObject *wref,
-                           PyObject *handle, PyObject *gen) {
+static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
+                           PyObject *flag, PyObject *wref, PyObject *handle, PyObject *gen) {
     long f = PyLong_AsLong(flag);
     if (f == -1 && PyErr_Occurred()) return NULL;
     PyObject *ticket;
@@ -558,17 +570,15 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *seq, Direct 
     SET(ev_ticket, ticket);
 #undef SET
     Py_DECREF(eh);
-    PyObject *driver = PyObject_GetAttr(device, s_driver);
     int made = 0;
-    if (driver != NULL && f < 0 && direct != NULL) made = record_direct(driver, direct, SLOT(ev, O.ev_handle), handle);
-    if (made == 0 && driver != NULL) {
+    if (f < 0 && direct != NULL) made = record_direct(driver, direct, SLOT(ev, O.ev_handle), handle);
+    if (made == 0) {
         PyObject *r = PyObject_CallMethodObjArgs(driver, s_record, SLOT(ev, O.ev_handle), handle, flag, ticket, NULL);
         made = r == NULL ? -1 : 1;
         Py_XDECREF(r);
     }
-    Py_XDECREF(driver);
     Py_DECREF(ticket);
-    if (driver == NULL || made < 0) {
+    if (made < 0) {
         Py_DECREF(ev);
         return NULL;
     }
@@ -725,16 +735,7 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
     {
         int empty = PySequence_Contains(SLOT(cfg, O.cfg_grid), zero);
         if (empty < 0) goto failed;
-        if (!empty) {
-            int made = 0;
-            if (use_direct) made = launch_direct(driver, &direct, prepared, SLOT(s, O.s_handle));
-            if (made == 0) {
-                PyObject *x = PyObject_CallMethodObjArgs(driver, s_launch, prepared, SLOT(s, O.s_handle), NULL);
-                made = x == NULL ? -1 : 1;
-                Py_XDECREF(x);
-            }
-            if (made < 0) goto failed;
-        }
+        if (!empty && launch_prepared(driver, use_direct ? &direct : NULL, prepared, SLOT(s, O.s_handle)) < 0) goto failed;
     }
     if (add_one(s, O.s_seq) < 0) goto failed;
     seq = Py_NewRef(SLOT(s, O.s_seq));
@@ -751,7 +752,7 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
         int later = PyObject_RichCompareBool(seq, start, Py_GT);
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
         if (later < 0) goto failed;
-        ev = later ? event_at(s, device, seq, use_direct ? &direct : NULL) : Py_NewRef(Py_None);
+        ev = later ? event_at(s, device, driver, seq, use_direct ? &direct : NULL) : Py_NewRef(Py_None);
         if (ev == NULL) goto failed;
     }
     Py_CLEAR(direct.hot);
@@ -878,6 +879,7 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
     PyObject *result = NULL, *ev = NULL, *names = NULL, *name = NULL;
     int locked = 0, flagged = 0, executing_set = 0, use_direct = 0;
     Direct direct = {NULL, NULL, NULL, NULL, 0};
+    PyObject *driver = NULL; /* the device's driver, read once */
 
     if (lock_call(s_acquire) < 0) goto error;
     locked = 1;
@@ -892,10 +894,9 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         if (ne) goto python_or_error;
         int r = attr_true(device, s_resetting);
         if (r) goto python_or_error;
-        PyObject *driver = PyObject_GetAttr(device, s_driver);
+        driver = PyObject_GetAttr(device, s_driver);
         if (driver == NULL) goto error;
         PyObject *fault = PyObject_GetAttr(driver, s_fault);
-        Py_DECREF(driver);
         if (fault == NULL) goto error;
         int faulted = fault != Py_None;
         Py_DECREF(fault);
@@ -920,13 +921,8 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         Py_DECREF(stats);
         if (!r) goto python;
     }
-    {
-        PyObject *driver = PyObject_GetAttr(device, s_driver);
-        if (driver == NULL) goto error;
-        use_direct = direct_calls(driver, &direct);
-        Py_DECREF(driver);
-        if (use_direct < 0) goto error;
-    }
+    use_direct = direct_calls(driver, &direct);
+    if (use_direct < 0) goto error;
     /* the submission: nothing above had an effect */
     Py_INCREF(executing);
     Py_XSETREF(SLOT(op, O.op_state), executing);
@@ -951,19 +947,8 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         }
         int empty = PySequence_Contains(grid, zero);
         if (empty < 0) goto start_failed;
-        if (!empty) {
-            PyObject *driver = PyObject_GetAttr(device, s_driver);
-            if (driver == NULL) goto start_failed;
-            int made = 0;
-            if (use_direct) made = launch_direct(driver, &direct, prepared, SLOT(s, O.s_handle));
-            if (made == 0) {
-                PyObject *r = PyObject_CallMethodObjArgs(driver, s_launch, prepared, SLOT(s, O.s_handle), NULL);
-                made = r == NULL ? -1 : 1;
-                Py_XDECREF(r);
-            }
-            Py_DECREF(driver);
-            if (made < 0) goto start_failed;
-        }
+        if (!empty && launch_prepared(driver, use_direct ? &direct : NULL, prepared, SLOT(s, O.s_handle)) < 0)
+            goto start_failed;
         if (add_one(s, O.s_seq) < 0) goto start_failed;
         PyObject *seq = SLOT(s, O.s_seq);
         Py_INCREF(seq);
@@ -988,7 +973,7 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
         if (later < 0) goto seq_failed;
         if (later) {
-            ev = event_at(s, device, seq, use_direct ? &direct : NULL);
+            ev = event_at(s, device, driver, seq, use_direct ? &direct : NULL);
             if (ev == NULL) goto seq_failed;
         } else {
             ev = Py_NewRef(Py_None);
@@ -1028,6 +1013,7 @@ enqueued:
     result = PyTuple_Pack(3, args, ev, names);
     n_submits++;
     Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
     Py_DECREF(names);
     Py_DECREF(ev);
     Py_DECREF(hit);
@@ -1052,6 +1038,7 @@ python_or_error:
 python:
     /* nothing was done: the Python path decides (it takes the lock again) */
     Py_CLEAR(direct.hot);
+    Py_CLEAR(driver);
     if (lock_call(s_release) < 0) {
         Py_DECREF(hit);
         return NULL;
@@ -1070,6 +1057,7 @@ error: {
     PyErr_Restore(et, ev_, tb);
     (void)executing_set;
     Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
     Py_XDECREF(name);
     Py_XDECREF(ev);
     Py_DECREF(hit);

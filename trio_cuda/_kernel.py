@@ -641,9 +641,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
 
 
 # -- the compiled hot path ---------------------------------------------------------------
-# trio_cuda/_hotpath.c: _Launch._submit_now and Device.poll in C, reading and writing the
-# runtime's __slots__ at their offsets (see its docstring). Each hands any case it does
-# not handle, before any effect, to the Python method. Optional: without it (no compiler
+# trio_cuda/_hotpath.c: _Launch._submit_now, Device.poll and the enqueue of a replayed
+# op's one launch (enqueue_direct) in C, reading and writing the runtime's __slots__ at
+# their offsets (see its docstring). Each hands any case it does not handle, before any
+# effect, to the Python. Optional: without it (no compiler
 # at install, TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
 _submit_now_py = _Launch._submit_now
 _poll_py: Any = None
