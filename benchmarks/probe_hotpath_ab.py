@@ -4,16 +4,18 @@ A/B in one process (issue 12).
 Variants, alternated in short blocks (a lent machine's host changes speed between
 processes, see benchmarks/results/host-direct-2026-11-30.md):
 
-* ``python``: ``_Launch._submit_now`` and ``Device.poll`` in Python (as with
-  ``TRIO_CUDA_HOTPATH=0``);
-* ``compiled``: both in C, with the launch, record and query made straight through
+* ``python``: ``_Launch._submit_now``, ``Device.poll``, ``_Launch._plan`` and the
+  plan's walk and step loop in Python (as with ``TRIO_CUDA_HOTPATH=0``);
+* ``compiled``: all in C, with the launch, record and query made straight through
   the driver's entry points where the backend offers them (CUDA with its fast path).
 
 Figures: the tiny op round trip (``await inc(p)``, median of 200); awaits of
 ``inc(p)`` in a loop, the op made each time (us per await, the "sync after every op"
 figure of bench_host); awaits/s of 16 and 256 tasks, as in probe_poll.py; and the
 decode step of bench_decode.py awaited per kernel on one stream (88 awaits: ops and
-the add kernel; ms per token over 3 tokens). Each variant's ratio to ``python`` within
+the add kernel; ms per token over 3 tokens); a dependent chain of 500 launches
+awaited once (us per op, bench_host's chain figure: the general planner's walk and
+steps). Each variant's ratio to ``python`` within
 the same cycle is printed (> 1 is better). Either backend (on the simulated device use
 --hidden 16 --layers 2; only the ratios mean anything there).
 
@@ -53,8 +55,19 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
             await inc(p)
         return (time.perf_counter_ns() - t0) / 500e3
 
+    async def chain_us() -> float:
+        """us per op of a dependent chain of 500 ``inc`` launches awaited once (built
+        beforehand, as bench_host's chain figure)."""
+        op = inc(p)
+        for _ in range(499):
+            op = inc(op.first())
+        t0 = time.perf_counter_ns()
+        await op
+        return (time.perf_counter_ns() - t0) / 500e3
+
     figures = standard_figures(p, many)
     figures["await per op in a loop, us"] = sync_each_us
+    figures["dependent chain awaited once, us/op"] = chain_us
     figures["decode step, await per kernel, ms"] = decode_ms
 
     async def warm_up() -> None:

@@ -723,3 +723,351 @@ async def test_a_failed_launch_of_a_replayed_op_counts_and_releases(monkeypatch:
     assert seen[True][0]["failed"] == 1 and seen[True][1] is False
     await ops.add(x, x, out=y)
     np.testing.assert_array_equal(await y.to_host(), 2 * np.arange(16, dtype=np.float32))
+
+
+# -- the general path: the compiled walk, _Launch._plan and the step runner ------------------
+def saxpy_chain(x: Any, part: Any, n: int) -> Any:
+    """``y += x`` n times as one DAG: each launch takes the previous one's output
+    partition (``.last()``), the chain bench_host awaits once."""
+    op = saxpy(1.0, x, part)
+    for _ in range(n - 1):
+        op = saxpy(1.0, x, op.last())
+    return op
+
+
+def pending_of(*bufs: Any) -> list[Any]:
+    return [(b.writer, dict(b.readers), dict(b.lifetime)) for b in bufs]
+
+
+async def test_a_chain_plans_and_runs_the_same_both_ways() -> None:
+    """A chain of 40 prepared launches awaited once: the compiled walk plans every one
+    (none handed to the Python) and the step runner enqueues them; the results, the
+    counters, the pending accesses and the stream's points are the Python's."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            x, y = await api.arange(64), await api.zeros((64,))
+            part = y.partition((64,))
+            await on(saxpy(1.0, x, part), s)  # prepares the launch (the general path)
+            before, c0, seq0 = stats_of(dev), counters(), s.seq
+            out = await on(saxpy_chain(x, part, 40), s)
+            seen[compiled] = (
+                delta(before, stats_of(dev)),
+                s.seq - seq0,
+                dict(x._buffer.readers) == {s: s.seq} and pending_of(y._buffer) == [((s, s.seq), {}, {})],
+                out[2] is part,
+                (await y.to_host()).tolist(),
+                delta(c0, counters()),
+            )
+    py, c = seen[False], seen[True]
+    assert py[:5] == c[:5]
+    assert c[0]["launches"] == 40 and c[0]["submissions"] == 1 and c[1] == 40 and c[2] and c[3]
+    assert c[4] == (41 * np.arange(64, dtype=np.float32)).tolist()
+    assert c[5]["plans"] == 40 and c[5]["plans_python"] == 0 and c[5]["steps"] == 40
+    assert py[5]["plans"] == py[5]["steps"] == 0  # the Python ran it all
+
+
+async def test_a_dag_of_other_ops_is_walked_in_turns_with_the_python() -> None:
+    """zip, then(), shared ops, a map and launches whose memory the plan allocates mix
+    frames the compiled walk hands back with frames it walks: the same results and
+    counters both ways, and both loops did part of it."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            x, y, z = await api.arange(32), await api.zeros((32,)), await api.zeros((32,))
+            yp, zp = y.partition((32,)), z.partition((32,))
+            await saxpy(1.0, x, yp)
+            await saxpy(1.0, x, zp)
+            before, c0 = stats_of(dev), counters()
+            shared = saxpy_chain(x, yp, 3).shared()
+            left = shared.then(lambda out, zp=zp: saxpy(2.0, out[1], zp))  # z += 2 * x, after the chain
+            fresh = api.zeros((32,)).then(lambda t, x=x: add(t.partition((32,)), x, x))  # memory this plan allocates
+            right = saxpy(1.0, x, shared.last()).last()  # y += x after the chain, on its output
+            _, b, t = await trio_cuda.zip(left, right, fresh)
+            counted = delta(before, stats_of(dev))
+            del counted["stream_waits"]  # (which streams the pool hands out differs between the runs)
+            seen[compiled] = (
+                counted,
+                (await y.to_host()).tolist(),
+                (await z.to_host()).tolist(),
+                (await t[0].tensor.to_host()).tolist(),
+                b is yp,
+                delta(c0, counters()),
+            )
+    py, c = seen[False], seen[True]
+    assert py[:5] == c[:5]
+    xs = np.arange(32, dtype=np.float32)
+    # y: x, the chain's 3, the right branch's 1; z: x, then 2 * (the chain's output's x)
+    assert c[1] == (5 * xs).tolist() and c[2] == (3 * xs).tolist() and c[3] == (2 * xs).tolist() and c[4]
+    assert c[0]["launches"] == 6 and c[0]["failed"] == 0
+    cc = c[5]
+    assert cc["walk_handbacks"] > 0 and cc["plans"] >= 3  # both loops walked
+    assert cc["plans"] + cc["plans_python"] >= 6
+
+
+async def test_a_chain_on_another_stream_waits_for_its_pending_writes() -> None:
+    """A chain on stream B reading memory stream A is still writing (behind a sleep): the
+    compiled step runner waits for it, as the Python does."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            a, b = wordless_stream(dev), wordless_stream(dev)
+            x, y, z = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
+            c = await api.zeros((1,), np.int32)
+            yp, zp = y.partition((64,)), z.partition((64,))
+            await on(saxpy(1.0, x, yp), a)
+            await on(saxpy(1.0, y, zp), b)
+            w0 = dev.statistics().stream_waits
+            await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), a)
+            pending = await lowlevel.submit(saxpy(1.0, x, yp), a)  # y = 2x, late
+            c0 = counters()
+            await on(saxpy_chain(y, zp, 3), b)  # z += y three times: z = x + 3 * 2x
+            seen[compiled] = (
+                dev.statistics().stream_waits - w0,
+                dict(y._buffer.readers) == {b: b.seq},
+                z._buffer.writer == (b, b.seq),
+                (await z.to_host()).tolist(),
+            )
+            await pending.wait()
+            if compiled:
+                assert delta(c0, counters())["steps"] == 3
+    assert seen[False] == seen[True]
+    assert seen[True][0] == 1 and seen[True][1] and seen[True][2]
+    assert seen[True][3] == (7 * np.arange(64, dtype=np.float32)).tolist()
+
+
+async def test_methods_replaced_on_the_ops_are_called_by_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A _plan replaced on the launch or select class (a test's or a tool's wrapper) is
+    called for every op: the compiled walk leaves those frames to the Python."""
+    from trio_cuda._op import _Select
+
+    x, y = await api.arange(16), await api.zeros((16,))
+    part = y.partition((16,))
+    await saxpy(1.0, x, part)
+    calls = {"launch": 0, "select": 0}
+    launch_plan, select_plan = _kernel._Launch._plan, _Select._plan
+
+    def wrap_launch(self: Any, *a: Any) -> Any:
+        calls["launch"] += 1
+        return launch_plan(self, *a)
+
+    def wrap_select(self: Any, *a: Any) -> Any:
+        calls["select"] += 1
+        return select_plan(self, *a)
+
+    monkeypatch.setattr(_kernel._Launch, "_plan", wrap_launch)
+    await saxpy_chain(x, part, 5)
+    assert calls == {"launch": 5, "select": 0}  # (the selects were walked here)
+    monkeypatch.setattr(_Select, "_plan", wrap_select)
+    await saxpy_chain(x, part, 5)
+    assert calls == {"launch": 10, "select": 4}
+    monkeypatch.undo()
+    np.testing.assert_array_equal(await y.to_host(), 11 * np.arange(16, dtype=np.float32))
+
+
+async def test_a_walk_that_meets_an_executed_op_fails_the_same_both_ways() -> None:
+    """An op executed before, deep in a chain: OpAlreadyExecuted, nothing launched, and
+    the ops the walk claimed left as the Python leaves them."""
+    dev = trio_cuda.current_device()
+    x, y = await api.arange(16), await api.zeros((16,))
+    part = y.partition((16,))
+    await saxpy(1.0, x, part)
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            done = saxpy(1.0, x, part)
+            await done
+            ops_ = [saxpy(1.0, x, done.last())]
+            for _ in range(4):
+                ops_.append(saxpy(1.0, x, ops_[-1].last()))
+            before = stats_of(dev)
+            with pytest.raises(trio_cuda.OpAlreadyExecuted):
+                await ops_[-1]
+            seen[compiled] = (delta(before, stats_of(dev)), [type(o._state).__name__ for o in ops_])
+    assert seen[False] == seen[True]
+    assert seen[True][0]["launches"] == 0
+    np.testing.assert_array_equal(await y.to_host(), 3 * np.arange(16, dtype=np.float32))
+
+
+async def test_a_launch_refused_mid_chain_fails_the_same_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver refusing the third launch of a chain: the error reaches the task, the
+    submission counts as failed, the launches before it count, the flag is down and the
+    lock free; the device works on."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            x, y = await api.arange(16), await api.zeros((16,))
+            part = y.partition((16,))
+            await on(saxpy(1.0, x, part), s)
+            real = dev._driver.launch
+            n = [0]
+
+            def refuse_third(*a: Any, real: Any = real, n: list[int] = n) -> Any:
+                n[0] += 1
+                if n[0] == 3:
+                    raise trio_cuda.LaunchError("refused by the test")
+                return real(*a)
+
+            monkeypatch.setattr(dev._driver, "launch", refuse_third)
+            before = stats_of(dev)
+            with pytest.raises(trio_cuda.LaunchError, match="refused by the test"):
+                await on(saxpy_chain(x, part, 5), s)
+            monkeypatch.undo()
+            got: list[bool] = []
+
+            def take(got: list[bool] = got) -> None:
+                got.append(LOCK.acquire(timeout=5))
+                LOCK.release()
+
+            t = threading.Thread(target=take)
+            t.start()
+            t.join()
+            seen[compiled] = (delta(before, stats_of(dev)), n[0], got, _tls.submitting)
+    assert seen[False] == seen[True]
+    assert seen[True][0]["failed"] == 1 and seen[True][0]["launches"] == 2 and seen[True][1:] == (3, [True], False)
+    await on(saxpy(1.0, x, part), s)
+    np.testing.assert_array_equal(await y.to_host(), 4 * np.arange(16, dtype=np.float32))
+
+
+async def test_chains_leak_no_reference() -> None:
+    """200 chains through the compiled walk, plan and steps: the objects they touch keep
+    their reference counts."""
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    x, y = await api.arange(64), await api.zeros((64,))
+    part = y.partition((64,))
+    objs = (x, y, part, s, dev, saxpy, x._buffer, y._buffer, saxpy._fast)
+    refs = []
+    c0 = counters()
+    for _ in range(3):  # (the first window settles what earlier tests left to collect)
+        for _ in range(100):
+            await on(saxpy_chain(x, part, 4), s)
+        gc.collect()
+        refs.append([sys.getrefcount(o) for o in objs])
+    d = delta(c0, counters())
+    assert d["plans"] + d["plans_python"] == 1200 and d["plans"] >= 1196  # (the first chain prepares)
+    assert refs[1] == refs[2]
+    np.testing.assert_array_equal(await y.to_host(), 1200 * np.arange(64, dtype=np.float32))
+
+
+def test_the_walk_hands_back_what_it_does_not_know() -> None:
+    """walk() on frames it does not handle returns False and leaves them as they were;
+    run_steps() calls any step that is not a prepared launch."""
+    sentinel = object()
+    work: list[Any] = [(sentinel, None, -1)]
+    values: list[Any] = []
+
+    class P:
+        claimed: list[Any] = []  # noqa: RUF012
+
+    assert _hotpath.walk(P(), work, values) is False
+    assert work == [(sentinel, None, -1)] and values == [] and P.claimed == []
+    called = []
+    _hotpath.run_steps([(lambda lane, arg: called.append((lane, arg)), "lane", 7)])
+    assert called == [("lane", 7)]
+    with pytest.raises(ValueError, match="not \\(fn, lane, arg\\)"):
+        _hotpath.run_steps([(print, "lane")])
+
+
+async def _drop_a_buffer_while_waiting(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[float]]:
+    from trio_cuda._stream import Stream
+
+    dev = trio_cuda.current_device()
+    a, b = wordless_stream(dev), wordless_stream(dev)
+    x, y, spare = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
+    c = await api.zeros((1,), np.int32)
+    yp = y.partition((64,))
+    await on(saxpy(1.0, x, yp), a)
+    await on(saxpy(1.0, x, yp), b)
+    await lowlevel.submit(sleep(c.partition((1,)), 20_000_000), a)
+    pending = await lowlevel.submit(saxpy(1.0, x, yp), a)  # y written on a, late
+    real = Stream.wait_for
+    freed: list[int] = []
+    swapped: list[int] = []
+
+    def swap(self: Any, other: Any, seq: int, **kw: Any) -> Any:
+        if not swapped:
+            swapped.append(1)
+            old = yp.tensor._buffer
+            weakref.finalize(old, freed.append, 1)
+            yp.tensor._buffer = y._buffer = spare._buffer
+            del old
+            junk = [object() for _ in range(2000)]  # (reuses freed memory)
+            del junk
+        return real(self, other, seq, **kw)
+
+    monkeypatch.setattr(Stream, "wait_for", swap)
+    await on(saxpy_chain(x, yp, 2), b)
+    monkeypatch.undo()
+    await pending.wait()
+    return freed, (await spare.to_host()).tolist()
+
+
+async def test_a_buffer_dropped_while_waiting_for_another_stream_is_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replaced Stream.wait_for (a tool's wrapper) that drops the last reference to the
+    buffer being ordered, mid-enqueue: the compiled enqueue holds it, as the Python's
+    local variable does (found by review: it read the freed buffer)."""
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            seen[compiled] = await _drop_a_buffer_while_waiting(monkeypatch)
+    assert seen[False] == seen[True]
+    assert seen[True][0] == [1]  # the buffer went while its order was being made
+
+
+async def test_statistics_of_another_class_are_counted_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device._stats replaced by a subclass (a tool's counting wrapper): a chain counts
+    its launches in it both ways (found by review: the compiled steps raised after the
+    first launch)."""
+    from trio_cuda._device import _Counters
+
+    class Counting(_Counters):
+        __slots__ = ()
+
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            s = wordless_stream(dev)
+            x, y = await api.arange(16), await api.zeros((16,))
+            part = y.partition((16,))
+            await on(saxpy(1.0, x, part), s)
+            mine = Counting()
+            for f in _Counters.__slots__:
+                setattr(mine, f, getattr(dev._stats, f))
+            monkeypatch.setattr(dev, "_stats", mine)
+            s0, l0 = s.seq, mine.launches
+            await on(saxpy_chain(x, part, 3), s)
+            monkeypatch.undo()
+            seen[compiled] = (s.seq - s0, mine.launches - l0, (await y.to_host()).tolist())
+    assert seen[False] == seen[True] == (3, 3, (4 * np.arange(16, dtype=np.float32)).tolist())
+
+
+async def test_step_functions_replaced_in_the_module_are_called(monkeypatch: pytest.MonkeyPatch) -> None:
+    """_kernel._prepared_step or _kernel._enqueue_launch replaced (a tool's wrapper): the
+    compiled plan and steps call the wrapper for each launch, as the Python does (found by
+    review: the compiled ones bypassed them)."""
+    x, y = await api.arange(16), await api.zeros((16,))
+    part = y.partition((16,))
+    await saxpy(1.0, x, part)
+    for name in ("_prepared_step", "_enqueue_launch"):
+        for compiled in (False, True):
+            with mode(compiled):
+                real = getattr(_kernel, name)
+                calls = [0]
+
+                def wrapper(*a: Any, real: Any = real, calls: list[int] = calls) -> Any:
+                    calls[0] += 1
+                    return real(*a)
+
+                monkeypatch.setattr(_kernel, name, wrapper)
+                await saxpy_chain(x, part, 4)
+                monkeypatch.undo()
+                assert calls[0] == 4, (name, compiled)
+    np.testing.assert_array_equal(await y.to_host(), 17 * np.arange(16, dtype=np.float32))

@@ -4,7 +4,9 @@
  *   kernel launch;
  * - ``enqueue_direct``: the same enqueue for a replayed op whose recipe is one prepared
  *   launch (_ops/_core.py, _Recipe.submit_now);
- * - ``Device.poll`` (trio_cuda/_device.py) for an event without a completion word.
+ * - ``Device.poll`` (trio_cuda/_device.py) for an event without a completion word;
+ * - for the general path (trio_cuda/_submit.py, Plan): ``_Launch._plan`` of a prepared
+ *   launch, the walk's loop over launches and selects, and the loop over a plan's steps.
  *
  * Why C helps here: the work is ~40 reads and writes of the runtime's objects'
  * attributes, a lock, and three driver calls. C reading attributes through
@@ -78,6 +80,8 @@ static struct {
         ev_ticket;
     /* _Counters */
     Py_ssize_t ctr_launches, ctr_submissions;
+    /* the walk: _Launch._inputs_at, _Select, Lane, Continue, Buffer */
+    Py_ssize_t launch_inputs_at, sel_index, sel_expect, lane_device, lane_stream, cont_op, buf_generation, buf_device;
 } O;
 
 static PyObject *py_submit;   /* the Python _Launch._submit_now: every case not handled here */
@@ -93,10 +97,11 @@ static PyObject *device_globals; /* _device's module dict (poll_by_stream) */
 static PyObject *one, *zero;
 static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetting, *s_driver, *s_fault,
     *s_dead_buffers, *s_dead_streams, *s_lingering, *s_dead_graphs, *s_stats, *s_fast, *s_name, *s_launch,
-    *s__key, *s__arg, *s_retire, *s_event_at, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct;
+    *s__key, *s__arg, *s_retire, *s_event_at, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct, *s_claimed, *s_steps, *s_ops, *s_capture, *s__plan, *s_launches, *s__prepared_step, *s__enqueue_launch;
 
 /* What ran here, for tests and probes (under the GIL; wrap-around is not a concern). */
-static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues;
+static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues,
+    n_plans, n_plans_python, n_handbacks, n_steps, n_steps_python;
 
 /* ---- helpers ---------------------------------------------------------------------- */
 
@@ -616,7 +621,17 @@ static int changed_slot(void) {
     return -1;
 }
 
+static int order_one_held(PyObject *s, PyObject *b, int write);
+
 static int order_one(PyObject *s, PyObject *b, int write) {
+    /* held: wait_for runs Python, which may drop the tensor's reference to it */
+    Py_INCREF(b);
+    int r = order_one_held(s, b, write);
+    Py_DECREF(b);
+    return r;
+}
+
+static int order_one_held(PyObject *s, PyObject *b, int write) {
     PyObject *w = SLOT(b, O.buf_writer), *readers = SLOT(b, O.buf_readers);
     if (w == NULL || readers == NULL || !PyDict_CheckExact(readers) ||
         (w != Py_None && !(PyTuple_CheckExact(w) && PyTuple_GET_SIZE(w) == 2)))
@@ -674,6 +689,68 @@ static int note_pairs(PyObject *s, PyObject *seq, PyObject *pairs, int write) {
         if (note_one(s, seq, PyTuple_GET_ITEM(it, 0), PyTuple_GET_ITEM(it, 1) == Py_True, write) < 0) return -1;
     }
     return 0;
+}
+
+/* _kernel._enqueue_launch(s, device, cfg, args, prepared): a prepared launch on ``s`` (not
+ * capturing), ordered after the pending accesses of its buffers on other streams and
+ * registered as their writer or reader; the device's launch counted. For arguments
+ * checked by shape_ok; ``driver`` is the device's, ``direct`` its direct calls or NULL.
+ * Returns the stream's new point (a new reference), or NULL with the error set. */
+static PyObject *enqueue_launch(PyObject *s, PyObject *device, PyObject *driver, Direct *direct, PyObject *cfg,
+                                PyObject *args, PyObject *prepared) {
+    /* held: the calls out below (wait_for, a replaced launch) run Python */
+    PyObject *wpos = Py_NewRef(SLOT(cfg, O.cfg_writes)), *rpos = Py_NewRef(SLOT(cfg, O.cfg_reads)),
+             *grid = Py_NewRef(SLOT(cfg, O.cfg_grid)), *seq = NULL;
+    for (int write = 1; write >= 0; write--) {
+        PyObject *pos = write ? wpos : rpos;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
+            if (b == NULL) goto changed;
+            if (SLOT(t, O.tensor_tracked) == Py_True && order_one(s, b, write) < 0) goto failed;
+        }
+    }
+    int empty = PySequence_Contains(grid, zero);
+    if (empty < 0) goto failed;
+    if (!empty && launch_prepared(driver, direct, prepared, SLOT(s, O.s_handle)) < 0) goto failed;
+    if (add_one(s, O.s_seq) < 0) goto failed;
+    seq = Py_NewRef(SLOT(s, O.s_seq));
+    for (int write = 1; write >= 0; write--) {
+        PyObject *pos = write ? wpos : rpos;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+            PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
+            if (b == NULL) goto changed;
+            if (note_one(s, seq, b, SLOT(t, O.tensor_tracked) == Py_True, write) < 0) goto failed;
+        }
+    }
+    {
+        /* device._stats.launches += 1 (by attribute for statistics of another class) */
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto failed;
+        int e;
+        if (IS(stats, Counters_T)) {
+            e = add_one(stats, O.ctr_launches);
+        } else {
+            PyObject *v = PyObject_GetAttr(stats, s_launches);
+            PyObject *n = v == NULL ? NULL : PyNumber_Add(v, one);
+            e = n == NULL ? -1 : PyObject_SetAttr(stats, s_launches, n);
+            Py_XDECREF(v);
+            Py_XDECREF(n);
+        }
+        Py_DECREF(stats);
+        if (e < 0) goto failed;
+    }
+    Py_DECREF(wpos);
+    Py_DECREF(rpos);
+    Py_DECREF(grid);
+    return seq;
+changed: /* (checked before: only a bug could get here) */
+    PyErr_SetString(PyExc_SystemError, "_hotpath: a launch argument changed during its enqueue");
+failed:
+    Py_XDECREF(seq);
+    Py_DECREF(wpos);
+    Py_DECREF(rpos);
+    Py_DECREF(grid);
+    return NULL;
 }
 
 static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyObject *prepared, PyObject *writes,
@@ -935,39 +1012,8 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
     }
     flagged = 1;
     {
-        /* _enqueue_launch(s, device, cfg, args, prepared), inlined */
-        PyObject *wpos = SLOT(cfg, O.cfg_writes), *rpos = SLOT(cfg, O.cfg_reads), *grid = SLOT(cfg, O.cfg_grid);
-        for (int write = 1; write >= 0; write--) {
-            PyObject *pos = write ? wpos : rpos;
-            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
-                PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
-                if (b == NULL) goto changed;
-                if (SLOT(t, O.tensor_tracked) == Py_True && order_one(s, b, write) < 0) goto start_failed;
-            }
-        }
-        int empty = PySequence_Contains(grid, zero);
-        if (empty < 0) goto start_failed;
-        if (!empty && launch_prepared(driver, use_direct ? &direct : NULL, prepared, SLOT(s, O.s_handle)) < 0)
-            goto start_failed;
-        if (add_one(s, O.s_seq) < 0) goto start_failed;
-        PyObject *seq = SLOT(s, O.s_seq);
-        Py_INCREF(seq);
-        for (int write = 1; write >= 0; write--) {
-            PyObject *pos = write ? wpos : rpos;
-            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
-                PyObject *t, *b = arg_buffer(args, PyTuple_GET_ITEM(pos, j), write, &t);
-                if (b == NULL) goto seq_changed;
-                if (note_one(s, seq, b, SLOT(t, O.tensor_tracked) == Py_True, write) < 0) goto seq_failed;
-            }
-        }
-        {
-            PyObject *stats = PyObject_GetAttr(device, s_stats);
-            if (stats == NULL) goto seq_failed;
-            int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_launches) : -1;
-            if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
-            Py_DECREF(stats);
-            if (e < 0) goto seq_failed;
-        }
+        PyObject *seq = enqueue_launch(s, device, driver, use_direct ? &direct : NULL, cfg, args, prepared);
+        if (seq == NULL) goto start_failed;
         /* ev = s.event_at(seq) if seq > start and seq > s.done_seq else None */
         int later = PyObject_RichCompareBool(seq, start, Py_GT);
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
@@ -981,13 +1027,8 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         Py_DECREF(seq);
         Py_DECREF(start);
         goto enqueued;
-    seq_changed: /* (checked under the lock before: only a bug could get here) */
-        PyErr_SetString(PyExc_SystemError, "_hotpath: a launch argument changed during its submission");
     seq_failed:
         Py_DECREF(seq);
-        goto start_failed;
-    changed:
-        PyErr_SetString(PyExc_SystemError, "_hotpath: a launch argument changed during its submission");
     start_failed:
         Py_DECREF(start);
         goto failed;
@@ -1076,6 +1117,422 @@ static PyObject *submit_method(PyObject *op, PyObject *const *argv, Py_ssize_t a
 
 static PyMethodDef submit_def = {"_submit_now", (PyCFunction)(void (*)(void))submit_method, METH_FASTCALL,
                                  "_Launch._submit_now, compiled (trio_cuda/_hotpath.c)."};
+
+/* ---- the general path: planning and running a plan's steps ------------------------- */
+/* Three pieces of _submit.Plan's walk of a DAG (the chain ``inc(op.first())`` repeated,
+ * awaited once, is all of them):
+ * - ``_Launch._plan(plan, lane, values)``: a launch of arguments prepared before on this
+ *   device, whose memory this plan may use as it is, planned as its prepared step;
+ * - ``walk(plan, work, values)``: Plan._walk's loop over frames of _Launch and _Select
+ *   ops; it leaves any other frame on top of ``work`` and returns False (the Python
+ *   walks that one frame, then calls it again), True when the walk is done;
+ * - ``run_steps(steps)``: Plan._run_steps without a trace; a prepared launch step is
+ *   enqueued here, any other step is called.
+ * Every case not handled goes to the Python before any effect. */
+static PyObject *Lane_T, *Select_T, *Continue_T, *py_plan, *py_select_plan, *py_prepared_step, *py_enqueue_launch;
+static PyObject *kernel_globals; /* _kernel's module dict */
+
+/* Is _kernel's global ``name`` still ``fn`` (not replaced by a test's or a tool's
+ * wrapper, which the Python would call)? 1, 0, or -1 on error. */
+static int kernel_global_is(PyObject *name, PyObject *fn) {
+    PyObject *v = PyDict_GetItemWithError(kernel_globals, name);
+    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
+    return v == fn;
+}
+static PyObject *plan_descr; /* the compiled _Launch._plan, as installed on the class */
+static PyObject *empty_tuple;
+
+static PyObject *plan_delegate(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values) {
+    n_plans_python++;
+    return PyObject_CallFunctionObjArgs(py_plan, op, plan, lane, values, NULL);
+}
+
+/* May this plan use buffer ``b`` as it is (allocated, not recorded by a capture, of its
+ * device's generation), with no plan.use? 1 yes, 0 no or not known here, -1 error. */
+static int buffer_ready(PyObject *b) {
+    if (b == NULL || !IS(b, Buffer_T)) return 0;
+    PyObject *ptr = SLOT(b, O.buf_ptr), *cap = SLOT(b, O.buf_capture), *gen = SLOT(b, O.buf_generation),
+             *dev = SLOT(b, O.buf_device);
+    if (ptr == NULL || cap == NULL || gen == NULL || dev == NULL || ptr == Py_None || cap != Py_None) return 0;
+    Py_INCREF(gen);
+    PyObject *dgen = PyObject_GetAttr(dev, s_generation);
+    int ne = dgen == NULL ? -1 : PyObject_RichCompareBool(gen, dgen, Py_NE);
+    Py_DECREF(gen);
+    Py_XDECREF(dgen);
+    return ne < 0 ? -1 : !ne;
+}
+
+/* The launch's arguments with its input values in place (as _Launch._plan makes them): a
+ * new reference; NULL without an error: not handled here. */
+static PyObject *merged_args(PyObject *op, PyObject *args, PyObject *values) {
+    Py_ssize_t nv = PyTuple_CheckExact(values) ? PyTuple_GET_SIZE(values) : PyList_GET_SIZE(values);
+    if (nv == 0) return Py_NewRef(args);
+    PyObject *pos = SLOT(op, O.launch_inputs_at);
+    if (pos == NULL || !PyTuple_CheckExact(pos)) return NULL;
+    Py_ssize_t np = PyTuple_GET_SIZE(pos), n = PyTuple_GET_SIZE(args), m = np == 1 ? 1 : (np < nv ? np : nv);
+    PyObject *full = PyTuple_New(n);
+    if (full == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) PyTuple_SET_ITEM(full, i, Py_NewRef(PyTuple_GET_ITEM(args, i)));
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *pj = PyTuple_GET_ITEM(pos, j);
+        Py_ssize_t i = PyLong_CheckExact(pj) ? PyLong_AsSsize_t(pj) : -1;
+        if (i < 0 || i >= n) {
+            PyErr_Clear();
+            Py_DECREF(full);
+            return NULL;
+        }
+        PyObject *v = PyTuple_CheckExact(values) ? PyTuple_GET_ITEM(values, j) : PyList_GET_ITEM(values, j);
+        Py_SETREF(PyTuple_GET_ITEM(full, i), Py_NewRef(v));
+    }
+    return full;
+}
+
+/* The prepared launch of these arguments on ``device`` (its cache entry, a new
+ * reference), or NULL without an error: not prepared (or not for this generation). */
+static PyObject *prepared_hit(PyObject *k, PyObject *device, PyObject *args) {
+    PyObject *key = prepared_key(args);
+    if (key == NULL) return NULL;
+    PyObject *fast = PyObject_GetAttr(k, s_fast);
+    if (fast == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
+    Py_XINCREF(hit);
+    Py_DECREF(key);
+    Py_DECREF(fast);
+    if (hit == NULL) return NULL;
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device ||
+        PyTuple_GET_ITEM(hit, 3) == Py_None || !IS(PyTuple_GET_ITEM(hit, 2), Config_T)) {
+        Py_DECREF(hit);
+        return NULL;
+    }
+    PyObject *dgen = PyObject_GetAttr(device, s_generation);
+    int eq = dgen == NULL ? -1 : PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 1), dgen, Py_EQ);
+    Py_XDECREF(dgen);
+    if (eq <= 0) {
+        Py_DECREF(hit);
+        return NULL;
+    }
+    return hit;
+}
+
+static PyObject *launch_plan_full(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values, PyObject *k,
+                                  PyObject *device, PyObject *full);
+
+/* _Launch._plan(plan, lane, values), compiled */
+static PyObject *launch_plan(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values) {
+    if (!IS(op, Launch_T) || !IS(lane, Lane_T) || !(PyTuple_CheckExact(values) || PyList_CheckExact(values)))
+        return plan_delegate(op, plan, lane, values);
+    PyObject *args = SLOT(op, O.op_args), *k = SLOT(op, O.op_kernel), *device = SLOT(lane, O.lane_device);
+    if (args == NULL || k == NULL || device == NULL || !PyTuple_CheckExact(args))
+        return plan_delegate(op, plan, lane, values);
+    PyObject *full = merged_args(op, args, values);
+    if (full == NULL) return PyErr_Occurred() ? NULL : plan_delegate(op, plan, lane, values);
+    Py_INCREF(k);
+    Py_INCREF(device);
+    PyObject *r = launch_plan_full(op, plan, lane, values, k, device, full);
+    Py_DECREF(k);
+    Py_DECREF(device);
+    Py_DECREF(full);
+    return r;
+}
+
+static PyObject *launch_plan_full(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values, PyObject *k,
+                                  PyObject *device, PyObject *full) {
+    PyObject *hit = prepared_hit(k, device, full), *steps = NULL, *ops = NULL, *inner = NULL, *step = NULL, *name = NULL;
+    if (hit == NULL) return PyErr_Occurred() ? NULL : plan_delegate(op, plan, lane, values);
+    PyObject *cfg = PyTuple_GET_ITEM(hit, 2), *prepared = PyTuple_GET_ITEM(hit, 3);
+    PyObject *wpos = Py_XNewRef(SLOT(cfg, O.cfg_writes)), *rpos = Py_XNewRef(SLOT(cfg, O.cfg_reads));
+    if (wpos == NULL || rpos == NULL || !PyTuple_CheckExact(wpos) || !PyTuple_CheckExact(rpos)) goto python;
+    {
+        /* the step the Python would plan: _kernel._prepared_step, unless replaced */
+        int same = kernel_global_is(s__prepared_step, py_prepared_step);
+        if (same < 0) goto error;
+        if (!same) goto python;
+    }
+    {
+        PyObject *cap = PyObject_GetAttr(plan, s_capture);
+        if (cap == NULL) goto error;
+        int capturing = cap != Py_None;
+        Py_DECREF(cap);
+        if (capturing) goto python;
+    }
+    /* memory the plan must take in hand (plan.use): the Python does it */
+    for (int write = 1; write >= 0; write--) {
+        PyObject *pos = write ? wpos : rpos;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
+            PyObject *t;
+            int ok = buffer_ready(arg_buffer(full, PyTuple_GET_ITEM(pos, j), write, &t));
+            if (ok < 0) goto error;
+            if (!ok) goto python;
+        }
+    }
+    steps = PyObject_GetAttr(plan, s_steps);
+    ops = steps == NULL ? NULL : PyObject_GetAttr(plan, s_ops);
+    name = ops == NULL ? NULL : PyObject_GetAttr(k, s_name);
+    if (name == NULL) goto error;
+    if (!PyList_CheckExact(steps) || !PyList_CheckExact(ops)) goto python;
+    inner = PyTuple_Pack(3, cfg, full, prepared);
+    step = inner == NULL ? NULL : PyTuple_Pack(3, py_prepared_step, lane, inner);
+    if (step == NULL || PyList_Append(steps, step) < 0 || PyList_Append(ops, name) < 0) goto error;
+    n_plans++;
+    Py_DECREF(wpos);
+    Py_DECREF(rpos);
+    Py_DECREF(hit);
+    Py_DECREF(steps);
+    Py_DECREF(ops);
+    Py_DECREF(name);
+    Py_DECREF(inner);
+    Py_DECREF(step);
+    return Py_NewRef(full);
+python:
+    Py_XDECREF(wpos);
+    Py_XDECREF(rpos);
+    Py_DECREF(hit);
+    Py_XDECREF(steps);
+    Py_XDECREF(ops);
+    Py_XDECREF(name);
+    return plan_delegate(op, plan, lane, values);
+error:
+    Py_XDECREF(wpos);
+    Py_XDECREF(rpos);
+    Py_DECREF(hit);
+    Py_XDECREF(steps);
+    Py_XDECREF(ops);
+    Py_XDECREF(name);
+    Py_XDECREF(inner);
+    Py_XDECREF(step);
+    return NULL;
+}
+
+static PyObject *plan_method(PyObject *op, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 3) {
+        PyErr_SetString(PyExc_TypeError, "_plan(plan, lane, values)");
+        return NULL;
+    }
+    return launch_plan(op, argv[0], argv[1], argv[2]);
+}
+
+static PyMethodDef plan_def = {"_plan", (PyCFunction)(void (*)(void))plan_method, METH_FASTCALL,
+                               "_Launch._plan, compiled (trio_cuda/_hotpath.c)."};
+
+/* op._plan(plan, lane, values) of an op the walk handles */
+static PyObject *plan_op(PyObject *op, PyObject *plan, PyObject *ln, PyObject *vals) {
+    if (IS(op, Launch_T)) return launch_plan(op, plan, ln, vals);
+    /* _Select._plan: the common case (an element of a launch's tuple) here */
+    Py_ssize_t nv = PyTuple_CheckExact(vals) ? PyTuple_GET_SIZE(vals) : PyList_GET_SIZE(vals);
+    PyObject *index = SLOT(op, O.sel_index), *expect = SLOT(op, O.sel_expect);
+    if (nv >= 1 && index != NULL && expect == Py_None && PyLong_CheckExact(index)) {
+        PyObject *v = PyTuple_CheckExact(vals) ? PyTuple_GET_ITEM(vals, 0) : PyList_GET_ITEM(vals, 0);
+        if (PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v)) return PyObject_GetItem(v, index);
+    }
+    return PyObject_CallFunctionObjArgs(py_select_plan, op, plan, ln, vals, NULL);
+}
+
+static int push_frame(PyObject *work, PyObject *op, PyObject *ln, Py_ssize_t n) {
+    PyObject *nn = PyLong_FromSsize_t(n);
+    PyObject *fr = nn == NULL ? NULL : PyTuple_Pack(3, op, ln, nn);
+    Py_XDECREF(nn);
+    if (fr == NULL) return -1;
+    int r = PyList_Append(work, fr);
+    Py_DECREF(fr);
+    return r;
+}
+
+static PyObject *walk_frames(PyObject *plan, PyObject *work, PyObject *values, PyObject *claimed, int launch_ok,
+                             int select_ok);
+
+/* walk(plan, work, values): see above */
+static PyObject *walk(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 3) {
+        PyErr_SetString(PyExc_TypeError, "walk(plan, work, values)");
+        return NULL;
+    }
+    PyObject *plan = argv[0], *work = argv[1], *values = argv[2];
+    if (!PyList_CheckExact(work) || !PyList_CheckExact(values)) Py_RETURN_FALSE;
+    /* the ops' methods as installed (a test or a tool may replace them) */
+    int launch_ok = plan_descr != NULL && _PyType_Lookup((PyTypeObject *)Launch_T, s__plan) == plan_descr;
+    int select_ok = _PyType_Lookup((PyTypeObject *)Select_T, s__plan) == py_select_plan;
+    if (!launch_ok && !select_ok) Py_RETURN_FALSE;
+    PyObject *claimed = PyObject_GetAttr(plan, s_claimed);
+    if (claimed == NULL) return NULL;
+    PyObject *r = PyList_CheckExact(claimed) ? walk_frames(plan, work, values, claimed, launch_ok, select_ok)
+                                             : Py_NewRef(Py_False);
+    Py_DECREF(claimed);
+    return r;
+}
+
+#define HANDLED(o) ((launch_ok && IS(o, Launch_T)) || (select_ok && IS(o, Select_T)))
+
+static PyObject *walk_frames(PyObject *plan, PyObject *work, PyObject *values, PyObject *claimed, int launch_ok,
+                             int select_ok) {
+    while (PyList_GET_SIZE(work)) {
+        Py_ssize_t top = PyList_GET_SIZE(work) - 1;
+        PyObject *fr = PyList_GET_ITEM(work, top);
+        if (!PyTuple_CheckExact(fr) || PyTuple_GET_SIZE(fr) != 3 || !HANDLED(PyTuple_GET_ITEM(fr, 0)) ||
+            !PyLong_CheckExact(PyTuple_GET_ITEM(fr, 2)))
+            goto handback;
+        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(fr, 2));
+        if (n == 0 || (n == -1 && PyErr_Occurred()) || n < -1) {
+            PyErr_Clear();
+            goto handback;
+        }
+        PyObject *op = Py_NewRef(PyTuple_GET_ITEM(fr, 0)), *ln = Py_NewRef(PyTuple_GET_ITEM(fr, 1));
+        if (PyList_SetSlice(work, top, top + 1, NULL) < 0) goto error;
+        for (;;) {
+            PyObject *r;
+            if (n < 0) {
+                PyObject *state = SLOT(op, O.op_state), *inputs = SLOT(op, O.op_inputs);
+                if (state != Py_None || inputs == NULL || !PyTuple_CheckExact(inputs)) {
+                    /* executed, shared, or not what this expects: the Python says */
+                    if (push_frame(work, op, ln, -1) < 0) goto error;
+                    Py_DECREF(op);
+                    Py_DECREF(ln);
+                    goto handback;
+                }
+                Py_INCREF(executing);
+                Py_XSETREF(SLOT(op, O.op_state), executing);
+                if (PyList_Append(claimed, op) < 0) goto error;
+                Py_ssize_t k = PyTuple_GET_SIZE(inputs);
+                if (k) {
+                    /* (the ops handled here do not fork: checked at setup) */
+                    if (push_frame(work, op, ln, k) < 0) goto error;
+                    if (k == 1) {
+                        PyObject *nxt = PyTuple_GET_ITEM(inputs, 0);
+                        if (HANDLED(nxt)) {
+                            Py_SETREF(op, Py_NewRef(nxt));
+                            continue;
+                        }
+                        if (push_frame(work, nxt, ln, -1) < 0) goto error;
+                        break;
+                    }
+                    for (Py_ssize_t i = k - 1; i >= 0; i--)
+                        if (push_frame(work, PyTuple_GET_ITEM(inputs, i), ln, -1) < 0) goto error;
+                    break;
+                }
+                r = plan_op(op, plan, ln, empty_tuple);
+            } else {
+                Py_ssize_t size = PyList_GET_SIZE(values), lo = size - n;
+                if (n == 1 && size == 0) {
+                    PyErr_SetString(PyExc_IndexError, "pop from empty list");
+                    goto error;
+                }
+                if (lo < 0) lo = 0;
+                PyObject *vals = n == 1 ? PyTuple_Pack(1, PyList_GET_ITEM(values, size - 1))
+                                        : PyList_GetSlice(values, lo, size);
+                if (vals == NULL || PyList_SetSlice(values, lo, size, NULL) < 0) {
+                    Py_XDECREF(vals);
+                    goto error;
+                }
+                r = plan_op(op, plan, ln, vals);
+                Py_DECREF(vals);
+            }
+            if (r == NULL) goto error;
+            if (IS(r, Continue_T)) {
+                PyObject *nxt = SLOT(r, O.cont_op);
+                if (nxt == NULL) {
+                    Py_DECREF(r);
+                    PyErr_SetString(PyExc_AttributeError, "op");
+                    goto error;
+                }
+                Py_SETREF(op, Py_NewRef(nxt));
+                Py_DECREF(r);
+                n = -1;
+                if (HANDLED(op)) continue;
+                if (push_frame(work, op, ln, -1) < 0) goto error;
+                break;
+            }
+            int e = PyList_Append(values, r);
+            Py_DECREF(r);
+            if (e < 0) goto error;
+            break;
+        error:
+            Py_DECREF(op);
+            Py_DECREF(ln);
+            return NULL;
+        }
+        Py_DECREF(op);
+        Py_DECREF(ln);
+    }
+    Py_RETURN_TRUE;
+handback:
+    n_handbacks++;
+    Py_RETURN_FALSE;
+}
+#undef HANDLED
+
+/* run_steps(steps): see above */
+static PyObject *run_steps(PyObject *module, PyObject *steps) {
+    if (!PyList_CheckExact(steps)) {
+        PyErr_SetString(PyExc_TypeError, "run_steps(list)");
+        return NULL;
+    }
+    PyObject *device = NULL, *driver = NULL; /* of the last prepared step (owned) */
+    Direct direct = {NULL, NULL, NULL, NULL, 0};
+    int use_direct = 0;
+    /* _prepared_step enqueues through _kernel._enqueue_launch: a wrapper put there is
+     * called, through the step */
+    int own = kernel_global_is(s__enqueue_launch, py_enqueue_launch);
+    if (own < 0) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(steps); i++) {
+        PyObject *st = PyList_GET_ITEM(steps, i);
+        if (!PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 3) {
+            PyErr_SetString(PyExc_ValueError, "_hotpath: a plan step is not (fn, lane, arg)");
+            goto error;
+        }
+        Py_INCREF(st);
+        PyObject *fn = PyTuple_GET_ITEM(st, 0), *lane = PyTuple_GET_ITEM(st, 1), *arg = PyTuple_GET_ITEM(st, 2);
+        PyObject *s = IS(lane, Lane_T) ? SLOT(lane, O.lane_stream) : NULL;
+        PyObject *dev = IS(lane, Lane_T) ? SLOT(lane, O.lane_device) : NULL;
+        if (own && fn == py_prepared_step && s != NULL && dev != NULL && IS(s, Stream_T) && PyTuple_CheckExact(arg) &&
+            PyTuple_GET_SIZE(arg) == 3 && PyTuple_CheckExact(PyTuple_GET_ITEM(arg, 1)) &&
+            shape_ok(NULL, s, PyTuple_GET_ITEM(arg, 0), PyTuple_GET_ITEM(arg, 1))) {
+            if (dev != device) {
+                Py_CLEAR(direct.hot);
+                Py_XSETREF(driver, PyObject_GetAttr(dev, s_driver));
+                Py_XSETREF(device, Py_NewRef(dev));
+                if (driver == NULL) {
+                    Py_DECREF(st);
+                    goto error;
+                }
+                use_direct = direct_calls(driver, &direct);
+                if (use_direct < 0) {
+                    Py_DECREF(st);
+                    goto error;
+                }
+            }
+            Py_INCREF(s); /* (the step holds the lane, the lane its stream: held anyway) */
+            PyObject *seq = enqueue_launch(s, dev, driver, use_direct ? &direct : NULL, PyTuple_GET_ITEM(arg, 0),
+                                           PyTuple_GET_ITEM(arg, 1), PyTuple_GET_ITEM(arg, 2));
+            Py_DECREF(s);
+            Py_DECREF(st);
+            if (seq == NULL) goto error;
+            Py_DECREF(seq);
+            n_steps++;
+            continue;
+        }
+        /* any other step: called, as the Python loop calls it (it may change what the
+         * device's driver is: looked up again after it) */
+        Py_CLEAR(direct.hot);
+        Py_CLEAR(driver);
+        Py_CLEAR(device);
+        PyObject *r = PyObject_CallFunctionObjArgs(fn, lane, arg, NULL);
+        Py_DECREF(st);
+        if (r == NULL) goto error;
+        Py_DECREF(r);
+        n_steps_python++;
+    }
+    Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
+    Py_XDECREF(device);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
+    Py_XDECREF(device);
+    return NULL;
+}
 
 /* ---- poll ------------------------------------------------------------------------- */
 
@@ -1310,6 +1767,18 @@ static PyObject *setup_inner(PyObject *kw) {
     GET(direct_failed, "direct_failed");
     GET(py_direct_enqueue, "direct_enqueue");
     GET(py_enqueue_prepared, "enqueue_prepared");
+    GET(Lane_T, "Lane");
+    GET(Select_T, "Select");
+    GET(Continue_T, "Continue");
+    GET(py_plan, "plan");
+    GET(py_select_plan, "select_plan");
+    GET(py_prepared_step, "prepared_step");
+    GET(py_enqueue_launch, "enqueue_launch");
+    GET(kernel_globals, "kernel_globals");
+    if (!PyDict_Check(kernel_globals)) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: kernel_globals is not a dict");
+        return NULL;
+    }
     if (!PyDict_CheckExact(counts)) {
         PyErr_SetString(PyExc_TypeError, "_hotpath: counts is not a dict");
         return NULL;
@@ -1357,6 +1826,35 @@ static PyObject *setup_inner(PyObject *kw) {
     OFF(Event_T, "ticket", ev_ticket);
     OFF(Counters_T, "launches", ctr_launches);
     OFF(Counters_T, "submissions", ctr_submissions);
+    OFF(Launch_T, "_inputs_at", launch_inputs_at);
+    OFF(Select_T, "_index", sel_index);
+    OFF(Select_T, "_expect", sel_expect);
+    {
+        /* a DeviceOp's slots: the same offsets as the launch's */
+        Py_ssize_t inputs_off, state_off;
+        if (slot_offset(Select_T, "_inputs", &inputs_off) < 0 || slot_offset(Select_T, "_state", &state_off) < 0)
+            return NULL;
+        if (inputs_off != O.op_inputs || state_off != O.op_state) {
+            PyErr_SetString(PyExc_TypeError, "_hotpath: _Select's op slots differ from _Launch's");
+            return NULL;
+        }
+    }
+    OFF(Lane_T, "device", lane_device);
+    OFF(Lane_T, "stream", lane_stream);
+    OFF(Continue_T, "op", cont_op);
+    OFF(Buffer_T, "generation", buf_generation);
+    OFF(Buffer_T, "device", buf_device);
+    /* the walk enters these ops' inputs on the same lane: they must not fork */
+    for (int i = 0; i < 2; i++) {
+        PyObject *forks = PyObject_GetAttrString(i ? Select_T : Launch_T, "_forks");
+        if (forks == NULL) return NULL;
+        int no = forks == Py_False;
+        Py_DECREF(forks);
+        if (!no) {
+            PyErr_SetString(PyExc_TypeError, "_hotpath: an op the walk handles forks");
+            return NULL;
+        }
+    }
     if (!PyDict_Check(device_globals)) {
         PyErr_SetString(PyExc_TypeError, "_hotpath: device_globals is not a dict");
         return NULL;
@@ -1364,11 +1862,14 @@ static PyObject *setup_inner(PyObject *kw) {
     /* the methods to install as _Launch._submit_now and Device.poll */
     PyObject *m1 = PyDescr_NewMethod((PyTypeObject *)Launch_T, &submit_def);
     PyObject *m2 = m1 == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)Device_T, &poll_def);
-    if (m2 == NULL) {
+    PyObject *m3 = m2 == NULL ? NULL : PyDescr_NewMethod((PyTypeObject *)Launch_T, &plan_def);
+    if (m3 == NULL) {
         Py_XDECREF(m1);
+        Py_XDECREF(m2);
         return NULL;
     }
-    return Py_BuildValue("(NN)", m1, m2);
+    Py_XSETREF(plan_descr, Py_NewRef(m3));
+    return Py_BuildValue("(NNN)", m1, m2, m3);
 #undef GET
 #undef OFF
 }
@@ -1378,7 +1879,9 @@ static PyObject *setup_inner(PyObject *kw) {
 static PyObject *setup(PyObject *module, PyObject *kw) {
     PyObject **globals[] = {&Launch_T, &Partition_T, &Tensor_T, &Stream_T, &Config_T, &Counters_T, &Buffer_T,
                             &Event_T, &Device_T, &py_poll, &device_globals, &py_submit, &lock_obj, &tls,
-                            &counts, &executing, &direct_failed, &py_direct_enqueue, &py_enqueue_prepared};
+                            &counts, &executing, &direct_failed, &py_direct_enqueue, &py_enqueue_prepared,
+                            &Lane_T, &Select_T, &Continue_T, &py_plan, &py_select_plan, &py_prepared_step,
+                            &py_enqueue_launch, &kernel_globals, &plan_descr};
     enum { N = sizeof(globals) / sizeof(globals[0]) };
     PyObject *saved[N];
     for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
@@ -1393,9 +1896,11 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python, "polls", n_polls,
-                         "polls_python", n_polls_python, "launches", n_launches, "records", n_records, "queries",
-                         n_queries, "enqueues", n_enqueues);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+                         "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
+                         "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
+                         n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
+                         n_steps_python);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -1429,10 +1934,13 @@ static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t
 static PyMethodDef methods[] = {
     {"enqueue_direct", (PyCFunction)(void (*)(void))enqueue_direct, METH_FASTCALL,
      "enqueue_direct(stream, cfg, prepared, writes, reads): _submit.direct_enqueue of _kernel.enqueue_prepared, compiled."},
+    {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
+     "walk(plan, work, values): _submit.Plan._walk's loop for launches and selects; False: the top frame is the Python's."},
+    {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup", (PyCFunction)setup, METH_O,
-     "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now."},
+     "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now, Device.poll and _Launch._plan."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1476,7 +1984,16 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_planned, "planned");
     NAME(s_enqueued, "enqueued");
     NAME(s_direct, "direct");
+    NAME(s_claimed, "claimed");
+    NAME(s_steps, "steps");
+    NAME(s_ops, "ops");
+    NAME(s_capture, "capture");
+    NAME(s__plan, "_plan");
+    NAME(s_launches, "launches");
+    NAME(s__prepared_step, "_prepared_step");
+    NAME(s__enqueue_launch, "_enqueue_launch");
 #undef NAME
+    if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;
     return PyModule_Create(&module);
 }

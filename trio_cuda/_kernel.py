@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from . import _submit
 from ._backends._boundary import signature_of
 from ._checks import as_int, is_scalar
 from ._config import env_switch
@@ -647,8 +648,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
 # effect, to the Python. Optional: without it (no compiler
 # at install, TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
 _submit_now_py = _Launch._submit_now
+_plan_py = _Launch._plan
 _poll_py: Any = None
-_hot: tuple[Any, Any] | None = None
+_hot: tuple[Any, Any, Any] | None = None
+_walk_c: Any = None
 _enqueue_direct_c: Any = None
 
 
@@ -669,7 +672,9 @@ def _hot_setup_objects() -> dict[str, Any]:
     the Python methods it hands other cases to, and the runtime's shared objects."""
     from . import _device
     from ._memory import Buffer
+    from ._op import _Select
     from ._stream import Event, Stream
+    from ._submit import Continue
 
     return {
         "Launch": _Launch,
@@ -691,11 +696,19 @@ def _hot_setup_objects() -> dict[str, Any]:
         "direct_failed": direct_failed,
         "direct_enqueue": direct_enqueue,
         "enqueue_prepared": enqueue_prepared,
+        "Lane": Lane,
+        "Select": _Select,
+        "Continue": Continue,
+        "plan": _plan_py,
+        "select_plan": _Select._plan,
+        "prepared_step": _prepared_step,
+        "enqueue_launch": _enqueue_launch,
+        "kernel_globals": globals(),
     }
 
 
-def _load_hotpath() -> tuple[Any, Any] | None:
-    global _poll_py, _enqueue_direct_c
+def _load_hotpath() -> tuple[Any, Any, Any] | None:
+    global _poll_py, _enqueue_direct_c, _walk_c
     from ._device import Device
 
     _poll_py = Device.poll
@@ -705,24 +718,28 @@ def _load_hotpath() -> tuple[Any, Any] | None:
         from . import _hotpath
     except ImportError:
         return None
-    methods: tuple[Any, Any] = _hotpath.setup(_hot_setup_objects())
+    methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
     _enqueue_direct_c = _hotpath.enqueue_direct
+    _walk_c = (_hotpath.walk, _hotpath.run_steps)
     return methods
 
 
 def use_hotpath(on: bool) -> bool:
-    """Use the compiled ``_Launch._submit_now``, ``Device.poll`` and ``enqueue_direct``
-    (if built) or the Python ones; returns whether the compiled ones are in use now
-    (tests run both)."""
+    """Use the compiled ``_Launch._submit_now``, ``Device.poll``, ``enqueue_direct``,
+    ``_Launch._plan`` and the plan's walk and step runner (if built) or the Python ones;
+    returns whether the compiled ones are in use now (tests run both)."""
     global enqueue_direct
     from ._device import Device
 
     if on and _hot is not None:
-        _Launch._submit_now, Device.poll = _hot  # type: ignore[method-assign]
+        _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_c
+        _submit.hot_walk, _submit.hot_run_steps = _walk_c
     else:
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
+        _Launch._plan = _plan_py  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_py
+        _submit.hot_walk = _submit.hot_run_steps = None
     return hotpath_active()
 
 

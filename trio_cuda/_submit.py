@@ -321,6 +321,12 @@ def resolve(v: Any) -> Any:
     return v
 
 
+#: The compiled walk and step runner (trio_cuda/_hotpath.c's walk and run_steps, set by
+#: _kernel.use_hotpath), or None: the Python loops of Plan._walk and Plan._run_steps.
+hot_walk: Callable[[Plan, list[tuple[Any, Lane, int]], list[Any]], bool] | None = None
+hot_run_steps: Callable[[list[tuple[Callable[[Lane, Any], None], Lane, Any]]], None] | None = None
+
+
 class Continue:
     """Returned by an op's ``_plan`` to continue with another op on the same lane."""
 
@@ -737,7 +743,12 @@ class Plan:
         push = work.append
         vpush = values.append
         claim = self.claimed.append
+        fast = hot_walk
         while work:
+            # The compiled loop walks the frames of launches and selects; it leaves any
+            # other frame on top (False) for the loop below.
+            if fast is not None and fast(self, work, values):
+                return
             op, ln, n = pop()
             while True:
                 if n < 0:
@@ -946,6 +957,10 @@ class Plan:
         """The driver calls of every step, in order (through the open trace, if any)."""
         tracer = _trace.active
         if tracer is None:
+            fast = hot_run_steps
+            if fast is not None:
+                fast(self.steps)
+                return
             for fn, lane, arg in self.steps:
                 fn(lane, arg)
         else:
