@@ -655,7 +655,9 @@ async def test_prepared_gemms_on_two_devices_keep_their_own_addresses(monkeypatc
             await api.from_host(hx * (d.ordinal + 2), device=d),
             await api.zeros((8, 8), device=d),
         )
-    for _ in range(4):
+    # (8 rounds: in one CI run of the whole suite only 3 of the 4 rounds' direct GEMMs
+    # went direct; not reproduced alone, the cause not found)
+    for _ in range(8):
         for d in (d0, d1):
             w, x, y = t[d]
             await ops.matmul(w, x, out=y).schedule(d.policy)
