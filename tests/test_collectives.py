@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -353,3 +354,36 @@ async def _submit_and_signal(g: collectives.Group, ts: list, slow: object, task_
     pending = await trio_cuda.lowlevel.submit(g.all_reduce([ts[0], slow]))
     task_status.started()
     await pending.wait()
+
+
+async def test_communicators_of_a_reset_device_are_dropped_not_destroyed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a reset of one of its devices the group makes new communicators and drops the
+    old ones without releasing them through the backend: NCCL's destroy of a communicator
+    whose context a reset took ended the process (segmentation fault, 2 x H200,
+    2026-11-30). Live ones are released, on the next make and by close()."""
+    from trio_cuda._backends import backend
+
+    released: list[Any] = []
+    real = type(backend()).close_communicators
+    monkeypatch.setattr(
+        type(backend()), "close_communicators", lambda self, comms: (released.append(comms), real(self, comms))[1]
+    )
+    g = group()
+    ts = await per_device(data(g.size, (4,), np.float32))
+    await g.all_reduce(ts)
+    old = g._comms
+    await trio.to_thread.run_sync(g.devices[-1].reset)
+    arrays = data(g.size, (4,), np.float32)
+    ts = await per_device(arrays)
+    await g.all_reduce(ts)
+    np.testing.assert_allclose(await ts[0].to_host(), np.sum(arrays, axis=0), rtol=1e-6)
+    assert g._comms is not old and released == []  # the stale ones were dropped
+    live = g._comms
+    g.close()
+    assert released == [live]  # the live ones were released
+    # a reset after the last collective: close() drops what the reset took
+    g2 = group()
+    await g2.all_reduce(await per_device(data(g2.size, (4,), np.float32)))
+    await trio.to_thread.run_sync(g2.devices[0].reset)
+    g2.close()
+    assert released == [live]

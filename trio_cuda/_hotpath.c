@@ -1397,18 +1397,21 @@ static PyObject *walk_frames(PyObject *plan, PyObject *work, PyObject *values, P
                 Py_ssize_t k = PyTuple_GET_SIZE(inputs);
                 if (k) {
                     /* (the ops handled here do not fork: checked at setup) */
-                    if (push_frame(work, op, ln, k) < 0) goto error;
-                    if (k == 1) {
+                    Py_INCREF(inputs); /* held: the pushes allocate (a collection may run finalizers) */
+                    int e = push_frame(work, op, ln, k);
+                    if (e == 0 && k == 1) {
                         PyObject *nxt = PyTuple_GET_ITEM(inputs, 0);
                         if (HANDLED(nxt)) {
                             Py_SETREF(op, Py_NewRef(nxt));
+                            Py_DECREF(inputs);
                             continue;
                         }
-                        if (push_frame(work, nxt, ln, -1) < 0) goto error;
-                        break;
+                        e = push_frame(work, nxt, ln, -1);
+                    } else {
+                        for (Py_ssize_t i = k - 1; e == 0 && i >= 0; i--) e = push_frame(work, PyTuple_GET_ITEM(inputs, i), ln, -1);
                     }
-                    for (Py_ssize_t i = k - 1; i >= 0; i--)
-                        if (push_frame(work, PyTuple_GET_ITEM(inputs, i), ln, -1) < 0) goto error;
+                    Py_DECREF(inputs);
+                    if (e < 0) goto error;
                     break;
                 }
                 r = plan_op(op, plan, ln, empty_tuple);

@@ -83,19 +83,24 @@ class _Base:
             if self._closed:
                 raise RuntimeError("this collectives group is closed")
             if self._comms is None or self._generations != gens:
-                if self._comms is not None:
-                    backend().close_communicators(self._comms)
-                    self._comms = None
+                self._release(gens)
                 self._comms = self._make()
                 self._generations = gens
             return self._comms
 
+    def _release(self, gens: tuple[int, ...]) -> None:
+        """Release the communicators (under the group's lock). Those of a device reset since
+        they were made are dropped, not destroyed: their resources went with the device's
+        context, and NCCL's destroy of such a communicator ends the process with a
+        segmentation fault (2 x H200, 2026-11-30)."""
+        comms, self._comms = self._comms, None
+        if comms is not None and self._generations == gens:
+            backend().close_communicators(comms)
+
     def close(self) -> None:
         """Release the communicators (after the group's collectives have completed)."""
         with self._lock:
-            if self._comms is not None:
-                backend().close_communicators(self._comms)
-            self._comms = None
+            self._release(tuple(d.generation for d in self.devices))
             self._closed = True
 
     def __enter__(self) -> Any:

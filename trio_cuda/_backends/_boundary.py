@@ -491,4 +491,5 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def close_communicators(self, comms: Any) -> None:
-        """Release communicators (their devices' contexts may be gone after a reset)."""
+        """Release communicators whose devices' contexts are live (the runtime drops, and
+        never passes here, those of a device reset since they were made)."""

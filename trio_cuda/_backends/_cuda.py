@@ -966,5 +966,5 @@ class CudaBackend(Backend):
         for c in comms:
             try:
                 c.destroy()
-            except Exception:  # a context gone with a reset: nothing left to release
+            except Exception:  # (NCCL's cleanup errors: nothing more to release)
                 pass
