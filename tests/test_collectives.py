@@ -360,7 +360,7 @@ async def test_communicators_of_a_reset_device_are_dropped_not_destroyed(monkeyp
     """After a reset of one of its devices the group makes new communicators and drops the
     old ones without releasing them through the backend: NCCL's destroy of a communicator
     whose context a reset took ended the process (segmentation fault, 2 x H200,
-    2026-11-30). Live ones are released, on the next make and by close()."""
+    2026-11-30). Live ones are released by close()."""
     from trio_cuda._backends import backend
 
     released: list[Any] = []

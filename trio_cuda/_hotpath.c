@@ -250,7 +250,10 @@ static PyObject *arg_buffer(PyObject *args, PyObject *index, int write, PyObject
     return SLOT(t, O.tensor_buffer);
 }
 
+static unsigned long long n_waits_called; /* calls of Stream.wait_for (Python) made here */
+
 static int wait_for(PyObject *s, PyObject *other, PyObject *seq) {
+    n_waits_called++;
     PyObject *r = PyObject_CallMethodObjArgs(s, s_wait_for, other, seq, NULL);
     if (r == NULL) return -1;
     Py_DECREF(r);
@@ -701,6 +704,7 @@ static PyObject *enqueue_launch(PyObject *s, PyObject *device, PyObject *driver,
     /* held: the calls out below (wait_for, a replaced launch) run Python */
     PyObject *wpos = Py_NewRef(SLOT(cfg, O.cfg_writes)), *rpos = Py_NewRef(SLOT(cfg, O.cfg_reads)),
              *grid = Py_NewRef(SLOT(cfg, O.cfg_grid)), *seq = NULL;
+    unsigned long long waits = n_waits_called;
     for (int write = 1; write >= 0; write--) {
         PyObject *pos = write ? wpos : rpos;
         for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(pos); j++) {
@@ -709,6 +713,7 @@ static PyObject *enqueue_launch(PyObject *s, PyObject *device, PyObject *driver,
             if (SLOT(t, O.tensor_tracked) == Py_True && order_one(s, b, write) < 0) goto failed;
         }
     }
+    if (waits != n_waits_called) direct = NULL; /* Python ran (Stream.wait_for): the driver's method, as looked up now */
     int empty = PySequence_Contains(grid, zero);
     if (empty < 0) goto failed;
     if (!empty && launch_prepared(driver, direct, prepared, SLOT(s, O.s_handle)) < 0) goto failed;
@@ -1506,6 +1511,7 @@ static PyObject *run_steps(PyObject *module, PyObject *steps) {
                 }
             }
             Py_INCREF(s); /* (the step holds the lane, the lane its stream: held anyway) */
+            unsigned long long waits = n_waits_called;
             PyObject *seq = enqueue_launch(s, dev, driver, use_direct ? &direct : NULL, PyTuple_GET_ITEM(arg, 0),
                                            PyTuple_GET_ITEM(arg, 1), PyTuple_GET_ITEM(arg, 2));
             Py_DECREF(s);
@@ -1513,6 +1519,11 @@ static PyObject *run_steps(PyObject *module, PyObject *steps) {
             if (seq == NULL) goto error;
             Py_DECREF(seq);
             n_steps++;
+            if (waits != n_waits_called) { /* Python ran (Stream.wait_for): the driver's methods are looked up again */
+                Py_CLEAR(direct.hot);
+                Py_CLEAR(driver);
+                Py_CLEAR(device);
+            }
             continue;
         }
         /* any other step: called, as the Python loop calls it (it may change what the

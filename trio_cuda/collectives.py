@@ -92,13 +92,17 @@ class _Base:
         """Release the communicators (under the group's lock). Those of a device reset since
         they were made are dropped, not destroyed: their resources went with the device's
         context, and NCCL's destroy of such a communicator ends the process with a
-        segmentation fault (2 x H200, 2026-11-30)."""
+        segmentation fault (2 x H200, 2026-11-30). The whole group's are dropped (NCCL's
+        destroy is a call every rank makes): what NCCL holds on the host for them, and for
+        the other devices' communicators, stays allocated, once per reset."""
         comms, self._comms = self._comms, None
         if comms is not None and self._generations == gens:
             backend().close_communicators(comms)
 
     def close(self) -> None:
-        """Release the communicators (after the group's collectives have completed)."""
+        """Release the communicators (after the group's collectives have completed, and not
+        while one of its devices is being reset). Communicators made before a reset of one
+        of the group's devices are dropped instead (see _release)."""
         with self._lock:
             self._release(tuple(d.generation for d in self.devices))
             self._closed = True
