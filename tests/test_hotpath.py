@@ -741,6 +741,16 @@ def saxpy_chain(x: Any, part: Any, n: int) -> Any:
     return op
 
 
+async def prepared_saxpy(dev: trio_cuda.Device, n: int) -> tuple[trio_cuda.Stream, Any, Any, Any]:
+    """A stream without a completion word, x = arange(n), y = 0 and y's partition, the
+    launch ``saxpy(1.0, x, y)`` made once on the stream (prepared): y = x."""
+    s = wordless_stream(dev)
+    x, y = await api.arange(n), await api.zeros((n,))
+    part = y.partition((n,))
+    await on(saxpy(1.0, x, part), s)
+    return s, x, y, part
+
+
 def pending_of(*bufs: Any) -> list[Any]:
     return [(b.writer, dict(b.readers), dict(b.lifetime)) for b in bufs]
 
@@ -907,10 +917,7 @@ async def test_a_launch_refused_mid_chain_fails_the_same_both_ways(monkeypatch: 
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
-            s = wordless_stream(dev)
-            x, y = await api.arange(16), await api.zeros((16,))
-            part = y.partition((16,))
-            await on(saxpy(1.0, x, part), s)
+            s, x, y, part = await prepared_saxpy(dev, 16)
             real = dev._driver.launch
             n = [0]
 
@@ -1033,10 +1040,7 @@ async def test_statistics_of_another_class_are_counted_the_same(monkeypatch: pyt
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
-            s = wordless_stream(dev)
-            x, y = await api.arange(16), await api.zeros((16,))
-            part = y.partition((16,))
-            await on(saxpy(1.0, x, part), s)
+            s, x, y, part = await prepared_saxpy(dev, 16)
             mine = Counting()
             for f in _Counters.__slots__:
                 setattr(mine, f, getattr(dev._stats, f))
