@@ -110,6 +110,14 @@ def wordless_stream(dev: trio_cuda.Device) -> trio_cuda.Stream:
     return s
 
 
+async def two_streams_and_operands(dev: trio_cuda.Device) -> tuple[Any, ...]:
+    """Two streams without completion words, x = arange(64), y = z = zeros(64) and a
+    one-int32 counter for sleep kernels: (a, b, x, y, z, counter)."""
+    a, b = wordless_stream(dev), wordless_stream(dev)
+    x, y, z = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
+    return a, b, x, y, z, await api.zeros((1,), np.int32)
+
+
 def stats_of(dev: trio_cuda.Device) -> dict[str, Any]:
     st = dev.statistics()
     sub = lowlevel.submission_statistics()
@@ -205,11 +213,7 @@ async def test_cross_stream_order_and_pending_accesses_match() -> None:
     states = {}
     for compiled in (False, True):
         with mode(compiled):
-            a, b = wordless_stream(dev), wordless_stream(dev)
-            x = await api.arange(64)
-            y = await api.zeros((64,))
-            z = await api.zeros((64,))
-            c = await api.zeros((1,), np.int32)
+            a, b, x, y, z, c = await two_streams_and_operands(dev)
             await on(add(z.partition((64,)), x, y), b)  # prepared on b
             await on(saxpy(1.0, x, y.partition((64,))), a)  # prepared on a
             await on(add(z.partition((64,)), x, y), b)
@@ -243,11 +247,7 @@ async def test_writes_wait_for_other_streams_writers_and_readers() -> None:
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
-            a, b = wordless_stream(dev), wordless_stream(dev)
-            x = await api.arange(64)
-            y = await api.zeros((64,))
-            z = await api.zeros((64,))
-            c = await api.zeros((1,), np.int32)
+            a, b, x, y, z, c = await two_streams_and_operands(dev)
             for s in (a, b):
                 await on(saxpy(1.0, x, y.partition((64,))), s)  # y = 2x; prepared on both
                 await on(add(z.partition((64,)), y, x), s)  # z = 3x; prepared on both
@@ -664,12 +664,8 @@ async def test_replayed_ops_enqueue_the_same_both_ways() -> None:
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
-            a, b = wordless_stream(dev), wordless_stream(dev)
-            x = await api.arange(64)
-            y = await api.zeros((64,))
+            a, b, x, y, z, c = await two_streams_and_operands(dev)
             w = await api.full((64,), 2.0)
-            c = await api.zeros((1,), np.int32)
-            z = await api.zeros((64,))
             for s in (a, b):  # recorded and prepared on both streams
                 for _ in range(3):
                     await on(ops.add(x, y, out=y), s)
@@ -831,9 +827,7 @@ async def test_a_chain_on_another_stream_waits_for_its_pending_writes() -> None:
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
-            a, b = wordless_stream(dev), wordless_stream(dev)
-            x, y, z = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
-            c = await api.zeros((1,), np.int32)
+            a, b, x, y, z, c = await two_streams_and_operands(dev)
             yp, zp = y.partition((64,)), z.partition((64,))
             await on(saxpy(1.0, x, yp), a)
             await on(saxpy(1.0, y, zp), b)
@@ -985,9 +979,7 @@ async def _drop_a_buffer_while_waiting(monkeypatch: pytest.MonkeyPatch) -> tuple
     from trio_cuda._stream import Stream
 
     dev = trio_cuda.current_device()
-    a, b = wordless_stream(dev), wordless_stream(dev)
-    x, y, spare = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
-    c = await api.zeros((1,), np.int32)
+    a, b, x, y, spare, c = await two_streams_and_operands(dev)
     yp = y.partition((64,))
     await on(saxpy(1.0, x, yp), a)
     await on(saxpy(1.0, x, yp), b)
