@@ -23,12 +23,9 @@ kernels run in numba's simulator, so only the ratios mean anything; use --hidden
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 from typing import Any
-
-import trio
 
 from trio_cuda import _traps, api, ops
 from trio_cuda._ops import _core
@@ -37,7 +34,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
 from probe_completion import round_trip_us
-from probe_poll import paired, standard_figures, tasks_rate
+from probe_poll import decode_ab_main, paired, standard_figures, tasks_rate
 
 
 def _prepared_gemms(on: bool) -> None:
@@ -79,9 +76,4 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cycles", type=int, default=20)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=22)
-    args = ap.parse_args()
-    trio.run(main, args.cycles, args.hidden, args.layers)
+    decode_ab_main(main, __doc__)

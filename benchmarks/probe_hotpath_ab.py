@@ -24,13 +24,10 @@ the same cycle is printed (> 1 is better). Either backend (on the simulated devi
 
 from __future__ import annotations
 
-import argparse
 import pathlib
 import sys
 import time
 from typing import Any
-
-import trio
 
 from trio_cuda import _kernel, api
 
@@ -38,7 +35,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
 from bench_runtime import inc
-from probe_poll import paired, standard_figures, tasks_rate
+from probe_poll import decode_ab_main, paired, standard_figures, tasks_rate
 
 
 async def main(cycles: int, hidden: int, layers: int) -> None:
@@ -87,9 +84,4 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cycles", type=int, default=20)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=22)
-    args = ap.parse_args()
-    trio.run(main, args.cycles, args.hidden, args.layers)
+    decode_ab_main(main, __doc__)

@@ -135,6 +135,17 @@ async def paired(
         print(f"{fig + ': ' + name:<64} {statistics.median(rs):10.3f} {min(rs):10.3f} {max(rs):10.3f}")
 
 
+def decode_ab_main(main: Callable[[int, int, int], Awaitable[None]], doc: str) -> None:
+    """The command line of the A/B probes that include the decode step
+    (probe_await_ab.py, probe_hotpath_ab.py): ``main(cycles, hidden, layers)`` in trio."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=22)
+    args = ap.parse_args()
+    trio.run(main, args.cycles, args.hidden, args.layers)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=30)
