@@ -879,6 +879,32 @@ error:
     return NULL;
 }
 
+/* The cache entry of a launch of these exact arguments on ``device`` (the kernel's
+ * ``_fast``: (device, generation, cfg, prepared)), a new reference: the cache may drop it
+ * while the caller calls out. NULL without an error: not prepared here (nothing cached,
+ * arguments whose key is not made here, another device). Its generation is the caller's
+ * to compare. */
+static PyObject *prepared_entry(PyObject *k, PyObject *device, PyObject *args) {
+    PyObject *key = prepared_key(args);
+    if (key == NULL) return NULL;
+    PyObject *fast = PyObject_GetAttr(k, s_fast);
+    if (fast == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
+    Py_XINCREF(hit);
+    Py_DECREF(key);
+    Py_DECREF(fast);
+    if (hit == NULL) return NULL;
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device ||
+        PyTuple_GET_ITEM(hit, 3) == Py_None || !IS(PyTuple_GET_ITEM(hit, 2), Config_T)) {
+        Py_DECREF(hit);
+        return NULL;
+    }
+    return hit;
+}
+
 /* ---- submit ----------------------------------------------------------------------- */
 
 static PyObject *delegate(PyObject *op, PyObject *s) {
@@ -940,22 +966,8 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         Py_DECREF(sub);
         if (nested) return nested < 0 ? NULL : delegate(op, s);
     }
-    PyObject *key = prepared_key(args);
-    if (key == NULL) return PyErr_Occurred() ? NULL : delegate(op, s);
-    PyObject *fast = PyObject_GetAttr(k, s_fast);
-    if (fast == NULL) {
-        Py_DECREF(key);
-        return NULL;
-    }
-    PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
-    Py_XINCREF(hit); /* the cache may drop it while we call out */
-    Py_DECREF(key);
-    Py_DECREF(fast);
+    PyObject *hit = prepared_entry(k, device, args); /* (its generation is compared under the lock) */
     if (hit == NULL) return PyErr_Occurred() ? NULL : delegate(op, s);
-    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device) {
-        Py_DECREF(hit);
-        return delegate(op, s);
-    }
     PyObject *generation = PyTuple_GET_ITEM(hit, 1), *cfg = PyTuple_GET_ITEM(hit, 2),
              *prepared = PyTuple_GET_ITEM(hit, 3);
     PyObject *result = NULL, *ev = NULL, *names = NULL, *name = NULL;
@@ -1192,36 +1204,6 @@ static PyObject *merged_args(PyObject *op, PyObject *args, PyObject *values) {
     return full;
 }
 
-/* The prepared launch of these arguments on ``device`` (its cache entry, a new
- * reference), or NULL without an error: not prepared (or not for this generation). */
-static PyObject *prepared_hit(PyObject *k, PyObject *device, PyObject *args) {
-    PyObject *key = prepared_key(args);
-    if (key == NULL) return NULL;
-    PyObject *fast = PyObject_GetAttr(k, s_fast);
-    if (fast == NULL) {
-        Py_DECREF(key);
-        return NULL;
-    }
-    PyObject *hit = PyDict_CheckExact(fast) ? PyDict_GetItemWithError(fast, key) : NULL;
-    Py_XINCREF(hit);
-    Py_DECREF(key);
-    Py_DECREF(fast);
-    if (hit == NULL) return NULL;
-    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 4 || PyTuple_GET_ITEM(hit, 0) != device ||
-        PyTuple_GET_ITEM(hit, 3) == Py_None || !IS(PyTuple_GET_ITEM(hit, 2), Config_T)) {
-        Py_DECREF(hit);
-        return NULL;
-    }
-    PyObject *dgen = PyObject_GetAttr(device, s_generation);
-    int eq = dgen == NULL ? -1 : PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 1), dgen, Py_EQ);
-    Py_XDECREF(dgen);
-    if (eq <= 0) {
-        Py_DECREF(hit);
-        return NULL;
-    }
-    return hit;
-}
-
 static PyObject *launch_plan_full(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values, PyObject *k,
                                   PyObject *device, PyObject *full);
 
@@ -1245,8 +1227,18 @@ static PyObject *launch_plan(PyObject *op, PyObject *plan, PyObject *lane, PyObj
 
 static PyObject *launch_plan_full(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values, PyObject *k,
                                   PyObject *device, PyObject *full) {
-    PyObject *hit = prepared_hit(k, device, full), *steps = NULL, *ops = NULL, *inner = NULL, *step = NULL, *name = NULL;
+    PyObject *hit = prepared_entry(k, device, full), *steps = NULL, *ops = NULL, *inner = NULL, *step = NULL, *name = NULL;
     if (hit == NULL) return PyErr_Occurred() ? NULL : plan_delegate(op, plan, lane, values);
+    {
+        /* prepared for the device's generation of now (as _Launch._plan asks) */
+        PyObject *dgen = PyObject_GetAttr(device, s_generation);
+        int eq = dgen == NULL ? -1 : PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 1), dgen, Py_EQ);
+        Py_XDECREF(dgen);
+        if (eq <= 0) {
+            Py_DECREF(hit);
+            return eq < 0 ? NULL : plan_delegate(op, plan, lane, values);
+        }
+    }
     PyObject *cfg = PyTuple_GET_ITEM(hit, 2), *prepared = PyTuple_GET_ITEM(hit, 3);
     PyObject *wpos = Py_XNewRef(SLOT(cfg, O.cfg_writes)), *rpos = Py_XNewRef(SLOT(cfg, O.cfg_reads));
     if (wpos == NULL || rpos == NULL || !PyTuple_CheckExact(wpos) || !PyTuple_CheckExact(rpos)) goto python;
