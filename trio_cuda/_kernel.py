@@ -471,7 +471,9 @@ def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> Non
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
     """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
     of the buffers it uses on other streams, and registered as their writer or reader.
-    The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK."""
+    The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK.
+    (trio_cuda/_hotpath.c's enqueue_launch does the same: a change here must be made
+    there too.)"""
     wpos, rpos = cfg.writes, cfg.reads
     for i in wpos:
         t = args[i].tensor
@@ -600,6 +602,8 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         return args, ev, [k.name]
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
+        # (trio_cuda/_hotpath.c installs a compiled equivalent for a prepared launch: a
+        # change here must be made there too.)
         k = self._kernel
         args = self._args
         if values:
@@ -642,17 +646,17 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
 
 
 # -- the compiled hot path ---------------------------------------------------------------
-# trio_cuda/_hotpath.c: _Launch._submit_now, Device.poll and the enqueue of a replayed
-# op's one launch (enqueue_direct) in C, reading and writing the runtime's __slots__ at
+# trio_cuda/_hotpath.c: _Launch._submit_now, Device.poll, the enqueue of a replayed op's
+# one launch (enqueue_direct), _Launch._plan and the plan's walk and step loops
+# (_submit.hot_walk / hot_run_steps) in C, reading and writing the runtime's __slots__ at
 # their offsets (see its docstring). Each hands any case it does not handle, before any
-# effect, to the Python. Optional: without it (no compiler
-# at install, TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
+# effect, to the Python. Optional: without it (no compiler at install,
+# TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
 _submit_now_py = _Launch._submit_now
 _plan_py = _Launch._plan
 _poll_py: Any = None
-_hot: tuple[Any, Any, Any] | None = None
-_walk_c: Any = None
-_enqueue_direct_c: Any = None
+_hot: tuple[Any, Any, Any] | None = None  # its methods: _submit_now, poll, _plan
+_hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
 
 
 def _enqueue_direct_py(
@@ -708,7 +712,7 @@ def _hot_setup_objects() -> dict[str, Any]:
 
 
 def _load_hotpath() -> tuple[Any, Any, Any] | None:
-    global _poll_py, _enqueue_direct_c, _walk_c
+    global _poll_py, _hotmod
     from ._device import Device
 
     _poll_py = Device.poll
@@ -719,8 +723,7 @@ def _load_hotpath() -> tuple[Any, Any, Any] | None:
     except ImportError:
         return None
     methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
-    _enqueue_direct_c = _hotpath.enqueue_direct
-    _walk_c = (_hotpath.walk, _hotpath.run_steps)
+    _hotmod = _hotpath
     return methods
 
 
@@ -733,8 +736,8 @@ def use_hotpath(on: bool) -> bool:
 
     if on and _hot is not None:
         _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
-        enqueue_direct = _enqueue_direct_c
-        _submit.hot_walk, _submit.hot_run_steps = _walk_c
+        enqueue_direct = _hotmod.enqueue_direct
+        _submit.hot_walk, _submit.hot_run_steps = _hotmod.walk, _hotmod.run_steps
     else:
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
         _Launch._plan = _plan_py  # type: ignore[method-assign]

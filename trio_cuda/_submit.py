@@ -322,7 +322,8 @@ def resolve(v: Any) -> Any:
 
 
 #: The compiled walk and step runner (trio_cuda/_hotpath.c's walk and run_steps, set by
-#: _kernel.use_hotpath), or None: the Python loops of Plan._walk and Plan._run_steps.
+#: _kernel.use_hotpath), or None: the Python loops of Plan._walk and Plan._run_steps (a
+#: change to those loops must be made there too).
 hot_walk: Callable[[Plan, list[tuple[Any, Lane, int]], list[Any]], bool] | None = None
 hot_run_steps: Callable[[list[tuple[Callable[[Lane, Any], None], Lane, Any]]], None] | None = None
 
