@@ -6,8 +6,11 @@ processes, see benchmarks/results/host-direct-2026-11-30.md):
 
 * ``python``: ``_Launch._submit_now``, ``Device.poll``, ``_Launch._plan`` and the
   plan's walk and step loop in Python (as with ``TRIO_CUDA_HOTPATH=0``);
-* ``compiled``: all in C, with the launch, record and query made straight through
-  the driver's entry points where the backend offers them (CUDA with its fast path).
+* ``compiled, Python await``: all of these in C, ``DeviceOp.__await__`` the Python
+  generator (_submit.await_op);
+* ``compiled``: all in C, the await too, with the launch, record and query made
+  straight through the driver's entry points where the backend offers them (CUDA
+  with its fast path).
 
 Figures: the tiny op round trip (``await inc(p)``, median of 200); awaits of
 ``inc(p)`` in a loop, the op made each time (us per await, the "sync after every op"
@@ -30,6 +33,7 @@ import time
 from typing import Any
 
 from trio_cuda import _kernel, api
+from trio_cuda._op import DeviceOp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
@@ -71,8 +75,13 @@ async def main(cycles: int, hidden: int, layers: int) -> None:
         await tasks_rate(many[256], 4)
         await decode_ms()
 
+    def python_await() -> None:
+        _kernel.use_hotpath(True)
+        DeviceOp.__await__ = _kernel._await_py  # type: ignore[method-assign]
+
     variants: list[tuple[str, Any]] = [
         ("python", lambda: _kernel.use_hotpath(False)),
+        ("compiled, Python await", python_await),
         ("compiled", lambda: _kernel.use_hotpath(True)),
     ]
     await paired(figures, variants, cycles, warm_up)

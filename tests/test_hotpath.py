@@ -23,13 +23,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import outcome
 import pytest
 import trio
 
 import trio_cuda
 from trio_cuda import _kernel, api, lowlevel, ops
 from trio_cuda._guard import LOCK, _tls
-from trio_cuda._op import ScheduledOp
+from trio_cuda._op import DeviceOp, ScheduledOp
 from trio_cuda.kernels import add, saxpy, sleep
 
 from .test_fastpath import _FakeDriver, fake_cuda_driver
@@ -137,10 +138,13 @@ def test_the_compiled_methods_are_installed() -> None:
     assert _kernel.hotpath_active()
     assert type(_kernel._Launch._submit_now).__name__ == "method_descriptor"
     assert type(trio_cuda.Device.poll).__name__ == "method_descriptor"
+    assert DeviceOp.__await__ is _kernel._hot_await is not None
     with mode(False):
         assert _kernel._Launch._submit_now is _kernel._submit_now_py
         assert trio_cuda.Device.poll is _kernel._poll_py
+        assert DeviceOp.__await__ is _kernel._await_py
     assert _kernel.hotpath_active()
+    assert DeviceOp.__await__ is _kernel._hot_await
 
 
 async def _mixed_program(
@@ -623,11 +627,11 @@ def test_setup_refuses_classes_it_does_not_know() -> None:
 def test_switched_off_by_the_environment() -> None:
     import subprocess
 
-    code = "import trio_cuda._kernel as k; print(k.hotpath_active())"
+    code = "import trio_cuda._kernel as k; print(k.hotpath_active(), k.DeviceOp.__await__ is k._await_py)"
     env = dict(os.environ, TRIO_CUDA_HOTPATH="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "False"
+    assert r.stdout.strip().splitlines()[-1] == "False True"
 
 
 def test_a_prepared_type_without_a_slot_leaves_the_known_offsets_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1066,3 +1070,164 @@ async def test_step_functions_replaced_in_the_module_are_called(monkeypatch: pyt
                 monkeypatch.undo()
                 assert calls[0] == 4, (name, compiled)
     np.testing.assert_array_equal(await y.to_host(), 17 * np.arange(16, dtype=np.float32))
+
+
+# -- the compiled await (DeviceOp.__await__) ---------------------------------------------
+# Its behaviour against the Python generator's, scenario by scenario (cancels at each
+# point, KeyboardInterrupt, throw/close/send at the trap, errors from the policy and
+# from _submit_now, faults, guest mode, frames, references), is in
+# tests/test_traps_equivalence.py, which runs each scenario three ways.
+
+
+def drive(aw: Any) -> tuple[int, Any]:
+    """Drive an await by hand inside a trio task, answering each trap as trio would
+    (without the scheduling): (traps yielded, the value it returned)."""
+    from trio_cuda import _notifier, _traps
+
+    n = 0
+    budget = _notifier._budget_ns
+    _notifier._budget_ns = 60 * 10**9  # poll between the traps, never park (nothing wakes it here)
+    try:
+        got = aw.send(None)
+        while True:
+            assert got is _traps.CANCEL_SHIELDED_CHECKPOINT
+            n += 1
+            got = aw.send(outcome.Value(None))
+    except StopIteration as stop:
+        return n, stop.value
+    finally:
+        _notifier._budget_ns = budget
+
+
+async def test_the_compiled_await_counts_its_awaits_and_hands_the_rest_over() -> None:
+    dev = trio_cuda.current_device()
+    _a, _b, x, y, z, c = await two_streams_and_operands(dev)
+    p = z.partition((32,))
+    await add(p, x, y)  # prepared
+    before = counters()
+    for _ in range(5):
+        await add(p, x, y)  # direct: begun here
+    await add(p, x, y).then(lambda t: t)  # the general path: _run_planned
+    await sleep(c.partition((1,)), 2_000_000)  # the general path, a wait that goes on
+    d = delta(before, counters())
+    assert d["awaits"] == 5
+    assert d["awaits_python"] == 0
+    assert d["awaits_rest"] <= 5  # (a first poll that finds the add pending hands over)
+    np.testing.assert_array_equal(await z.to_host(), np.arange(64))
+
+
+async def test_the_compiled_await_as_an_iterator() -> None:
+    """send/next/close/throw as a generator's: a non-None first send is refused, the
+    value comes back in StopIteration (a tuple as one value), an exhausted await says
+    StopIteration again, and a close or throw at the trap ends it."""
+    dev = trio_cuda.current_device()
+    _a, _b, x, y, z, _c = await two_streams_and_operands(dev)
+    p = z.partition((32,))
+    await add(p, x, y)
+    aw = add(p, x, y).__await__()
+    assert type(aw).__name__ == "Await"
+    with pytest.raises(TypeError, match="non-None"):
+        aw.send(1)
+    traps, value = drive(aw)
+    assert traps >= 1
+    assert value == (p, x, y)  # a launch's output: its arguments, one tuple in StopIteration
+    with pytest.raises(StopIteration) as stop:
+        aw.send(None)
+    assert stop.value.value is None
+    # a tuple output (the general path, driven through the Python handed over to)
+    u = await api.zeros((4,))
+    pair = trio_cuda.zip(api.full((2,), 3.0), api.full((2,), 4.0)).then(lambda t: t)
+    _, got = drive(pair.__await__())
+    assert isinstance(got, tuple) and len(got) == 2
+    assert [float((await t.to_host())[0]) for t in got] == [3.0, 4.0]
+    # close and throw at the trap
+    for action in ("close", "throw"):
+        aw = add(u.partition((4,)), u, u).__await__()
+        assert aw.send(None) is not None
+        if action == "close":
+            assert aw.close() is None
+        else:
+            with pytest.raises(KeyError, match="thrown"):
+                aw.throw(KeyError("thrown"))
+        with pytest.raises(StopIteration):
+            aw.send(None)  # over
+    await trio.to_thread.run_sync(dev.synchronize)
+
+
+def test_the_compiled_await_outside_trio_fails_as_the_python_does() -> None:
+    """Outside trio it hands the await to the Python generator, which lets trio say so."""
+    with mode(True):
+        errors = []
+        for compiled in (True, False):
+            DeviceOp.__await__ = _kernel._hot_await if compiled else _kernel._await_py  # type: ignore[method-assign]
+            before = counters()
+            aw = api.zeros((4,)).__await__()
+            with pytest.raises(RuntimeError) as err:
+                aw.send(None)
+            errors.append(str(err.value))
+            assert delta(before, counters())["awaits_python"] == (1 if compiled else 0)
+        assert errors[0] == errors[1]
+
+
+def test_setup_await_refuses_trio_classes_it_does_not_know() -> None:
+    """A trio class whose field is not a plain slot makes setup_await fail as a whole;
+    the await bound before keeps working."""
+
+    class NotSlotted:
+        _cancel_status = _runner = _cancel_points = None
+
+    objs = dict(_kernel._hot_await_objects() or {})
+    assert objs, "trio's internals were not found"
+    objs["Task"] = NotSlotted
+    with pytest.raises(TypeError):
+        _hotpath.setup_await(objs)
+    objs = dict(_kernel._hot_await_objects() or {})
+    del objs["await_rest"]
+    with pytest.raises(KeyError):
+        _hotpath.setup_await(objs)
+
+    async def main() -> float:
+        before = counters()["awaits"]
+        x = await api.full((4,), 2.0)
+        p = x.partition((4,))
+        await add(p, x, x)
+        await add(p, x, x)
+        assert counters()["awaits"] > before
+        return float((await x.to_host())[0])
+
+    assert trio.run(main) == 8.0
+
+
+async def test_awaits_from_many_tasks_and_threads_through_the_compiled_await() -> None:
+    """256 tasks in this trio run and 4 threads each with its own trio run, all awaiting
+    tiny launches on their own tensors: every result is right."""
+    n_tasks, rounds = 64, 20
+    xs = [await api.zeros((32,)) for _ in range(n_tasks)]
+
+    async def worker(x: Any) -> None:
+        p = x.partition((32,))
+        for _ in range(rounds):
+            await add(p, x, await api.full((32,), 1.0))
+
+    def thread_main() -> list[float]:
+        async def run() -> list[float]:
+            x = await api.zeros((32,))
+            for _ in range(rounds):
+                await add(x.partition((32,)), x, await api.full((32,), 1.0))
+            return list(await x.to_host())
+
+        return trio.run(run)
+
+    results: list[list[float]] = []
+
+    async def in_thread() -> None:
+        results.append(await trio.to_thread.run_sync(thread_main))
+
+    async with trio.open_nursery() as nursery:
+        for x in xs:
+            nursery.start_soon(worker, x)
+        for _ in range(4):
+            nursery.start_soon(in_thread)
+    for x in xs:
+        np.testing.assert_array_equal(await x.to_host(), np.full(32, float(rounds)))
+    assert results == [[float(rounds)] * 32] * 4

@@ -20,7 +20,8 @@ import trio
 import trio.testing
 
 import trio_cuda
-from trio_cuda import _traps, api, lowlevel
+from trio_cuda import _kernel, _traps, api, lowlevel
+from trio_cuda._op import DeviceOp
 from trio_cuda.kernels import add, sleep
 
 from .conftest import counter
@@ -30,11 +31,18 @@ from .test_traps import _operands
 MODES = [(True, True), (True, False), (False, True), (False, False)]  # (traps on, wordless)
 
 
+#: The compiled ``DeviceOp.__await__`` (trio_cuda/_hotpath.c), if built and in use.
+COMPILED_AWAIT = _kernel._hot_await if _kernel.hotpath_active() else None
+
+
 @contextlib.contextmanager
-def mode(on: bool, wordless: bool) -> Iterator[None]:
+def mode(on: bool, wordless: bool, compiled: bool = False) -> Iterator[None]:
+    """Trio's trap yielded by the await itself (``on``) or trio's public functions; the
+    compiled await or the Python generator (_submit.await_op); words or none."""
     mp = pytest.MonkeyPatch()
     try:
         mp.setattr(_traps, "on", on)
+        mp.setattr(DeviceOp, "__await__", COMPILED_AWAIT if compiled else _kernel._await_py)
         dev = trio_cuda.current_device()
         if wordless:
             mp.setattr(dev, "policy", trio_cuda.SingleStream(stream=wordless_stream(dev)))
@@ -48,12 +56,27 @@ def mode(on: bool, wordless: bool) -> Iterator[None]:
 
 
 def both(fn: Callable[[], Any], wordless: bool = True) -> tuple[Any, Any]:
-    """``fn()`` with the trap path on, then off (same stream kind)."""
+    """``fn()`` with the trap path on, then off (same stream kind), each through the
+    Python generator. Where the compiled await is built, ``fn()`` also runs through it
+    (the trap path on), and what it observed must be what the Python generator did."""
+    a, b, _ = three_ways(fn, wordless)
+    return a, b
+
+
+def three_ways(fn: Callable[[], Any], wordless: bool = True, same: bool = True) -> tuple[Any, Any, Any]:
+    """``fn()`` with the trap path on, off, and through the compiled await (None where
+    it is not built); ``same``: the compiled await's result must equal the first."""
     with mode(True, wordless):
         a = fn()
     with mode(False, wordless):
         b = fn()
-    return a, b
+    c = None
+    if COMPILED_AWAIT is not None:
+        with mode(True, wordless, compiled=True):
+            c = fn()
+        if same:
+            assert c == a, f"the compiled await observed {c!r}, the Python generator {a!r}"
+    return a, b, c
 
 
 def enqueued() -> int:
@@ -638,8 +661,13 @@ def _await_frames() -> list[str]:
 
 
 def test_the_awaiting_task_frames_are_the_same() -> None:
-    traps, public = both(_await_frames)
-    assert traps == public
+    traps, public, compiled = three_ways(_await_frames, same=False)
+    assert traps == public == ["sleeper", "await_op"]
+    if compiled is not None:
+        # The compiled await has no frame; trio's walk goes on into the Python it
+        # handed the rest to (here the general path: sleep is not a direct launch).
+        assert compiled[0] == "sleeper"
+        assert compiled[1:3] == ["_run_planned", "wait_event"]
 
 
 # -- 14. nothing of an await outlives it -------------------------------------------------

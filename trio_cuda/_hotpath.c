@@ -1734,6 +1734,559 @@ static PyMethodDef poll_def = {"poll", (PyCFunction)(void (*)(void))poll_method,
                                "    DeviceFault: The work before the event failed, or the device faulted.\n\n"
                                "(Compiled: trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method.)"};
 
+/* ---- await ------------------------------------------------------------------------ */
+
+/* ``DeviceOp.__await__`` (trio_cuda/_submit.py, await_op) as an iterator in C: trio's
+ * cancel check, the direct submission, trio's trap and the poll after it, with
+ * await_op's checks in its order. Any other case is handed to the Python and then
+ * driven as ``yield from`` drives it: before any effect, to await_op itself (outside
+ * trio, trio's traps switched off, a cancelled task, an object this file does not
+ * know); the general path, to _run_planned; after the submission, to await_rest (a
+ * wait that goes on past the first poll, the process's first wait, a cancel found
+ * after trio's pass). Bound by setup_await, which checks trio's classes' slots; a trio
+ * whose internals differ keeps the Python generator. */
+
+static PyObject *run_context, *trap, *Value_T, *DeviceOp_T, *DeviceError_T, *Task_T, *CancelStatus_T, *Runner_T, *traps_globals,
+    *submit_globals, *trace_globals, *notifier_globals, *py_current_device, *py_await, *py_await_rest,
+    *py_raise_named, *py_run_planned, *py_clock;
+static Py_ssize_t task_status_off, task_runner_off, task_points_off, status_cancelled_off, runner_ki_off,
+    runner_main_off;
+static PyObject *s_task, *s_unwrap, *s_on, *s_direct_on, *s_active, *s__budget_ns, *s__paths, *s__submit_now,
+    *s__submission_stream, *s_reached, *s_poll, *s_throw, *s_close;
+/* awaits begun here, handed to await_op before any effect, handed to await_rest */
+static unsigned long long n_awaits, n_awaits_python, n_awaits_rest;
+
+enum { A_START, A_FINAL, A_PASSED, A_SUB, A_DONE };
+
+typedef struct {
+    PyObject_HEAD
+    int state;
+    int running; /* (a generator's "already executing") */
+    int named;   /* an error raised now is in await_op's ``try``: a DeviceError is named */
+    PyObject *op, *stream, *value, *ev, *names, *started, *sub;
+} Await;
+
+static void await_finish(Await *a) {
+    a->state = A_DONE;
+    Py_CLEAR(a->op);
+    Py_CLEAR(a->stream);
+    Py_CLEAR(a->value);
+    Py_CLEAR(a->ev);
+    Py_CLEAR(a->names);
+    Py_CLEAR(a->started);
+    Py_CLEAR(a->sub);
+}
+
+/* The error raised now ends the await; await_op's ``except DeviceError`` names it. */
+static PySendResult await_fail(Await *a) {
+    if (a->named && a->names != NULL && a->stream != NULL && PyErr_ExceptionMatches(DeviceError_T)) {
+        PyObject *type, *val, *tb;
+        PyErr_Fetch(&type, &val, &tb);
+        PyErr_NormalizeException(&type, &val, &tb);
+        if (tb != NULL) PyException_SetTraceback(val, tb);
+        PyObject *r = PyObject_CallFunctionObjArgs(py_raise_named, val, a->names, a->stream, NULL);
+        if (r != NULL) {
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_SystemError, "_hotpath: raise_named returned");
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(val);
+        Py_XDECREF(tb);
+    }
+    await_finish(a);
+    return PYGEN_ERROR;
+}
+
+static PySendResult sub_send(Await *a, PyObject *arg, PyObject **result) {
+    PySendResult r = PyIter_Send(a->sub, arg, result);
+    if (r != PYGEN_NEXT) await_finish(a);
+    return r;
+}
+
+/* Drive ``sub`` (a new reference: a generator or coroutine just made) from now on. */
+static PySendResult hand_over(Await *a, PyObject *sub, PyObject **result) {
+    if (sub == NULL) {
+        await_finish(a);
+        return PYGEN_ERROR;
+    }
+    Py_XSETREF(a->sub, sub);
+    a->state = A_SUB;
+    return sub_send(a, Py_None, result);
+}
+
+static PySendResult to_python(Await *a, PyObject **result) {
+    n_awaits_python++;
+    return hand_over(a, PyObject_CallFunctionObjArgs(py_await, a->op, a->stream, NULL), result);
+}
+
+static PySendResult to_planned(Await *a, PyObject **result) {
+    return hand_over(a, PyObject_CallFunctionObjArgs(py_run_planned, a->op, a->stream, NULL), result);
+}
+
+static PySendResult to_rest(Await *a, PyObject *started, int stage, PyObject **result) {
+    n_awaits_rest++;
+    PyObject *st = PyLong_FromLong(stage);
+    PyObject *sub = st == NULL ? NULL
+                               : PyObject_CallFunctionObjArgs(py_await_rest, a->value, a->ev, a->names, a->stream,
+                                                              started, st, NULL);
+    Py_XDECREF(st);
+    return hand_over(a, sub, result);
+}
+
+static PySendResult yield_trap(Await *a, int state, PyObject **result) {
+    a->state = state;
+    *result = Py_NewRef(trap);
+    return PYGEN_NEXT;
+}
+
+static PySendResult give_value(Await *a, PyObject **result) {
+    *result = Py_NewRef(a->value);
+    await_finish(a);
+    return PYGEN_RETURN;
+}
+
+/* A module global's truth: 1, 0, -1 (error; a missing name is a KeyError). */
+static int global_true(PyObject *globals, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(globals, name);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
+        return -1;
+    }
+    return PyObject_IsTrue(v);
+}
+
+/* trio's current task (new reference), or NULL without an error outside trio. */
+static PyObject *current_task(void) {
+    PyObject *t = PyObject_GetAttr(run_context, s_task);
+    if (t == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+    return t;
+}
+
+/* trio's cancel check of ``task`` (_traps.after_pass without the count): 0 go on,
+ * 1 cancelled (or a KeyboardInterrupt pending for the main task), 2 not what this file
+ * knows (the Python decides). */
+static int task_cancelled(PyObject *task) {
+    if (!IS(task, Task_T)) return 2;
+    PyObject *status = SLOT(task, task_status_off), *runner = SLOT(task, task_runner_off);
+    if (status == NULL || runner == NULL || !IS(status, CancelStatus_T) || !IS(runner, Runner_T)) return 2;
+    PyObject *c = SLOT(status, status_cancelled_off), *ki = SLOT(runner, runner_ki_off);
+    if (c == Py_True) return 1;
+    if (c != Py_False || (ki != Py_True && ki != Py_False)) return 2;
+    if (ki == Py_False) return 0;
+    PyObject *main = SLOT(runner, runner_main_off);
+    return main == NULL ? 2 : main == task;
+}
+
+/* The cancel check, counted as trio counts it when it passes: 0, 1 or 2 as above, -1. */
+static int cancel_check(void) {
+    PyObject *task = current_task();
+    if (task == NULL) return PyErr_Occurred() ? -1 : 2;
+    int c = task_cancelled(task);
+    if (c == 0 && add_one(task, task_points_off) < 0) c = -1;
+    Py_DECREF(task);
+    return c;
+}
+
+static int call_true(PyObject *dev, PyObject *name, PyObject *ev) { /* dev.<name>(ev): 1, 0, -1 */
+    PyObject *r = PyObject_CallMethodOneArg(dev, name, ev);
+    if (r == NULL) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+static int count_fast_path(void) { /* _notifier._paths[0] += 1 */
+    PyObject *paths = PyDict_GetItemWithError(notifier_globals, s__paths);
+    if (paths == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s__paths);
+        return -1;
+    }
+    Py_INCREF(paths);
+    PyObject *v = PySequence_GetItem(paths, 0);
+    PyObject *n = v == NULL ? NULL : PyNumber_Add(v, one);
+    int r = n == NULL ? -1 : PySequence_SetItem(paths, 0, n);
+    Py_XDECREF(v);
+    Py_XDECREF(n);
+    Py_DECREF(paths);
+    return r;
+}
+
+/* ev's device, polled: 1 complete (counted on the fast path), 0 pending, -1 */
+static int poll_counted(PyObject *ev) {
+    PyObject *dev = SLOT(ev, O.ev_device);
+    if (dev == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_hotpath: an event without a device");
+        return -1;
+    }
+    Py_INCREF(dev);
+    int p = call_true(dev, s_poll, ev);
+    Py_DECREF(dev);
+    if (p == 1 && count_fast_path() < 0) return -1;
+    return p;
+}
+
+static PySendResult await_start(Await *a, PyObject **result) {
+    int on = global_true(traps_globals, s_on);
+    if (on < 0) return await_fail(a);
+    if (!on) return to_python(a, result);
+    int c = cancel_check();
+    if (c < 0) return await_fail(a);
+    if (c) return to_python(a, result); /* it raises Cancelled, or decides */
+    if (a->stream == Py_None) {
+        PyObject *dev = PyObject_CallNoArgs(py_current_device);
+        PyObject *s = dev == NULL ? NULL : PyObject_CallMethodNoArgs(dev, s__submission_stream);
+        Py_XDECREF(dev);
+        if (s == NULL) return await_fail(a);
+        Py_SETREF(a->stream, s);
+    }
+    PyObject *sn = PyObject_GetAttr(a->op, s__submit_now);
+    if (sn == NULL) return await_fail(a);
+    int direct = global_true(submit_globals, s_direct_on);
+    PyObject *active = direct <= 0 ? NULL : PyDict_GetItemWithError(trace_globals, s_active);
+    if (direct < 0 || (direct && active == NULL)) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s_active);
+        Py_DECREF(sn);
+        return await_fail(a);
+    }
+    if (sn == Py_None || !direct || active != Py_None) { /* a trace sees every plan */
+        Py_DECREF(sn);
+        return to_planned(a, result);
+    }
+    PyObject *done = PyObject_CallOneArg(sn, a->stream);
+    Py_DECREF(sn);
+    if (done == NULL) return await_fail(a);
+    if (done == Py_None) {
+        Py_DECREF(done);
+        return to_planned(a, result);
+    }
+    n_awaits++;
+    PyObject *t = PySequence_Tuple(done);
+    Py_DECREF(done);
+    if (t == NULL) return await_fail(a);
+    if (PyTuple_GET_SIZE(t) != 3) {
+        Py_DECREF(t);
+        PyErr_SetString(PyExc_ValueError, "_hotpath: _submit_now gave no (value, event, names)");
+        return await_fail(a);
+    }
+    a->value = Py_NewRef(PyTuple_GET_ITEM(t, 0));
+    a->ev = Py_NewRef(PyTuple_GET_ITEM(t, 1));
+    a->names = Py_NewRef(PyTuple_GET_ITEM(t, 2));
+    Py_DECREF(t);
+    PyObject *ev = a->ev;
+    if (ev == Py_None) return yield_trap(a, A_FINAL, result);
+    PyObject *budget = PyDict_GetItemWithError(notifier_globals, s__budget_ns);
+    if (budget == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s__budget_ns);
+        return await_fail(a);
+    }
+    if (budget == Py_None) return to_rest(a, Py_None, 0, result); /* the first wait reads the budget */
+    if ((a->started = PyObject_CallNoArgs(py_clock)) == NULL) return await_fail(a);
+    a->named = 1;
+    if (!IS(ev, Event_T)) return to_rest(a, a->started, 0, result);
+    PyObject *ev_done = SLOT(ev, O.ev_done), *flag = SLOT(ev, O.ev_flag), *dev = SLOT(ev, O.ev_device);
+    if (ev_done == NULL || flag == NULL || dev == NULL) return to_rest(a, a->started, 0, result);
+    int known = PyObject_IsTrue(ev_done);
+    if (known == 0) {
+        known = PyObject_RichCompareBool(flag, zero, Py_GE);
+        if (known == 1) {
+            Py_INCREF(dev);
+            known = call_true(dev, s_reached, ev);
+            Py_DECREF(dev);
+        }
+    }
+    if (known < 0) return await_fail(a);
+    if (!known) return yield_trap(a, A_PASSED, result); /* the first poll after trio's pass */
+    int p = poll_counted(ev); /* known complete: the first poll now */
+    if (p < 0) return await_fail(a);
+    if (p) return yield_trap(a, A_FINAL, result);
+    return to_rest(a, a->started, 0, result);
+}
+
+/* ``outcome.unwrap()`` of what trio sends back from the trap: a Value (trio's own, made
+ * for this send and dropped after it) only says to go on. */
+static int unwrap(PyObject *outcome) {
+    if (IS(outcome, Value_T)) return 0;
+    PyObject *r = PyObject_CallMethodNoArgs(outcome, s_unwrap);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static PySendResult await_passed(Await *a, PyObject *arg, PyObject **result) {
+    if (unwrap(arg) < 0) return await_fail(a);
+    int c = cancel_check();
+    if (c < 0) return await_fail(a);
+    if (c) return to_rest(a, a->started, 2, result); /* the Python counts, checks and raises */
+    int p = poll_counted(a->ev);
+    if (p < 0) return await_fail(a);
+    if (p) return give_value(a, result);
+    return to_rest(a, a->started, 0, result);
+}
+
+static PySendResult await_send(PyObject *self, PyObject *arg, PyObject **result) {
+    Await *a = (Await *)self;
+    if (a->running) {
+        PyErr_SetString(PyExc_ValueError, "generator already executing");
+        return PYGEN_ERROR;
+    }
+    PySendResult r;
+    a->running = 1;
+    switch (a->state) {
+    case A_START:
+        if (arg != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started generator");
+            r = PYGEN_ERROR;
+        } else {
+            r = await_start(a, result);
+        }
+        break;
+    case A_FINAL:
+        r = unwrap(arg) < 0 ? await_fail(a) : give_value(a, result);
+        break;
+    case A_PASSED:
+        r = await_passed(a, arg, result);
+        break;
+    case A_SUB:
+        r = sub_send(a, arg, result);
+        break;
+    default: /* exhausted, as a generator is */
+        *result = Py_NewRef(Py_None);
+        r = PYGEN_RETURN;
+    }
+    a->running = 0;
+    return r;
+}
+
+static void set_stop(PyObject *v) {
+    if (v == Py_None) {
+        PyErr_SetNone(PyExc_StopIteration);
+        return;
+    }
+    PyObject *e = PyObject_CallOneArg(PyExc_StopIteration, v); /* (a tuple is one value) */
+    if (e != NULL) {
+        PyErr_SetObject(PyExc_StopIteration, e);
+        Py_DECREF(e);
+    }
+}
+
+static PyObject *await_next(PyObject *self) {
+    PyObject *r;
+    PySendResult s = await_send(self, Py_None, &r);
+    if (s == PYGEN_NEXT) return r;
+    if (s == PYGEN_RETURN) {
+        if (r != Py_None) set_stop(r); /* (NULL without an error: StopIteration(None)) */
+        Py_DECREF(r);
+    }
+    return NULL;
+}
+
+static PyObject *await_send_method(PyObject *self, PyObject *arg) {
+    PyObject *r;
+    PySendResult s = await_send(self, arg, &r);
+    if (s == PYGEN_NEXT) return r;
+    if (s == PYGEN_RETURN) {
+        set_stop(r);
+        Py_DECREF(r);
+    }
+    return NULL;
+}
+
+/* throw(exc) / throw(type[, value[, traceback]]): into the Python handed over to, else
+ * raised where the await stands (a DeviceError inside await_op's ``try`` is named). */
+static PyObject *await_throw(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    Await *a = (Await *)self;
+    if (n < 1 || n > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw expected 1 to 3 arguments");
+        return NULL;
+    }
+    if (a->running) {
+        PyErr_SetString(PyExc_ValueError, "generator already executing");
+        return NULL;
+    }
+    if (a->state == A_SUB) {
+        a->running = 1;
+        PyObject *meth = PyObject_GetAttr(a->sub, s_throw);
+        PyObject *r = meth == NULL ? NULL : PyObject_Vectorcall(meth, args, n, NULL);
+        Py_XDECREF(meth);
+        a->running = 0;
+        if (r == NULL) await_finish(a); /* (its StopIteration is this await's return) */
+        return r;
+    }
+    PyObject *typ = args[0], *val = n > 1 ? args[1] : Py_None, *tb = n > 2 ? args[2] : Py_None;
+    if (PyExceptionInstance_Check(typ)) {
+        if (val != Py_None) {
+            PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
+            return NULL;
+        }
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    } else if (PyExceptionClass_Check(typ)) {
+        PyErr_SetObject(typ, val);
+    } else {
+        PyErr_SetString(PyExc_TypeError, "exceptions must be classes or instances deriving from BaseException");
+        return NULL;
+    }
+    if (tb != Py_None) {
+        PyObject *t, *v, *old;
+        PyErr_Fetch(&t, &v, &old);
+        PyErr_NormalizeException(&t, &v, &old);
+        Py_XDECREF(old);
+        PyException_SetTraceback(v, tb);
+        PyErr_Restore(t, v, Py_NewRef(tb));
+    }
+    if (a->state != A_PASSED && a->state != A_FINAL) a->named = 0;
+    await_fail(a);
+    return NULL;
+}
+
+static PyObject *await_close(PyObject *self, PyObject *unused) {
+    Await *a = (Await *)self;
+    if (a->running) {
+        PyErr_SetString(PyExc_ValueError, "generator already executing");
+        return NULL;
+    }
+    PyObject *r = Py_None;
+    if (a->state == A_SUB) {
+        a->running = 1;
+        r = PyObject_CallMethodNoArgs(a->sub, s_close);
+        a->running = 0;
+        if (r == NULL) {
+            await_finish(a);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    await_finish(a);
+    Py_RETURN_NONE;
+}
+
+static int await_traverse(PyObject *self, visitproc visit, void *arg) {
+    Await *a = (Await *)self;
+    Py_VISIT(a->op);
+    Py_VISIT(a->stream);
+    Py_VISIT(a->value);
+    Py_VISIT(a->ev);
+    Py_VISIT(a->names);
+    Py_VISIT(a->started);
+    Py_VISIT(a->sub);
+    return 0;
+}
+
+static int await_clear(PyObject *self) {
+    await_finish((Await *)self);
+    return 0;
+}
+
+static void await_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    await_finish((Await *)self);
+    PyObject_GC_Del(self);
+}
+
+/* for trio's Task.iter_await_frames: no frame here, then the Python handed over to */
+static PyObject *await_frame(PyObject *self, void *unused) { Py_RETURN_NONE; }
+
+static PyObject *await_yieldfrom(PyObject *self, void *unused) {
+    PyObject *sub = ((Await *)self)->sub;
+    return Py_NewRef(sub != NULL ? sub : Py_None);
+}
+
+static PyMethodDef await_methods[] = {
+    {"send", await_send_method, METH_O, "send(value): as a generator's."},
+    {"throw", (PyCFunction)(void (*)(void))await_throw, METH_FASTCALL, "throw(exc): as a generator's."},
+    {"close", await_close, METH_NOARGS, "close(): as a generator's."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef await_getset[] = {
+    {"gi_frame", await_frame, NULL, "None: compiled.", NULL},
+    {"gi_yieldfrom", await_yieldfrom, NULL, "The Python generator or coroutine handed over to, or None.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyAsyncMethods await_async = {NULL, NULL, NULL, await_send};
+
+static PyTypeObject Await_T = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "trio_cuda._hotpath.Await",
+    .tp_basicsize = sizeof(Await),
+    .tp_dealloc = await_dealloc,
+    .tp_as_async = &await_async,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The await of a DeviceOp (trio_cuda/_submit.py, await_op), compiled.",
+    .tp_traverse = await_traverse,
+    .tp_clear = await_clear,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = await_next,
+    .tp_methods = await_methods,
+    .tp_getset = await_getset,
+};
+
+static PyObject *await_method(PyObject *op, PyObject *unused) {
+    Await *a = PyObject_GC_New(Await, &Await_T);
+    if (a == NULL) return NULL;
+    a->state = A_START;
+    a->running = a->named = 0;
+    a->op = Py_NewRef(op);
+    a->stream = Py_NewRef(Py_None);
+    a->value = a->ev = a->names = a->started = a->sub = NULL;
+    PyObject_GC_Track((PyObject *)a);
+    return (PyObject *)a;
+}
+
+static PyMethodDef await_def = {"__await__", await_method, METH_NOARGS,
+                                "__await__($self, /)\n--\n\nSubmit and wait in trio (compiled: trio_cuda/_hotpath.c; "
+                                "TRIO_CUDA_HOTPATH=0 runs the Python generator)."};
+
+/* setup_await(dict): bind trio's run context, its trap and classes (their slots'
+ * offsets), the runtime's modules and the Python it hands over to; all or nothing.
+ * Returns the method to install as DeviceOp.__await__. */
+static PyObject *setup_await(PyObject *module, PyObject *kw) {
+    static const char *names[] = {"run_context", "trap", "Value", "DeviceOp", "DeviceError", "Task", "CancelStatus", "Runner",
+                                  "traps_globals", "submit_globals", "trace_globals", "notifier_globals",
+                                  "current_device", "await", "await_rest", "raise_named", "run_planned", "clock"};
+    PyObject **vars[] = {&run_context, &trap, &Value_T, &DeviceOp_T, &DeviceError_T, &Task_T, &CancelStatus_T, &Runner_T,
+                         &traps_globals, &submit_globals, &trace_globals, &notifier_globals, &py_current_device,
+                         &py_await, &py_await_rest, &py_raise_named, &py_run_planned, &py_clock};
+    enum { N = sizeof(names) / sizeof(names[0]) };
+    PyObject *got[N];
+    Py_ssize_t offs[6];
+    if (!PyDict_Check(kw)) {
+        PyErr_SetString(PyExc_TypeError, "setup_await(dict)");
+        return NULL;
+    }
+    for (int i = 0; i < N; i++) {
+        got[i] = PyDict_GetItemString(kw, names[i]);
+        if (got[i] == NULL) {
+            PyErr_Format(PyExc_KeyError, "_hotpath.setup_await needs %s", names[i]);
+            return NULL;
+        }
+    }
+    for (int i = 8; i < 12; i++) {
+        if (!PyDict_Check(got[i])) {
+            PyErr_Format(PyExc_TypeError, "_hotpath: %s is not a dict", names[i]);
+            return NULL;
+        }
+    }
+    if (!PyType_Check(got[2]) || !PyType_Check(got[3]) || !PyExceptionClass_Check(got[4])) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath: Value and DeviceOp must be classes, DeviceError an exception class");
+        return NULL;
+    }
+    if (slot_offset(got[5], "_cancel_status", &offs[0]) < 0 || slot_offset(got[5], "_runner", &offs[1]) < 0 ||
+        slot_offset(got[5], "_cancel_points", &offs[2]) < 0 ||
+        slot_offset(got[6], "effectively_cancelled", &offs[3]) < 0 || slot_offset(got[7], "ki_pending", &offs[4]) < 0 ||
+        slot_offset(got[7], "main_task", &offs[5]) < 0)
+        return NULL;
+    PyObject *m = PyDescr_NewMethod((PyTypeObject *)got[3], &await_def);
+    if (m == NULL) return NULL;
+    for (int i = 0; i < N; i++) Py_XSETREF(*vars[i], Py_NewRef(got[i]));
+    task_status_off = offs[0];
+    task_runner_off = offs[1];
+    task_points_off = offs[2];
+    status_cancelled_off = offs[3];
+    runner_ki_off = offs[4];
+    runner_main_off = offs[5];
+    return m;
+}
+
 /* ---- setup ------------------------------------------------------------------------ */
 
 static PyObject *setup_inner(PyObject *kw) {
@@ -1902,11 +2455,12 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
-                         n_steps_python);
+                         n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
+                         n_awaits_rest);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -1945,6 +2499,8 @@ static PyMethodDef methods[] = {
     {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
+    {"setup_await", (PyCFunction)setup_await, METH_O,
+     "setup_await(objects): bind trio's and the runtime's objects for the compiled await; returns DeviceOp.__await__."},
     {"setup", (PyCFunction)setup, METH_O,
      "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now, Device.poll and _Launch._plan."},
     {NULL, NULL, 0, NULL},
@@ -1998,8 +2554,22 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_launches, "launches");
     NAME(s__prepared_step, "_prepared_step");
     NAME(s__enqueue_launch, "_enqueue_launch");
+    NAME(s_task, "task");
+    NAME(s_unwrap, "unwrap");
+    NAME(s_on, "on");
+    NAME(s_direct_on, "direct_on");
+    NAME(s_active, "active");
+    NAME(s__budget_ns, "_budget_ns");
+    NAME(s__paths, "_paths");
+    NAME(s__submit_now, "_submit_now");
+    NAME(s__submission_stream, "_submission_stream");
+    NAME(s_reached, "reached");
+    NAME(s_poll, "poll");
+    NAME(s_throw, "throw");
+    NAME(s_close, "close");
 #undef NAME
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;
+    if (PyType_Ready(&Await_T) < 0) return NULL;
     return PyModule_Create(&module);
 }

@@ -656,6 +656,8 @@ _submit_now_py = _Launch._submit_now
 _plan_py = _Launch._plan
 _poll_py: Any = None
 _hot: tuple[Any, Any, Any] | None = None  # its methods: _submit_now, poll, _plan
+_await_py = DeviceOp.__await__
+_hot_await: Any = None  # its DeviceOp.__await__ (None: trio's internals are not as it expects)
 _hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
 
 
@@ -711,8 +713,43 @@ def _hot_setup_objects() -> dict[str, Any]:
     }
 
 
+def _hot_await_objects() -> dict[str, Any] | None:
+    """What the compiled ``DeviceOp.__await__`` works on: trio's run context, trap and
+    classes (None if _traps did not find them), the modules whose switches and
+    counters it reads, the Python it hands cases over to."""
+    import time
+
+    import outcome
+
+    from . import _notifier, _trace, _traps
+    from ._errors import DeviceError
+    from ._registry import current_device
+
+    internals = _traps.trio_classes()
+    if internals is None:
+        return None
+    return {
+        "run_context": _traps.RUN_CONTEXT,
+        "trap": _traps.CANCEL_SHIELDED_CHECKPOINT,
+        "Value": outcome.Value,
+        **internals,
+        "DeviceOp": DeviceOp,
+        "DeviceError": DeviceError,
+        "traps_globals": vars(_traps),
+        "submit_globals": vars(_submit),
+        "trace_globals": vars(_trace),
+        "notifier_globals": vars(_notifier),
+        "current_device": current_device,
+        "await": _submit.await_op,
+        "await_rest": _submit.await_rest,
+        "raise_named": _submit.raise_named,
+        "run_planned": _submit.run_planned,
+        "clock": time.perf_counter_ns,
+    }
+
+
 def _load_hotpath() -> tuple[Any, Any, Any] | None:
-    global _poll_py, _hotmod
+    global _poll_py, _hotmod, _hot_await
     from ._device import Device
 
     _poll_py = Device.poll
@@ -724,12 +761,18 @@ def _load_hotpath() -> tuple[Any, Any, Any] | None:
         return None
     methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
     _hotmod = _hotpath
+    objects = _hot_await_objects()
+    try:
+        _hot_await = None if objects is None else _hotpath.setup_await(objects)
+    except (TypeError, AttributeError):  # trio's classes are not what it reads: the Python await
+        _hot_await = None
     return methods
 
 
 def use_hotpath(on: bool) -> bool:
     """Use the compiled ``_Launch._submit_now``, ``Device.poll``, ``enqueue_direct``,
-    ``_Launch._plan`` and the plan's walk and step runner (if built) or the Python ones;
+    ``_Launch._plan``, the plan's walk and step runner and ``DeviceOp.__await__`` (if
+    built) or the Python ones;
     returns whether the compiled ones are in use now (tests run both)."""
     global enqueue_direct
     from ._device import Device
@@ -738,7 +781,9 @@ def use_hotpath(on: bool) -> bool:
         _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
         enqueue_direct = _hotmod.enqueue_direct
         _submit.hot_walk, _submit.hot_run_steps = _hotmod.walk, _hotmod.run_steps
+        DeviceOp.__await__ = _hot_await if _hot_await is not None else _await_py  # type: ignore[method-assign]
     else:
+        DeviceOp.__await__ = _await_py  # type: ignore[method-assign]
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
         _Launch._plan = _plan_py  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_py

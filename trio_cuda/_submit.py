@@ -1267,6 +1267,11 @@ async def run_async(op: Any, stream: Stream | None = None) -> Any:
     return await _run_planned(op, stream)
 
 
+def run_planned(op: Any, stream: Stream) -> Any:
+    """:func:`_run_planned`'s coroutine, for the compiled await to drive."""
+    return _run_planned(op, stream)
+
+
 async def _run_planned(op: Any, stream: Stream) -> Any:
     """The general path of ``await op`` (after the cancel check): plan, enqueue (waiting
     in trio where needed), wait for the submission's event."""
@@ -1290,7 +1295,9 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     """``DeviceOp.__await__``: :func:`run_async` as one generator that yields trio's
     trap itself and does trio's cancel checks inline (see _traps), so the common await
     passes through two frames, not six, each time it yields. The same checks in the
-    same order; a cancelled task and the general path go through trio's functions."""
+    same order; a cancelled task and the general path go through trio's functions.
+    (trio_cuda/_hotpath.c has a compiled twin of this generator, installed as
+    ``DeviceOp.__await__``: a change here must be made there too.)"""
     if not _traps.on:
         return (yield from run_async(op, stream).__await__())
     try:
@@ -1306,49 +1313,76 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
-    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
-        done = submit_now(stream)
-        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
-            value, ev, names = done
-            if ev is None:
+    if submit_now is None or not direct_on or _trace.active is not None:  # a trace sees every plan
+        return (yield from _run_planned(op, stream).__await__())
+    done = submit_now(stream)
+    if done is None:  # not planned and enqueued in one step (see _Launch._submit_now)
+        return (yield from _run_planned(op, stream).__await__())
+    value, ev, names = done
+    if ev is None:
+        (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+        return value
+    if _notifier._budget_ns is None:  # the first wait of the process reads the budget
+        return (yield from await_rest(value, ev, names, stream, None, 0))
+    # wait_event(ev), inlined with trio.lowlevel.checkpoint() in it:
+    started = time.perf_counter_ns()
+    try:
+        dev = ev.device
+        if ev.done or (ev.flag >= 0 and dev.reached(ev)):
+            # known complete, or its completion word says so: the first poll now
+            if dev.poll(ev):
+                _notifier._paths[0] += 1
                 (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
                 return value
-            # wait_event(ev), inlined with trio.lowlevel.checkpoint() in it:
-            try:
-                if _notifier._budget_ns is None:  # the first wait of the process reads the budget
-                    yield from wait_event(ev).__await__()
-                    return value
-                dev = ev.device
-                started = time.perf_counter_ns()
-                if ev.done or (ev.flag >= 0 and dev.reached(ev)):
-                    # known complete, or its completion word says so: the first poll now
-                    if dev.poll(ev):
-                        _notifier._paths[0] += 1
-                        (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
-                        return value
-                else:
-                    # just recorded: the first poll after one pass of the scheduler, as
-                    # trio.lowlevel.checkpoint() does it (schedule point, cancel point)
-                    (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
-                    task = _traps.RUN_CONTEXT.task
-                    task._cancel_points += 1
-                    cancelled = task._cancel_status.effectively_cancelled or (
-                        task._runner.ki_pending and task is task._runner.main_task
-                    )
-                    del task
-                    if cancelled:
-                        # Cancelled (or interrupted) during the pass: trio's checkpoint()
-                        # raises it, one pass later (trio's own raises it at once; what
-                        # it does for that needs more of its internals).
-                        yield from trio.lowlevel.checkpoint().__await__()
-                    if dev.poll(ev):
-                        _notifier._paths[0] += 1
-                        return value
-                yield from wait_pending(ev, started).__await__()
-            except DeviceError as err:
-                raise name_fault(err, names, stream.device.ordinal) from err
+            stage = 0
+        else:
+            # just recorded: the first poll after one pass of the scheduler, as
+            # trio.lowlevel.checkpoint() does it (schedule point, cancel point)
+            (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
+            if _traps.after_pass():
+                stage = 1
+            elif dev.poll(ev):
+                _notifier._paths[0] += 1
+                return value
+            else:
+                stage = 0
+    except DeviceError as err:
+        raise name_fault(err, names, stream.device.ordinal) from err
+    return (yield from await_rest(value, ev, names, stream, started, stage))
+
+
+def await_rest(
+    value: Any, ev: Any, names: list[str], stream: Stream, started: int | None, stage: int
+) -> Generator[Any, Any, Any]:
+    """The rest of a direct await (:func:`await_op`; the compiled await hands over here
+    too) whose event ``ev`` was not found complete at once; returns ``value``.
+
+    ``started`` (perf_counter_ns when the wait began) None: the process's first wait,
+    through wait_event. ``stage`` 0: the first poll found ``ev`` pending; 1: the task
+    was found cancelled (or interrupted) after trio's pass before the first poll, which
+    trio's checkpoint() raises (one pass later than trio's own would); 2: that pass is
+    over but its cancel check is not made yet. Faults are named after ``names``.
+    """
+    try:
+        if started is None:
+            yield from wait_event(ev).__await__()
             return value
-    return (yield from _run_planned(op, stream).__await__())
+        if stage:
+            if stage == 1 or _traps.after_pass():
+                yield from trio.lowlevel.checkpoint().__await__()
+            if ev.device.poll(ev):
+                _notifier._paths[0] += 1
+                return value
+        yield from wait_pending(ev, started).__await__()
+    except DeviceError as err:
+        raise name_fault(err, names, stream.device.ordinal) from err
+    return value
+
+
+def raise_named(err: DeviceError, names: list[str], stream: Stream) -> None:
+    """Raise ``err`` named after the ops of its submission (the compiled await's
+    ``except DeviceError``)."""
+    raise name_fault(err, names, stream.device.ordinal) from err
 
 
 def run_sync(op: Any, stream: Stream | None = None) -> Any:

@@ -29,7 +29,16 @@ import trio
 
 from ._config import env_switch
 
-__all__ = ["CANCEL_SHIELDED_CHECKPOINT", "RUN_CONTEXT", "available", "cancel_shielded_checkpoint", "checkpoint", "on"]
+__all__ = [
+    "CANCEL_SHIELDED_CHECKPOINT",
+    "RUN_CONTEXT",
+    "after_pass",
+    "available",
+    "cancel_shielded_checkpoint",
+    "checkpoint",
+    "on",
+    "trio_classes",
+]
 
 
 def _field_names(cls: Any) -> set[str]:
@@ -67,19 +76,36 @@ def _lookup() -> tuple[Any, Any]:
 
 
 RUN_CONTEXT, CANCEL_SHIELDED_CHECKPOINT = _lookup()
+
 #: Whether this trio has the internals used here.
 available = RUN_CONTEXT is not None
 #: Whether awaits yield the trap themselves (False: through trio's public functions).
 on = available and env_switch("TRIO_CUDA_TRIO_TRAPS")
 
 
-def _checkpoint() -> Generator[Any, Any, None]:
+def trio_classes() -> dict[str, Any] | None:
+    """trio's Task, CancelStatus and Runner, whose fields ``after_pass`` reads (for the
+    compiled await, trio_cuda/_hotpath.c, which checks them), or None."""
+    if not available:
+        return None
+    from trio._core import _run  # guarded by _lookup
+
+    return {"Task": _run.Task, "CancelStatus": _run.CancelStatus, "Runner": _run.Runner}
+
+
+def after_pass() -> bool:
+    """trio's checkpoint() after its schedule point, in the current task: count the
+    cancel point; True if the task is cancelled (or a KeyboardInterrupt is pending for
+    the main task), which trio's checkpoint() then raises."""
     task = RUN_CONTEXT.task
-    (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
     task._cancel_points += 1
-    cancelled = task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task)
-    del task  # (not kept alive by the traceback of what trio raises)
-    if cancelled:
+    return task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task)
+
+
+def _checkpoint() -> Generator[Any, Any, None]:
+    RUN_CONTEXT.task  # noqa: B018 (outside trio: AttributeError, as before yielding)
+    (yield CANCEL_SHIELDED_CHECKPOINT).unwrap()
+    if after_pass():
         yield from trio.lowlevel.checkpoint().__await__()  # raises it, one pass later
 
 
