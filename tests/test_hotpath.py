@@ -31,6 +31,7 @@ import trio_cuda
 from trio_cuda import _kernel, api, lowlevel, ops
 from trio_cuda._guard import LOCK, _tls
 from trio_cuda._op import DeviceOp, ScheduledOp
+from trio_cuda._stream import Event
 from trio_cuda.kernels import add, saxpy, sleep
 
 from .test_fastpath import _FakeDriver, fake_cuda_driver
@@ -138,13 +139,15 @@ def test_the_compiled_methods_are_installed() -> None:
     assert _kernel.hotpath_active()
     assert type(_kernel._Launch._submit_now).__name__ == "method_descriptor"
     assert type(trio_cuda.Device.poll).__name__ == "method_descriptor"
-    assert DeviceOp.__await__ is _kernel._hot_await is not None
+    assert _kernel._hot_await is not None
+    assert (DeviceOp.__await__, Event.__del__) == _kernel._hot_await
     with mode(False):
         assert _kernel._Launch._submit_now is _kernel._submit_now_py
         assert trio_cuda.Device.poll is _kernel._poll_py
         assert DeviceOp.__await__ is _kernel._await_py
+        assert Event.__del__ is _kernel._event_del_py
     assert _kernel.hotpath_active()
-    assert DeviceOp.__await__ is _kernel._hot_await
+    assert (DeviceOp.__await__, Event.__del__) == _kernel._hot_await
 
 
 async def _mixed_program(
@@ -1159,7 +1162,7 @@ def test_the_compiled_await_outside_trio_fails_as_the_python_does() -> None:
     with mode(True):
         errors = []
         for compiled in (True, False):
-            DeviceOp.__await__ = _kernel._hot_await if compiled else _kernel._await_py  # type: ignore[method-assign]
+            DeviceOp.__await__ = _kernel._hot_await[0] if compiled else _kernel._await_py  # type: ignore[method-assign]
             before = counters()
             aw = api.zeros((4,)).__await__()
             with pytest.raises(RuntimeError) as err:
@@ -1196,6 +1199,54 @@ def test_setup_await_refuses_trio_classes_it_does_not_know() -> None:
         return float((await x.to_host())[0])
 
     assert trio.run(main) == 8.0
+
+
+async def test_event_handles_come_from_the_pool_and_go_back_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled Device._event_handle takes the pool's handles of the device's
+    generation (dropping older ones) and Event.__del__ gives them back, both ways; a
+    method replaced on the class or the instance is called instead."""
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    x = await api.full((32,), 1.0)
+    p = x.partition((32,))
+    seen = {}
+    for compiled in (True, False):
+        with mode(compiled):
+            await on(add(p, x, x), s)
+            await trio.to_thread.run_sync(dev.synchronize)
+            gc.collect()
+            with LOCK:
+                dev._event_pool.clear()
+                stale = object()
+                dev._event_pool.append((dev.generation - 1, stale))  # an older generation's
+                h = dev._event_handle()  # (the Python: a new one)
+                dev._event_pool.append((dev.generation, h))
+                dev._event_pool.append((dev.generation - 1, stale))
+            await on(add(p, x, x), s)  # its event takes h (the stale entry on top is dropped)
+            took = s._last_event.handle is h
+            await on(add(p, x, x), s)  # a new event (the pool has only a stale one) replaces it
+            gc.collect()
+            pool = list(dev._event_pool)
+            seen[compiled] = (took, (dev.generation, h) in pool, all(g == dev.generation for g, _ in pool))
+    assert seen == {True: (True, True, True), False: (True, True, True)}
+    # replaced on the instance / the class: called
+    calls: list[str] = []
+    orig_recycle, orig_handle = trio_cuda.Device._recycle_event, trio_cuda.Device._event_handle
+
+    def recycle(self: Any, generation: int, handle: Any) -> None:
+        calls.append("recycle")
+        orig_recycle(self, generation, handle)
+
+    def handle(self: Any) -> Any:
+        calls.append("handle")
+        return orig_handle(self)
+
+    monkeypatch.setattr(trio_cuda.Device, "_event_handle", handle)
+    monkeypatch.setattr(dev, "_recycle_event", lambda g, h: recycle(dev, g, h))
+    await on(add(p, x, x), s)
+    gc.collect()
+    assert "handle" in calls and "recycle" in calls
+    np.testing.assert_array_equal(await x.to_host(), np.full(32, 128.0))  # doubled 7 times
 
 
 async def test_awaits_from_many_tasks_and_threads_through_the_compiled_await() -> None:

@@ -502,6 +502,67 @@ static int launch_prepared(PyObject *driver, Direct *d, PyObject *prepared, PyOb
 static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
                            PyObject *flag, PyObject *wref, PyObject *handle, PyObject *gen);
 
+/* Bound by setup_await (NULL before: the Python methods are called). */
+static PyObject *py_event_handle, *py_recycle_event, *py_submission_stream, *registry_globals;
+static PyObject *s__event_pool, *s_pop, *s_append, *s__create_event, *s__current, *s__devices, *s__pick,
+    *s__recycle_event;
+
+static PyObject *device_dict(PyObject *device) { /* new reference */
+    return PyObject_GenericGetDict(device, NULL);
+}
+
+/* device._event_handle() (_device.Device._event_handle, under the lock): a pooled handle
+ * of the device's generation, else a new one; the Python method where it is replaced. */
+static PyObject *event_handle(PyObject *device) {
+    if (py_event_handle == NULL || !IS(device, Device_T) ||
+        _PyType_Lookup(Py_TYPE(device), s_event_handle) != py_event_handle)
+        return PyObject_CallMethodNoArgs(device, s_event_handle);
+    PyObject *d = device_dict(device);
+    if (d == NULL) return NULL;
+    PyObject *own = PyDict_GetItemWithError(d, s_event_handle);
+    PyObject *pool = own == NULL ? PyDict_GetItemWithError(d, s__event_pool) : NULL;
+    PyObject *gen = pool == NULL ? NULL : PyDict_GetItemWithError(d, s_generation);
+    if (own != NULL || pool == NULL || gen == NULL) {
+        Py_DECREF(d);
+        if (PyErr_Occurred()) return NULL;
+        return PyObject_CallMethodNoArgs(device, s_event_handle); /* set on the instance, or unusual */
+    }
+    Py_INCREF(pool);
+    Py_INCREF(gen);
+    Py_DECREF(d);
+    PyObject *h = NULL;
+    for (;;) {
+        Py_ssize_t n = PyObject_Length(pool);
+        if (n < 0) break;
+        if (n == 0) {
+            PyObject *drv = PyObject_GetAttr(device, s_driver);
+            if (drv != NULL) h = PyObject_CallMethodNoArgs(drv, s__create_event);
+            Py_XDECREF(drv);
+            break;
+        }
+        PyObject *item = PyObject_CallMethodNoArgs(pool, s_pop);
+        if (item == NULL) {
+            if (PyErr_ExceptionMatches(PyExc_IndexError)) { /* emptied by another thread meanwhile */
+                PyErr_Clear();
+                continue;
+            }
+            break;
+        }
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            Py_DECREF(item);
+            PyErr_SetString(PyExc_TypeError, "_hotpath: an event pool entry is not (generation, handle)");
+            break;
+        }
+        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(item, 0), gen, Py_EQ);
+        if (same > 0) h = Py_NewRef(PyTuple_GET_ITEM(item, 1));
+        Py_DECREF(item);
+        if (same != 0) break;
+    }
+    Py_DECREF(pool);
+    Py_DECREF(gen);
+    return h;
+}
+
 static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct) {
     PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
     if (h == NULL || h == Py_None || cap != Py_None) /* a destroyed or capturing stream: the Python says */
@@ -553,7 +614,7 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyOb
     } else {
         ticket = Py_NewRef(zero);
     }
-    PyObject *eh = PyObject_CallMethodNoArgs(device, s_event_handle);
+    PyObject *eh = event_handle(device);
     if (eh == NULL) {
         Py_DECREF(ticket);
         return NULL;
@@ -1925,6 +1986,89 @@ static int poll_counted(PyObject *ev) {
     return p;
 }
 
+/* current_device()._submission_stream() (_registry.current_device, _device.Device.
+ * _submission_stream): the task's device from the context variable, else device 0; the
+ * policy's pick. The Python functions where there is no pick yet, or where
+ * _submission_stream is replaced (on the class or the instance). */
+static PyObject *submission_stream(void) {
+    PyObject *var = registry_globals == NULL ? NULL : PyDict_GetItemWithError(registry_globals, s__current);
+    PyObject *dev = NULL;
+    if (var != NULL && PyContextVar_CheckExact(var)) {
+        if (PyContextVar_Get(var, NULL, &dev) < 0) return NULL;
+        if (dev == Py_None) {
+            Py_CLEAR(dev);
+            PyObject *all = PyDict_GetItemWithError(registry_globals, s__devices);
+            if (all != NULL && PyList_CheckExact(all) && PyList_GET_SIZE(all) > 0)
+                dev = Py_NewRef(PyList_GET_ITEM(all, 0));
+        }
+    }
+    if (dev == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        if ((dev = PyObject_CallNoArgs(py_current_device)) == NULL) return NULL;
+    }
+    PyObject *s = NULL, *pick = NULL;
+    if (IS(dev, Device_T) && py_submission_stream != NULL &&
+        _PyType_Lookup(Py_TYPE(dev), s__submission_stream) == py_submission_stream) {
+        PyObject *d = device_dict(dev);
+        if (d == NULL) {
+            Py_DECREF(dev);
+            return NULL;
+        }
+        if (PyDict_GetItemWithError(d, s__submission_stream) == NULL && !PyErr_Occurred())
+            pick = Py_XNewRef(PyDict_GetItemWithError(d, s__pick));
+        Py_DECREF(d);
+        if (PyErr_Occurred()) {
+            Py_XDECREF(pick);
+            Py_DECREF(dev);
+            return NULL;
+        }
+    }
+    if (pick != NULL && pick != Py_None) s = PyObject_CallNoArgs(pick);
+    else s = PyObject_CallMethodNoArgs(dev, s__submission_stream);
+    Py_XDECREF(pick);
+    Py_DECREF(dev);
+    return s;
+}
+
+/* Event.__del__ (_stream.Event): the device takes the handle back, lock-free
+ * (_device.Device._recycle_event, or what replaced it); an error is ignored (at the
+ * interpreter's shutdown), as the Python's ``except Exception`` does. */
+static PyObject *event_del(PyObject *ev, PyObject *unused) {
+    PyObject *dev = SLOT(ev, O.ev_device), *gen = SLOT(ev, O.ev_generation), *h = SLOT(ev, O.ev_handle);
+    if (dev == NULL || gen == NULL || h == NULL) Py_RETURN_NONE; /* (an AttributeError there) */
+    Py_INCREF(dev);
+    PyObject *r = NULL;
+    if (IS(dev, Device_T) && py_recycle_event != NULL &&
+        _PyType_Lookup(Py_TYPE(dev), s__recycle_event) == py_recycle_event) {
+        PyObject *d = device_dict(dev);
+        PyObject *pool = NULL;
+        if (d != NULL && PyDict_GetItemWithError(d, s__recycle_event) == NULL && !PyErr_Occurred())
+            pool = Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool));
+        Py_XDECREF(d);
+        if (pool != NULL) {
+            PyObject *item = PyTuple_Pack(2, gen, h);
+            if (item != NULL) r = PyObject_CallMethodOneArg(pool, s_append, item);
+            Py_XDECREF(item);
+            Py_DECREF(pool);
+        } else if (!PyErr_Occurred()) {
+            r = PyObject_CallMethodObjArgs(dev, s__recycle_event, gen, h, NULL);
+        }
+    } else {
+        r = PyObject_CallMethodObjArgs(dev, s__recycle_event, gen, h, NULL);
+    }
+    Py_DECREF(dev);
+    if (r == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        PyErr_Clear();
+    }
+    Py_XDECREF(r);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef event_del_def = {"__del__", event_del, METH_NOARGS,
+                                    "__del__($self, /)\n--\n\nThe device takes the handle back (compiled: "
+                                    "trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method)."};
+
 static PySendResult await_start(Await *a, PyObject **result) {
     int on = global_true(traps_globals, s_on);
     if (on < 0) return await_fail(a);
@@ -1933,9 +2077,7 @@ static PySendResult await_start(Await *a, PyObject **result) {
     if (c < 0) return await_fail(a);
     if (c) return to_python(a, result); /* it raises Cancelled, or decides */
     if (a->stream == Py_None) {
-        PyObject *dev = PyObject_CallNoArgs(py_current_device);
-        PyObject *s = dev == NULL ? NULL : PyObject_CallMethodNoArgs(dev, s__submission_stream);
-        Py_XDECREF(dev);
+        PyObject *s = submission_stream();
         if (s == NULL) return await_fail(a);
         Py_SETREF(a->stream, s);
     }
@@ -2242,10 +2384,12 @@ static PyMethodDef await_def = {"__await__", await_method, METH_NOARGS,
 static PyObject *setup_await(PyObject *module, PyObject *kw) {
     static const char *names[] = {"run_context", "trap", "Value", "DeviceOp", "DeviceError", "Task", "CancelStatus", "Runner",
                                   "traps_globals", "submit_globals", "trace_globals", "notifier_globals",
-                                  "current_device", "await", "await_rest", "raise_named", "run_planned", "clock"};
+                                  "current_device", "await", "await_rest", "raise_named", "run_planned", "clock",
+                                  "registry_globals", "event_handle", "recycle_event", "submission_stream"};
     PyObject **vars[] = {&run_context, &trap, &Value_T, &DeviceOp_T, &DeviceError_T, &Task_T, &CancelStatus_T, &Runner_T,
                          &traps_globals, &submit_globals, &trace_globals, &notifier_globals, &py_current_device,
-                         &py_await, &py_await_rest, &py_raise_named, &py_run_planned, &py_clock};
+                         &py_await, &py_await_rest, &py_raise_named, &py_run_planned, &py_clock,
+                         &registry_globals, &py_event_handle, &py_recycle_event, &py_submission_stream};
     enum { N = sizeof(names) / sizeof(names[0]) };
     PyObject *got[N];
     Py_ssize_t offs[6];
@@ -2260,7 +2404,7 @@ static PyObject *setup_await(PyObject *module, PyObject *kw) {
             return NULL;
         }
     }
-    for (int i = 8; i < 12; i++) {
+    for (int i = 8; i < 19; i += (i == 11 ? 7 : 1)) { /* the modules' dicts: 8-11 and 18 */
         if (!PyDict_Check(got[i])) {
             PyErr_Format(PyExc_TypeError, "_hotpath: %s is not a dict", names[i]);
             return NULL;
@@ -2277,6 +2421,16 @@ static PyObject *setup_await(PyObject *module, PyObject *kw) {
         return NULL;
     PyObject *m = PyDescr_NewMethod((PyTypeObject *)got[3], &await_def);
     if (m == NULL) return NULL;
+    if (Event_T == NULL || !PyType_Check(Event_T)) {
+        Py_DECREF(m);
+        PyErr_SetString(PyExc_TypeError, "_hotpath: setup() first");
+        return NULL;
+    }
+    PyObject *d = PyDescr_NewMethod((PyTypeObject *)Event_T, &event_del_def);
+    if (d == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     for (int i = 0; i < N; i++) Py_XSETREF(*vars[i], Py_NewRef(got[i]));
     task_status_off = offs[0];
     task_runner_off = offs[1];
@@ -2284,7 +2438,7 @@ static PyObject *setup_await(PyObject *module, PyObject *kw) {
     status_cancelled_off = offs[3];
     runner_ki_off = offs[4];
     runner_main_off = offs[5];
-    return m;
+    return Py_BuildValue("(NN)", m, d);
 }
 
 /* ---- setup ------------------------------------------------------------------------ */
@@ -2500,7 +2654,7 @@ static PyMethodDef methods[] = {
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup_await", (PyCFunction)setup_await, METH_O,
-     "setup_await(objects): bind trio's and the runtime's objects for the compiled await; returns DeviceOp.__await__."},
+     "setup_await(objects): bind trio's and the runtime's objects for the compiled await and events; returns DeviceOp.__await__ and Event.__del__."},
     {"setup", (PyCFunction)setup, METH_O,
      "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now, Device.poll and _Launch._plan."},
     {NULL, NULL, 0, NULL},
@@ -2554,6 +2708,14 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_launches, "launches");
     NAME(s__prepared_step, "_prepared_step");
     NAME(s__enqueue_launch, "_enqueue_launch");
+    NAME(s__event_pool, "_event_pool");
+    NAME(s_pop, "pop");
+    NAME(s_append, "append");
+    NAME(s__create_event, "create_event");
+    NAME(s__current, "_current");
+    NAME(s__devices, "_devices");
+    NAME(s__pick, "_pick");
+    NAME(s__recycle_event, "_recycle_event");
     NAME(s_task, "task");
     NAME(s_unwrap, "unwrap");
     NAME(s_on, "on");

@@ -42,6 +42,7 @@ from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
+from ._stream import Event
 from ._submit import (
     EXECUTING,
     Lane,
@@ -60,7 +61,7 @@ from ._writes import written_params
 
 if TYPE_CHECKING:
     from ._device import Device
-    from ._stream import Event, Stream
+    from ._stream import Stream
 
 __all__ = ["Kernel", "kernel"]
 
@@ -657,7 +658,8 @@ _plan_py = _Launch._plan
 _poll_py: Any = None
 _hot: tuple[Any, Any, Any] | None = None  # its methods: _submit_now, poll, _plan
 _await_py = DeviceOp.__await__
-_hot_await: Any = None  # its DeviceOp.__await__ (None: trio's internals are not as it expects)
+_event_del_py = Event.__del__
+_hot_await: Any = None  # its DeviceOp.__await__ and Event.__del__ (None: trio's internals are not as it expects)
 _hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
 
 
@@ -679,7 +681,7 @@ def _hot_setup_objects() -> dict[str, Any]:
     from . import _device
     from ._memory import Buffer
     from ._op import _Select
-    from ._stream import Event, Stream
+    from ._stream import Stream
     from ._submit import Continue
 
     return {
@@ -721,7 +723,8 @@ def _hot_await_objects() -> dict[str, Any] | None:
 
     import outcome
 
-    from . import _notifier, _trace, _traps
+    from . import _notifier, _registry, _trace, _traps
+    from ._device import Device
     from ._errors import DeviceError
     from ._registry import current_device
 
@@ -745,6 +748,10 @@ def _hot_await_objects() -> dict[str, Any] | None:
         "raise_named": _submit.raise_named,
         "run_planned": _submit.run_planned,
         "clock": time.perf_counter_ns,
+        "registry_globals": vars(_registry),
+        "event_handle": Device._event_handle,
+        "recycle_event": Device._recycle_event,
+        "submission_stream": Device._submission_stream,
     }
 
 
@@ -781,9 +788,9 @@ def use_hotpath(on: bool) -> bool:
         _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
         enqueue_direct = _hotmod.enqueue_direct
         _submit.hot_walk, _submit.hot_run_steps = _hotmod.walk, _hotmod.run_steps
-        DeviceOp.__await__ = _hot_await if _hot_await is not None else _await_py  # type: ignore[method-assign]
+        DeviceOp.__await__, Event.__del__ = _hot_await if _hot_await is not None else (_await_py, _event_del_py)  # type: ignore[method-assign]
     else:
-        DeviceOp.__await__ = _await_py  # type: ignore[method-assign]
+        DeviceOp.__await__, Event.__del__ = _await_py, _event_del_py  # type: ignore[method-assign]
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
         _Launch._plan = _plan_py  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_py
