@@ -139,15 +139,16 @@ def test_the_compiled_methods_are_installed() -> None:
     assert _kernel.hotpath_active()
     assert type(_kernel._Launch._submit_now).__name__ == "method_descriptor"
     assert type(trio_cuda.Device.poll).__name__ == "method_descriptor"
-    assert _kernel._hot_await is not None
-    assert (DeviceOp.__await__, Event.__del__) == _kernel._hot_await
+    assert _kernel._hot_calls is not None
+    assert (DeviceOp.__await__, Event.__del__, trio_cuda.Kernel.__call__) == _kernel._hot_calls
     with mode(False):
         assert _kernel._Launch._submit_now is _kernel._submit_now_py
         assert trio_cuda.Device.poll is _kernel._poll_py
         assert DeviceOp.__await__ is _kernel._await_py
         assert Event.__del__ is _kernel._event_del_py
+        assert trio_cuda.Kernel.__call__ is _kernel._kernel_call_py
     assert _kernel.hotpath_active()
-    assert (DeviceOp.__await__, Event.__del__) == _kernel._hot_await
+    assert (DeviceOp.__await__, Event.__del__, trio_cuda.Kernel.__call__) == _kernel._hot_calls
 
 
 async def _mixed_program(
@@ -1162,7 +1163,7 @@ def test_the_compiled_await_outside_trio_fails_as_the_python_does() -> None:
     with mode(True):
         errors = []
         for compiled in (True, False):
-            DeviceOp.__await__ = _kernel._hot_await[0] if compiled else _kernel._await_py  # type: ignore[method-assign]
+            DeviceOp.__await__ = _kernel._hot_calls[0] if compiled else _kernel._await_py  # type: ignore[method-assign]
             before = counters()
             aw = api.zeros((4,)).__await__()
             with pytest.raises(RuntimeError) as err:
@@ -1172,22 +1173,22 @@ def test_the_compiled_await_outside_trio_fails_as_the_python_does() -> None:
         assert errors[0] == errors[1]
 
 
-def test_setup_await_refuses_trio_classes_it_does_not_know() -> None:
-    """A trio class whose field is not a plain slot makes setup_await fail as a whole;
+def test_setup_calls_refuses_trio_classes_it_does_not_know() -> None:
+    """A trio class whose field is not a plain slot makes setup_calls fail as a whole;
     the await bound before keeps working."""
 
     class NotSlotted:
         _cancel_status = _runner = _cancel_points = None
 
-    objs = dict(_kernel._hot_await_objects() or {})
+    objs = dict(_kernel._hot_calls_objects() or {})
     assert objs, "trio's internals were not found"
     objs["Task"] = NotSlotted
     with pytest.raises(TypeError):
-        _hotpath.setup_await(objs)
-    objs = dict(_kernel._hot_await_objects() or {})
+        _hotpath.setup_calls(objs)
+    objs = dict(_kernel._hot_calls_objects() or {})
     del objs["await_rest"]
     with pytest.raises(KeyError):
-        _hotpath.setup_await(objs)
+        _hotpath.setup_calls(objs)
 
     async def main() -> float:
         before = counters()["awaits"]
@@ -1282,3 +1283,56 @@ async def test_awaits_from_many_tasks_and_threads_through_the_compiled_await() -
     for x in xs:
         np.testing.assert_array_equal(await x.to_host(), np.full(32, float(rounds)))
     assert results == [[float(rounds)] * 32] * 4
+
+
+def _launch_slots(op: Any) -> tuple[Any, ...]:
+    return (type(op), op._inputs, op._state, op._arity, op._kernel, op._args, op._inputs_at)
+
+
+async def test_kernel_calls_make_the_same_launches_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernel.__call__ in C makes the launch the Python makes (every slot), for plain
+    tensors, partitions and scalars; op inputs, other scalars, a wrong count, a bad
+    argument and a replaced _Launch.__init__ go to the Python method (same errors)."""
+    x, y = await api.arange(32), await api.zeros((32,))
+    p = y.partition((32,))
+    pending = api.full((32,), 2.0)
+    cases: list[tuple[Any, tuple[Any, ...]]] = [
+        (add, (p, x, x)),
+        (add, (y, x, x)),
+        (saxpy, (p, 2.0, x)),
+        (saxpy, (p, 2, x)),
+        (saxpy, (p, np.float32(2.0), x)),  # a numpy scalar: the Python's
+        (saxpy, (p, True, x)),  # bool is not exactly int: the Python's
+        (add, (p, pending, x)),  # an op input: the Python's
+    ]
+    errors = [(add, (p, x)), (add, (p, x, "x"))]
+    got: dict[bool, list[Any]] = {}
+    for compiled in (True, False):
+        with mode(compiled):
+            before = counters()
+            made = [_launch_slots(k(*a)) for k, a in cases]
+            msgs = []
+            for k, a in errors:
+                with pytest.raises(TypeError) as err:
+                    k(*a)
+                msgs.append(str(err.value))
+            with pytest.raises(TypeError):
+                add(p, x, x, extra=1)  # type: ignore[call-arg]
+            d = delta(before, counters())
+            got[compiled] = [made, msgs, (d["calls"], d["calls_python"])]
+    assert got[True][:2] == got[False][:2]
+    assert got[True][2] == (4, 6)  # 4 made here; 3 cases, 2 errors and the keyword to the Python
+    assert got[False][2] == (0, 0)
+    # a replaced _Launch.__init__ is called
+    inits: list[int] = []
+    orig = _kernel._Launch.__init__
+
+    def init(self: Any, k: Any, args: Any, ops: Any) -> None:
+        inits.append(len(args))
+        orig(self, k, args, ops)
+
+    monkeypatch.setattr(_kernel._Launch, "__init__", init)
+    op = add(p, x, x)
+    assert inits == [3]
+    await op
+    np.testing.assert_array_equal(await y.to_host(), np.arange(32) * 2)

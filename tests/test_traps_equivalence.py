@@ -32,7 +32,7 @@ MODES = [(True, True), (True, False), (False, True), (False, False)]  # (traps o
 
 
 #: The compiled ``DeviceOp.__await__`` (trio_cuda/_hotpath.c), if built and in use.
-COMPILED_AWAIT = _kernel._hot_await[0] if _kernel.hotpath_active() and _kernel._hot_await is not None else None
+COMPILED_AWAIT = _kernel._hot_calls[0] if _kernel.hotpath_active() and _kernel._hot_calls is not None else None
 
 
 @contextlib.contextmanager

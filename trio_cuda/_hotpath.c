@@ -502,7 +502,7 @@ static int launch_prepared(PyObject *driver, Direct *d, PyObject *prepared, PyOb
 static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
                            PyObject *flag, PyObject *wref, PyObject *handle, PyObject *gen);
 
-/* Bound by setup_await (NULL before: the Python methods are called). */
+/* Bound by setup_calls (NULL before: the Python methods are called). */
 static PyObject *py_event_handle, *py_recycle_event, *py_submission_stream, *registry_globals;
 static PyObject *s__event_pool, *s_pop, *s_append, *s__create_event, *s__current, *s__devices, *s__pick,
     *s__recycle_event;
@@ -1804,7 +1804,7 @@ static PyMethodDef poll_def = {"poll", (PyCFunction)(void (*)(void))poll_method,
  * trio, trio's traps switched off, a cancelled task, an object this file does not
  * know); the general path, to _run_planned; after the submission, to await_rest (a
  * wait that goes on past the first poll, the process's first wait, a cancel found
- * after trio's pass). Bound by setup_await, which checks trio's classes' slots; a trio
+ * after trio's pass). Bound by setup_calls, which checks trio's classes' slots; a trio
  * whose internals differ keeps the Python generator. */
 
 static PyObject *run_context, *trap, *Value_T, *DeviceOp_T, *DeviceError_T, *Task_T, *CancelStatus_T, *Runner_T, *traps_globals,
@@ -2068,6 +2068,75 @@ static PyObject *event_del(PyObject *ev, PyObject *unused) {
 static PyMethodDef event_del_def = {"__del__", event_del, METH_NOARGS,
                                     "__del__($self, /)\n--\n\nThe device takes the handle back (compiled: "
                                     "trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method)."};
+
+/* Kernel.__call__ (_kernel.Kernel.__call__) where each argument is exactly a Partition,
+ * Tensor, float or int: the _Launch made here as its __init__ makes it. Anything else
+ * (op inputs, other scalars, keywords, a wrong count, a replaced _Launch.__init__) goes
+ * to the Python method, which also raises its errors. */
+static PyObject *Kernel_T, *py_kernel_call, *py_launch_init, *s_nparams, *s___init__;
+static Py_ssize_t op_arity_off;
+static unsigned long long n_calls, n_calls_python;
+
+static PyObject *kernel_call_python(PyObject *k, PyObject *const *args, Py_ssize_t n, PyObject *kwnames) {
+    n_calls_python++;
+    Py_ssize_t nk = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    PyObject *small[17];
+    PyObject **stack = n + nk < 16 ? small : PyMem_Malloc((size_t)(n + nk + 1) * sizeof(PyObject *));
+    if (stack == NULL) return PyErr_NoMemory();
+    stack[0] = k;
+    for (Py_ssize_t i = 0; i < n + nk; i++) stack[i + 1] = args[i];
+    PyObject *r = PyObject_Vectorcall(py_kernel_call, stack, n + 1, kwnames);
+    if (stack != small) PyMem_Free(stack);
+    return r;
+}
+
+static PyObject *kernel_call(PyObject *k, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    if ((kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) || !IS(k, Kernel_T) ||
+        _PyType_Lookup((PyTypeObject *)Launch_T, s___init__) != py_launch_init)
+        return kernel_call_python(k, args, nargs, kwnames);
+    PyObject *np = PyObject_GetAttr(k, s_nparams);
+    if (np == NULL) return NULL;
+    Py_ssize_t want = PyLong_Check(np) ? PyLong_AsSsize_t(np) : -1;
+    Py_DECREF(np);
+    if (want == -1 && PyErr_Occurred()) PyErr_Clear();
+    if (want != nargs) return kernel_call_python(k, args, nargs, kwnames);
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *t = (PyObject *)Py_TYPE(args[i]);
+        if (t != Partition_T && t != Tensor_T && t != (PyObject *)&PyFloat_Type && t != (PyObject *)&PyLong_Type)
+            return kernel_call_python(k, args, nargs, kwnames);
+    }
+    PyObject *tup = PyTuple_New(nargs), *arity = PyLong_FromSsize_t(nargs);
+    if (tup == NULL || arity == NULL) {
+        Py_XDECREF(tup);
+        Py_XDECREF(arity);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) PyTuple_SET_ITEM(tup, i, Py_NewRef(args[i]));
+    PyTypeObject *lt = (PyTypeObject *)Launch_T;
+    PyObject *op = lt->tp_alloc(lt, 0);
+    if (op == NULL) {
+        Py_DECREF(tup);
+        Py_DECREF(arity);
+        return NULL;
+    }
+    SLOT(op, O.op_inputs) = Py_NewRef(empty_tuple);
+    SLOT(op, O.op_state) = Py_NewRef(Py_None);
+    SLOT(op, op_arity_off) = arity;
+    SLOT(op, O.op_kernel) = Py_NewRef(k);
+    SLOT(op, O.op_args) = tup;
+    SLOT(op, O.launch_inputs_at) = Py_NewRef(empty_tuple);
+    n_calls++;
+    return op;
+}
+
+static PyObject *kernel_call_method(PyObject *k, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    return kernel_call(k, args, PyVectorcall_NARGS(nargsf), kwnames);
+}
+
+static PyMethodDef kernel_call_def = {
+    "__call__", (PyCFunction)(void (*)(void))kernel_call_method, METH_FASTCALL | METH_KEYWORDS,
+    "__call__($self, /, *args)\n--\n\nA DeviceOp that launches this kernel on ``args`` (compiled: "
+    "trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method)."};
 
 static PySendResult await_start(Await *a, PyObject **result) {
     int on = global_true(traps_globals, s_on);
@@ -2378,29 +2447,32 @@ static PyMethodDef await_def = {"__await__", await_method, METH_NOARGS,
                                 "__await__($self, /)\n--\n\nSubmit and wait in trio (compiled: trio_cuda/_hotpath.c; "
                                 "TRIO_CUDA_HOTPATH=0 runs the Python generator)."};
 
-/* setup_await(dict): bind trio's run context, its trap and classes (their slots'
- * offsets), the runtime's modules and the Python it hands over to; all or nothing.
- * Returns the method to install as DeviceOp.__await__. */
-static PyObject *setup_await(PyObject *module, PyObject *kw) {
+/* setup_calls(dict): bind what the per-call path works on (trio's run context, its trap
+ * and classes, with their slots' offsets; the runtime's modules; the Python methods it
+ * hands over to or checks are not replaced); all or nothing. Returns the methods to
+ * install as DeviceOp.__await__, Event.__del__ and Kernel.__call__. */
+static PyObject *setup_calls(PyObject *module, PyObject *kw) {
     static const char *names[] = {"run_context", "trap", "Value", "DeviceOp", "DeviceError", "Task", "CancelStatus", "Runner",
                                   "traps_globals", "submit_globals", "trace_globals", "notifier_globals",
                                   "current_device", "await", "await_rest", "raise_named", "run_planned", "clock",
-                                  "registry_globals", "event_handle", "recycle_event", "submission_stream"};
+                                  "registry_globals", "event_handle", "recycle_event", "submission_stream",
+                                  "Kernel", "kernel_call", "launch_init"};
     PyObject **vars[] = {&run_context, &trap, &Value_T, &DeviceOp_T, &DeviceError_T, &Task_T, &CancelStatus_T, &Runner_T,
                          &traps_globals, &submit_globals, &trace_globals, &notifier_globals, &py_current_device,
                          &py_await, &py_await_rest, &py_raise_named, &py_run_planned, &py_clock,
-                         &registry_globals, &py_event_handle, &py_recycle_event, &py_submission_stream};
+                         &registry_globals, &py_event_handle, &py_recycle_event, &py_submission_stream,
+                         &Kernel_T, &py_kernel_call, &py_launch_init};
     enum { N = sizeof(names) / sizeof(names[0]) };
     PyObject *got[N];
     Py_ssize_t offs[6];
     if (!PyDict_Check(kw)) {
-        PyErr_SetString(PyExc_TypeError, "setup_await(dict)");
+        PyErr_SetString(PyExc_TypeError, "setup_calls(dict)");
         return NULL;
     }
     for (int i = 0; i < N; i++) {
         got[i] = PyDict_GetItemString(kw, names[i]);
         if (got[i] == NULL) {
-            PyErr_Format(PyExc_KeyError, "_hotpath.setup_await needs %s", names[i]);
+            PyErr_Format(PyExc_KeyError, "_hotpath.setup_calls needs %s", names[i]);
             return NULL;
         }
     }
@@ -2419,16 +2491,28 @@ static PyObject *setup_await(PyObject *module, PyObject *kw) {
         slot_offset(got[6], "effectively_cancelled", &offs[3]) < 0 || slot_offset(got[7], "ki_pending", &offs[4]) < 0 ||
         slot_offset(got[7], "main_task", &offs[5]) < 0)
         return NULL;
+    Py_ssize_t arity_off;
+    if (!PyType_Check(got[22]) || Launch_T == NULL || slot_offset(Launch_T, "_arity", &arity_off) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: Kernel must be a class (and setup() first)");
+        return NULL;
+    }
     PyObject *m = PyDescr_NewMethod((PyTypeObject *)got[3], &await_def);
     if (m == NULL) return NULL;
+    PyObject *kc = PyDescr_NewMethod((PyTypeObject *)got[22], &kernel_call_def);
+    if (kc == NULL) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (Event_T == NULL || !PyType_Check(Event_T)) {
         Py_DECREF(m);
+        Py_DECREF(kc);
         PyErr_SetString(PyExc_TypeError, "_hotpath: setup() first");
         return NULL;
     }
     PyObject *d = PyDescr_NewMethod((PyTypeObject *)Event_T, &event_del_def);
     if (d == NULL) {
         Py_DECREF(m);
+        Py_DECREF(kc);
         return NULL;
     }
     for (int i = 0; i < N; i++) Py_XSETREF(*vars[i], Py_NewRef(got[i]));
@@ -2438,7 +2522,8 @@ static PyObject *setup_await(PyObject *module, PyObject *kw) {
     status_cancelled_off = offs[3];
     runner_ki_off = offs[4];
     runner_main_off = offs[5];
-    return Py_BuildValue("(NN)", m, d);
+    op_arity_off = arity_off;
+    return Py_BuildValue("(NNN)", m, d, kc);
 }
 
 /* ---- setup ------------------------------------------------------------------------ */
@@ -2609,12 +2694,12 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
-                         n_awaits_rest);
+                         n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -2653,8 +2738,8 @@ static PyMethodDef methods[] = {
     {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
-    {"setup_await", (PyCFunction)setup_await, METH_O,
-     "setup_await(objects): bind trio's and the runtime's objects for the compiled await and events; returns DeviceOp.__await__ and Event.__del__."},
+    {"setup_calls", (PyCFunction)setup_calls, METH_O,
+     "setup_calls(objects): bind what the per-call path works on; returns DeviceOp.__await__, Event.__del__ and Kernel.__call__."},
     {"setup", (PyCFunction)setup, METH_O,
      "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now, Device.poll and _Launch._plan."},
     {NULL, NULL, 0, NULL},
@@ -2716,6 +2801,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s__devices, "_devices");
     NAME(s__pick, "_pick");
     NAME(s__recycle_event, "_recycle_event");
+    NAME(s_nparams, "nparams");
+    NAME(s___init__, "__init__");
     NAME(s_task, "task");
     NAME(s_unwrap, "unwrap");
     NAME(s_on, "on");

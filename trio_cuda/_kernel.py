@@ -659,7 +659,10 @@ _poll_py: Any = None
 _hot: tuple[Any, Any, Any] | None = None  # its methods: _submit_now, poll, _plan
 _await_py = DeviceOp.__await__
 _event_del_py = Event.__del__
-_hot_await: Any = None  # its DeviceOp.__await__ and Event.__del__ (None: trio's internals are not as it expects)
+_kernel_call_py = Kernel.__call__
+#: Its DeviceOp.__await__, Event.__del__ and Kernel.__call__ (None: trio's internals are
+#: not as it expects, and the Python ones stay).
+_hot_calls: tuple[Any, Any, Any] | None = None
 _hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
 
 
@@ -715,7 +718,7 @@ def _hot_setup_objects() -> dict[str, Any]:
     }
 
 
-def _hot_await_objects() -> dict[str, Any] | None:
+def _hot_calls_objects() -> dict[str, Any] | None:
     """What the compiled ``DeviceOp.__await__`` works on: trio's run context, trap and
     classes (None if _traps did not find them), the modules whose switches and
     counters it reads, the Python it hands cases over to."""
@@ -752,11 +755,14 @@ def _hot_await_objects() -> dict[str, Any] | None:
         "event_handle": Device._event_handle,
         "recycle_event": Device._recycle_event,
         "submission_stream": Device._submission_stream,
+        "Kernel": Kernel,
+        "kernel_call": _kernel_call_py,
+        "launch_init": _Launch.__init__,
     }
 
 
 def _load_hotpath() -> tuple[Any, Any, Any] | None:
-    global _poll_py, _hotmod, _hot_await
+    global _poll_py, _hotmod, _hot_calls
     from ._device import Device
 
     _poll_py = Device.poll
@@ -768,11 +774,11 @@ def _load_hotpath() -> tuple[Any, Any, Any] | None:
         return None
     methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
     _hotmod = _hotpath
-    objects = _hot_await_objects()
+    objects = _hot_calls_objects()
     try:
-        _hot_await = None if objects is None else _hotpath.setup_await(objects)
+        _hot_calls = None if objects is None else _hotpath.setup_calls(objects)
     except (TypeError, AttributeError):  # trio's classes are not what it reads: the Python await
-        _hot_await = None
+        _hot_calls = None
     return methods
 
 
@@ -788,9 +794,10 @@ def use_hotpath(on: bool) -> bool:
         _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
         enqueue_direct = _hotmod.enqueue_direct
         _submit.hot_walk, _submit.hot_run_steps = _hotmod.walk, _hotmod.run_steps
-        DeviceOp.__await__, Event.__del__ = _hot_await if _hot_await is not None else (_await_py, _event_del_py)  # type: ignore[method-assign]
+        calls = _hot_calls if _hot_calls is not None else (_await_py, _event_del_py, _kernel_call_py)
+        DeviceOp.__await__, Event.__del__, Kernel.__call__ = calls  # type: ignore[method-assign]
     else:
-        DeviceOp.__await__, Event.__del__ = _await_py, _event_del_py  # type: ignore[method-assign]
+        DeviceOp.__await__, Event.__del__, Kernel.__call__ = _await_py, _event_del_py, _kernel_call_py  # type: ignore[method-assign]
         _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
         _Launch._plan = _plan_py  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_py
