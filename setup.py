@@ -4,8 +4,9 @@
   three driver calls of every await. Limited API (abi3): one binary serves every Python
   >= 3.11.
 * ``trio_cuda._hotpath`` (trio_cuda/_hotpath.c): the runtime's direct submission of a
-  prepared kernel launch (and of a replayed op's one launch), its poll, and the general
-  path's planning and enqueue of prepared launches. It reads the runtime's ``__slots__``
+  prepared kernel launch (and of a replayed op's one launch), its poll, the general
+  path's planning and enqueue of prepared launches, and the per-call path (the await,
+  the kernel call, the event pool). It reads the runtime's ``__slots__``
   at their offsets, which needs CPython's own structures: built for the Python at hand.
 
 Both are optional: without a C compiler the install still succeeds and the pure-Python

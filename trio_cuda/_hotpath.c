@@ -6,7 +6,9 @@
  *   launch (_ops/_core.py, _Recipe.submit_now);
  * - ``Device.poll`` (trio_cuda/_device.py) for an event without a completion word;
  * - for the general path (trio_cuda/_submit.py, Plan): ``_Launch._plan`` of a prepared
- *   launch, the walk's loop over launches and selects, and the loop over a plan's steps.
+ *   launch, the walk's loop over launches and selects, and the loop over a plan's steps;
+ * - the per-call path: ``DeviceOp.__await__`` (an iterator doing _submit.await_op's
+ *   work), ``Kernel.__call__``, ``Device._event_handle`` and ``Event.__del__``.
  *
  * Why C helps here: the work is ~40 reads and writes of the runtime's objects'
  * attributes, a lock, and three driver calls. C reading attributes through

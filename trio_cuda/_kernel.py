@@ -649,9 +649,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
 # -- the compiled hot path ---------------------------------------------------------------
 # trio_cuda/_hotpath.c: _Launch._submit_now, Device.poll, the enqueue of a replayed op's
 # one launch (enqueue_direct), _Launch._plan and the plan's walk and step loops
-# (_submit.hot_walk / hot_run_steps) in C, reading and writing the runtime's __slots__ at
-# their offsets (see its docstring). Each hands any case it does not handle, before any
-# effect, to the Python. Optional: without it (no compiler at install,
+# (_submit.hot_walk / hot_run_steps), and the per-call path (DeviceOp.__await__,
+# Kernel.__call__, Device._event_handle, Event.__del__) in C, reading and writing the
+# runtime's __slots__ at their offsets (see its docstring). Each hands any case it does
+# not handle, before any effect, to the Python. Optional: without it (no compiler at install,
 # TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
 _submit_now_py = _Launch._submit_now
 _plan_py = _Launch._plan
