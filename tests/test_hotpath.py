@@ -1336,3 +1336,140 @@ async def test_kernel_calls_make_the_same_launches_both_ways(monkeypatch: pytest
     assert inits == [3]
     await op
     np.testing.assert_array_equal(await y.to_host(), np.arange(32) * 2)
+
+
+# -- found by review: the compiled await against the Python generator --------------------
+def compiled_and_python(fn: Any, trace: bool = False) -> dict[str, Any]:
+    """``trio.run(fn)`` through the compiled await (C) and the Python generator (P),
+    optionally under a tracer (which makes 3.11's await call ``send`` instead of
+    ``am_send``)."""
+    assert _kernel._hot_calls is not None
+    c, p = _kernel._hot_calls[0], _kernel._await_py
+    out = {}
+    for name, aw in (("C", c), ("P", p)):
+        DeviceOp.__await__ = aw  # type: ignore[method-assign]
+        if trace:
+            sys.settrace(lambda *a: None)
+        try:
+            out[name] = trio.run(fn)
+        finally:
+            sys.settrace(None)
+            DeviceOp.__await__ = c  # type: ignore[method-assign]
+    return out
+
+
+async def _prepared() -> tuple[Any, Any, Any]:
+    x = await api.full((32,), 1.0)
+    y = await api.zeros((32,))
+    p = y.partition((32,))
+    await add(p, x, x)
+    return x, y, p
+
+
+async def _stop_iteration_from_pick() -> tuple[Any, ...]:
+    dev = trio_cuda.current_device()
+    x, _y, p = await _prepared()
+    mp = pytest.MonkeyPatch()
+    mp.setitem(vars(dev), "_pick", iter([]).__next__)  # a policy pick over an exhausted iterator
+    try:
+        try:
+            return ("returned", await add(p, x, x))
+        except StopIteration:
+            return ("caught StopIteration",)
+        except RuntimeError as e:
+            return ("RuntimeError", str(e))
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_a_stop_iteration_inside_the_await_becomes_runtime_error(trace: bool) -> None:
+    """PEP 479 as a generator has it (found by review: it escaped, and under a tracer
+    ``await op`` returned None)."""
+    r = compiled_and_python(_stop_iteration_from_pick, trace)
+    # P: ('RuntimeError', 'generator raised StopIteration') both ways
+    # C: plain -> StopIteration escapes `await`; traced -> `await op` RETURNS None
+    assert r["C"] == r["P"], r
+
+
+@pytest.mark.parametrize("how", ["throw", "send_error"])
+def test_a_stop_iteration_thrown_at_the_trap_is_the_same(how: str) -> None:
+    async def main() -> Any:
+        dev = trio_cuda.current_device()
+        x, _y, p = await _prepared()
+        mp = pytest.MonkeyPatch()
+        mp.setattr(dev, "reached", lambda ev: False)
+        try:
+            aw = add(p, x, x).__await__()
+            aw.send(None)
+            try:
+                if how == "throw":
+                    aw.throw(StopIteration(42))
+                else:
+                    aw.send(outcome.Error(StopIteration(42)))
+            except StopIteration as e:
+                return ("StopIteration", e.value)
+            except RuntimeError as e:
+                return ("RuntimeError", str(e))
+        finally:
+            mp.undo()
+            await trio.to_thread.run_sync(dev.synchronize)
+
+    r = compiled_and_python(main)
+    assert r["C"] == r["P"], r
+
+
+def test_throw_with_a_non_traceback_third_argument_is_refused_the_same() -> None:
+    async def main() -> Any:
+        dev = trio_cuda.current_device()
+        x, _y, p = await _prepared()
+        mp = pytest.MonkeyPatch()
+        mp.setattr(dev, "reached", lambda ev: False)
+        try:
+            aw = add(p, x, x).__await__()
+            aw.send(None)
+            try:
+                aw.throw(ValueError, None, 5)
+            except BaseException as e:
+                first = (type(e).__name__, str(e))
+            try:
+                aw.send(outcome.Value(None))
+                then = "still running"
+            except StopIteration:
+                then = "over"
+            except BaseException as e:
+                then = type(e).__name__
+            return first, then
+        finally:
+            mp.undo()
+            await trio.to_thread.run_sync(dev.synchronize)
+
+    r = compiled_and_python(main)
+    assert r["C"] == r["P"], r
+
+
+def test_a_named_fault_has_the_original_as_context_the_same() -> None:
+    async def main() -> Any:
+        dev = trio_cuda.current_device()
+        x, _y, p = await _prepared()
+        mp = pytest.MonkeyPatch()
+
+        def query(h: Any) -> Any:
+            raise trio_cuda.DeviceFault("injected", device=dev.ordinal)
+
+        mp.setattr(dev._driver, "query", query)
+        mp.setattr(dev, "reached", lambda ev: False)
+        try:
+            try:
+                raise KeyError("outer")
+            except KeyError:
+                try:
+                    await add(p, x, x)
+                except trio_cuda.DeviceFault as e:
+                    return (e.op, e.__context__ is e.__cause__, type(e.__context__).__name__)
+        finally:
+            mp.undo()
+            await trio.to_thread.run_sync(dev.synchronize)
+
+    r = compiled_and_python(main)
+    assert r["C"] == r["P"], r  # P: ('add', True, 'DeviceFault'); C: ('add', False, 'KeyError')

@@ -1840,21 +1840,53 @@ static void await_finish(Await *a) {
     Py_CLEAR(a->sub);
 }
 
-/* The error raised now ends the await; await_op's ``except DeviceError`` names it. */
+/* The error set now (normalized, its traceback attached): a new reference, cleared. */
+static PyObject *fetch_error(void) {
+    PyObject *type, *val, *tb;
+    PyErr_Fetch(&type, &val, &tb);
+    PyErr_NormalizeException(&type, &val, &tb);
+    if (tb != NULL && val != NULL) PyException_SetTraceback(val, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return val;
+}
+
+/* The error set now gets ``old`` as its cause (if ``cause``) and its context, as a raise
+ * inside ``except`` makes it (set in place: PyErr_SetObject would chain the exception
+ * the caller is handling instead). */
+static void chain_error(PyObject *old, int cause) {
+    PyObject *type, *val, *tb;
+    PyErr_Fetch(&type, &val, &tb);
+    PyErr_NormalizeException(&type, &val, &tb);
+    if (val != NULL) {
+        if (cause) PyException_SetCause(val, Py_NewRef(old));
+        PyException_SetContext(val, Py_NewRef(old));
+    }
+    PyErr_Restore(type, val, tb);
+}
+
+/* The error raised now ends the await, as it would end await_op: a StopIteration
+ * becomes RuntimeError (PEP 479: a generator's return is not an error), and a
+ * DeviceError inside its ``try`` is named after the submission's ops. */
 static PySendResult await_fail(Await *a) {
-    if (a->named && a->names != NULL && a->stream != NULL && PyErr_ExceptionMatches(DeviceError_T)) {
-        PyObject *type, *val, *tb;
-        PyErr_Fetch(&type, &val, &tb);
-        PyErr_NormalizeException(&type, &val, &tb);
-        if (tb != NULL) PyException_SetTraceback(val, tb);
+    if (PyErr_ExceptionMatches(PyExc_StopIteration)) {
+        PyObject *val = fetch_error();
+        PyErr_SetString(PyExc_RuntimeError, "generator raised StopIteration");
+        if (val != NULL) {
+            chain_error(val, 1);
+            Py_DECREF(val);
+        }
+    } else if (a->named && a->names != NULL && a->stream != NULL && PyErr_ExceptionMatches(DeviceError_T)) {
+        PyObject *val = fetch_error();
         PyObject *r = PyObject_CallFunctionObjArgs(py_raise_named, val, a->names, a->stream, NULL);
         if (r != NULL) {
             Py_DECREF(r);
             PyErr_SetString(PyExc_SystemError, "_hotpath: raise_named returned");
         }
-        Py_XDECREF(type);
-        Py_XDECREF(val);
-        Py_XDECREF(tb);
+        if (val != NULL) {
+            chain_error(val, 0);
+            Py_DECREF(val);
+        }
     }
     await_finish(a);
     return PYGEN_ERROR;
@@ -1908,14 +1940,19 @@ static PySendResult give_value(Await *a, PyObject **result) {
     return PYGEN_RETURN;
 }
 
-/* A module global's truth: 1, 0, -1 (error; a missing name is a KeyError). */
-static int global_true(PyObject *globals, PyObject *name) {
+/* A module's global (borrowed), or NULL with the AttributeError its Python raises. */
+static PyObject *module_global(PyObject *globals, PyObject *name) {
     PyObject *v = PyDict_GetItemWithError(globals, name);
-    if (v == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, name);
-        return -1;
-    }
-    return PyObject_IsTrue(v);
+    if (v == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_AttributeError, "module %R has no attribute %R", PyDict_GetItemString(globals, "__name__"),
+                     name);
+    return v;
+}
+
+/* A module global's truth: 1, 0, -1 (error). */
+static int global_true(PyObject *globals, PyObject *name) {
+    PyObject *v = module_global(globals, name);
+    return v == NULL ? -1 : PyObject_IsTrue(v);
 }
 
 /* trio's current task (new reference), or NULL without an error outside trio. */
@@ -1959,11 +1996,8 @@ static int call_true(PyObject *dev, PyObject *name, PyObject *ev) { /* dev.<name
 }
 
 static int count_fast_path(void) { /* _notifier._paths[0] += 1 */
-    PyObject *paths = PyDict_GetItemWithError(notifier_globals, s__paths);
-    if (paths == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s__paths);
-        return -1;
-    }
+    PyObject *paths = module_global(notifier_globals, s__paths);
+    if (paths == NULL) return -1;
     Py_INCREF(paths);
     PyObject *v = PySequence_GetItem(paths, 0);
     PyObject *n = v == NULL ? NULL : PyNumber_Add(v, one);
@@ -2155,9 +2189,8 @@ static PySendResult await_start(Await *a, PyObject **result) {
     PyObject *sn = PyObject_GetAttr(a->op, s__submit_now);
     if (sn == NULL) return await_fail(a);
     int direct = global_true(submit_globals, s_direct_on);
-    PyObject *active = direct <= 0 ? NULL : PyDict_GetItemWithError(trace_globals, s_active);
+    PyObject *active = direct <= 0 ? NULL : module_global(trace_globals, s_active);
     if (direct < 0 || (direct && active == NULL)) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s_active);
         Py_DECREF(sn);
         return await_fail(a);
     }
@@ -2173,12 +2206,20 @@ static PySendResult await_start(Await *a, PyObject **result) {
         return to_planned(a, result);
     }
     n_awaits++;
-    PyObject *t = PySequence_Tuple(done);
+    PyObject *t = PyTuple_CheckExact(done) ? Py_NewRef(done) : PySequence_Tuple(done);
+    if (t == NULL && PyErr_ExceptionMatches(PyExc_TypeError) && !PyIter_Check(done) &&
+        Py_TYPE(done)->tp_iter == NULL && !PySequence_Check(done)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "cannot unpack non-iterable %.200s object", Py_TYPE(done)->tp_name);
+    }
     Py_DECREF(done);
     if (t == NULL) return await_fail(a);
     if (PyTuple_GET_SIZE(t) != 3) {
+        if (PyTuple_GET_SIZE(t) < 3)
+            PyErr_Format(PyExc_ValueError, "not enough values to unpack (expected 3, got %zd)", PyTuple_GET_SIZE(t));
+        else
+            PyErr_SetString(PyExc_ValueError, "too many values to unpack (expected 3)");
         Py_DECREF(t);
-        PyErr_SetString(PyExc_ValueError, "_hotpath: _submit_now gave no (value, event, names)");
         return await_fail(a);
     }
     a->value = Py_NewRef(PyTuple_GET_ITEM(t, 0));
@@ -2187,11 +2228,8 @@ static PySendResult await_start(Await *a, PyObject **result) {
     Py_DECREF(t);
     PyObject *ev = a->ev;
     if (ev == Py_None) return yield_trap(a, A_FINAL, result);
-    PyObject *budget = PyDict_GetItemWithError(notifier_globals, s__budget_ns);
-    if (budget == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, s__budget_ns);
-        return await_fail(a);
-    }
+    PyObject *budget = module_global(notifier_globals, s__budget_ns);
+    if (budget == NULL) return await_fail(a);
     if (budget == Py_None) return to_rest(a, Py_None, 0, result); /* the first wait reads the budget */
     if ((a->started = PyObject_CallNoArgs(py_clock)) == NULL) return await_fail(a);
     a->named = 1;
@@ -2326,6 +2364,10 @@ static PyObject *await_throw(PyObject *self, PyObject *const *args, Py_ssize_t n
         return r;
     }
     PyObject *typ = args[0], *val = n > 1 ? args[1] : Py_None, *tb = n > 2 ? args[2] : Py_None;
+    if (tb != Py_None && !PyTraceBack_Check(tb)) { /* refused, the await goes on (as a generator's) */
+        PyErr_SetString(PyExc_TypeError, "throw() third argument must be a traceback object");
+        return NULL;
+    }
     if (PyExceptionInstance_Check(typ)) {
         if (val != Py_None) {
             PyErr_SetString(PyExc_TypeError, "instance exception may not have a separate value");
@@ -2335,7 +2377,8 @@ static PyObject *await_throw(PyObject *self, PyObject *const *args, Py_ssize_t n
     } else if (PyExceptionClass_Check(typ)) {
         PyErr_SetObject(typ, val);
     } else {
-        PyErr_SetString(PyExc_TypeError, "exceptions must be classes or instances deriving from BaseException");
+        PyErr_Format(PyExc_TypeError, "exceptions must be classes or instances deriving from BaseException, not %.200s",
+                     Py_TYPE(typ)->tp_name);
         return NULL;
     }
     if (tb != Py_None) {
