@@ -1392,60 +1392,57 @@ def test_a_stop_iteration_inside_the_await_becomes_runtime_error(trace: bool) ->
     assert r["C"] == r["P"], r
 
 
+async def at_the_trap(act: Any) -> Any:
+    """``act(aw)`` on an await of a prepared add stopped at its first trap (the word says
+    "not yet"), then the device synchronized."""
+    dev = trio_cuda.current_device()
+    x, _y, p = await _prepared()
+    mp = pytest.MonkeyPatch()
+    mp.setattr(dev, "reached", lambda ev: False)
+    try:
+        aw = add(p, x, x).__await__()
+        aw.send(None)
+        return act(aw)
+    finally:
+        mp.undo()
+        await trio.to_thread.run_sync(dev.synchronize)
+
+
 @pytest.mark.parametrize("how", ["throw", "send_error"])
 def test_a_stop_iteration_thrown_at_the_trap_is_the_same(how: str) -> None:
-    async def main() -> Any:
-        dev = trio_cuda.current_device()
-        x, _y, p = await _prepared()
-        mp = pytest.MonkeyPatch()
-        mp.setattr(dev, "reached", lambda ev: False)
+    def act(aw: Any) -> Any:
         try:
-            aw = add(p, x, x).__await__()
-            aw.send(None)
-            try:
-                if how == "throw":
-                    aw.throw(StopIteration(42))
-                else:
-                    aw.send(outcome.Error(StopIteration(42)))
-            except StopIteration as e:
-                return ("StopIteration", e.value)
-            except RuntimeError as e:
-                return ("RuntimeError", str(e))
-        finally:
-            mp.undo()
-            await trio.to_thread.run_sync(dev.synchronize)
+            if how == "throw":
+                aw.throw(StopIteration(42))
+            else:
+                aw.send(outcome.Error(StopIteration(42)))
+        except StopIteration as e:
+            return ("StopIteration", e.value)
+        except RuntimeError as e:
+            return ("RuntimeError", str(e))
 
-    r = compiled_and_python(main)
-    assert r["C"] == r["P"], r
+    r = compiled_and_python(lambda: at_the_trap(act))
+    assert r["C"] == r["P"] == ("RuntimeError", "generator raised StopIteration"), r
 
 
 def test_throw_with_a_non_traceback_third_argument_is_refused_the_same() -> None:
-    async def main() -> Any:
-        dev = trio_cuda.current_device()
-        x, _y, p = await _prepared()
-        mp = pytest.MonkeyPatch()
-        mp.setattr(dev, "reached", lambda ev: False)
+    def act(aw: Any) -> Any:
         try:
-            aw = add(p, x, x).__await__()
-            aw.send(None)
-            try:
-                aw.throw(ValueError, None, 5)
-            except BaseException as e:
-                first = (type(e).__name__, str(e))
-            try:
-                aw.send(outcome.Value(None))
-                then = "still running"
-            except StopIteration:
-                then = "over"
-            except BaseException as e:
-                then = type(e).__name__
-            return first, then
-        finally:
-            mp.undo()
-            await trio.to_thread.run_sync(dev.synchronize)
+            aw.throw(ValueError, None, 5)
+        except BaseException as e:
+            first = (type(e).__name__, str(e))
+        try:
+            aw.send(outcome.Value(None))
+            then = "still running"
+        except StopIteration:
+            then = "over"
+        except BaseException as e:
+            then = type(e).__name__
+        return first, then
 
-    r = compiled_and_python(main)
+    r = compiled_and_python(lambda: at_the_trap(act))
     assert r["C"] == r["P"], r
+    assert r["C"][0][0] == "TypeError"
 
 
 def test_a_named_fault_has_the_original_as_context_the_same() -> None:
