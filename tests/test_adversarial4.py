@@ -51,10 +51,18 @@ def spy_matmul(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Device) -> list[t
     orig = drv.matmul
 
     def matmul(
-        desc: Any, a: int, b: int, d: int, bias: int, stream: Any, capturing: bool | None = None, foreign: bool = False
+        desc: Any,
+        a: int,
+        b: int,
+        d: int,
+        bias: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+        reuse: bool = False,
     ) -> None:
         calls.append((capturing, stream.capture is not None))
-        orig(desc, a, b, d, bias, stream, capturing, foreign)
+        orig(desc, a, b, d, bias, stream, capturing, foreign, reuse)
 
     monkeypatch.setattr(drv, "matmul", matmul)
     return calls

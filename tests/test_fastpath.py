@@ -50,6 +50,7 @@ U = ctypes.c_uint
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, U, U, U, U, U, U, U, VP, VP, VP)
 RECORD = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
 QUERY = ctypes.CFUNCTYPE(ctypes.c_int, VP)
+GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
 
 
 def address(cb: Any) -> int:
@@ -95,9 +96,22 @@ def test_record_and_query_pass_their_handles() -> None:
     assert queries == [0x1230] * 3
 
 
+def test_graph_launch_passes_its_handles_and_returns_the_driver_result() -> None:
+    seen: list[tuple[Any, ...]] = []
+    answers = iter([0, 400])
+    cb = GRAPH_LAUNCH(lambda g, s: seen.append((g, s)) or next(answers))
+    big = 0x7FFF_FFFF_F000_0008
+    assert _cudafast.graph_launch(address(cb), big, big + 8) == 0
+    assert _cudafast.graph_launch(address(cb), np.uint64(0x10), 0) == 400  # passed on as is
+    assert seen == [(big, big + 8), (0x10, None)]  # stream 0 is NULL
+
+
 @pytest.mark.parametrize(
     ("call", "args", "error", "match"),
     [
+        ("graph_launch", (1, 2), TypeError, "3 integer arguments"),
+        ("graph_launch", (0, 1, 2), ValueError, "no driver entry point"),
+        ("graph_launch", (1, -1, 2), OverflowError, None),
         ("launch", (1, 2, 3), TypeError, "11 integer arguments"),
         ("record", (1, 2), TypeError, "3 integer arguments"),
         ("query", (1,), TypeError, "2 integer arguments"),
@@ -115,6 +129,7 @@ def test_bad_arguments_are_refused_before_any_call(call: str, args: tuple[Any, .
         "launch": LAUNCH(lambda *a: called.append(a) or 0),
         "record": RECORD(lambda *a: called.append(a) or 0),
         "query": QUERY(lambda *a: called.append(a) or 0),
+        "graph_launch": GRAPH_LAUNCH(lambda *a: called.append(a) or 0),
     }
     pfn = args[0] and address(fakes[call])
     with pytest.raises(error, match=match):
@@ -209,7 +224,7 @@ def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
         assert expect in r.stdout
 
 
-@pytest.mark.parametrize("call", ["launch", "record", "query"])
+@pytest.mark.parametrize("call", ["launch", "record", "query", "graph_launch"])
 def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
     # A launch (or record) blocks while the driver's queue is full; like cuda.bindings
     # (which releases it around every driver call) it must not hold the GIL meanwhile (a Python host function another library queued could
@@ -241,6 +256,8 @@ def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
             _cudafast.launch(usleep, 300_000, 1, 1, 1, 1, 1, 1, 0, 0, 0)
         elif call == "record":
             _cudafast.record(usleep, 300_000, 0)
+        elif call == "graph_launch":
+            _cudafast.graph_launch(usleep, 300_000, 0)
         else:
             _cudafast.query(usleep, 300_000)
         during = ticks - before

@@ -550,11 +550,23 @@ async def test_capture_scope_refuses_then_prepared_resumes(guard: Guard) -> None
 async def test_the_driver_gets_the_same_arguments_both_ways(monkeypatch: pytest.MonkeyPatch, foreign: bool) -> None:
     dev = trio_cuda.current_device()
     seen: list[tuple[Any, ...]] = []
+    reused: list[bool] = []
     real = dev._driver.matmul
 
-    def spy(desc: Any, a: int, b: int, d: int, bias: int, stream: Any, capturing: Any = None, foreign_: Any = False) -> None:
+    def spy(
+        desc: Any,
+        a: int,
+        b: int,
+        d: int,
+        bias: int,
+        stream: Any,
+        capturing: Any = None,
+        foreign_: Any = False,
+        reuse: bool = False,
+    ) -> None:
         seen.append((desc, a, b, d, bias, stream, capturing, foreign_))
-        real(desc, a, b, d, bias, stream, capturing, foreign_)
+        reused.append(reuse)
+        real(desc, a, b, d, bias, stream, capturing, foreign_, reuse)
 
     monkeypatch.setattr(dev._driver, "matmul", spy)
     # (set either way: an earlier test that wrapped another library's stream left it True)
@@ -566,6 +578,8 @@ async def test_the_driver_gets_the_same_arguments_both_ways(monkeypatch: pytest.
     for _ in range(3):
         await ops.linear(x, w, b, activation="relu", out=y)
     lane_call, prepared_call = seen[1], seen[2]
+    # only the prepared call says the same call will come again (a replayed recipe's)
+    assert reused == [False, False, True]
     seen.clear()
     await general(monkeypatch, lambda: ops.linear(x, w, b, activation="relu", out=y))
     assert prepared_call == lane_call == seen[0]

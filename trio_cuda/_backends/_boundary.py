@@ -410,13 +410,17 @@ class DeviceDriver(abc.ABC):
         stream: Any,
         capturing: bool | None = None,
         foreign: bool = False,
+        reuse: bool = False,
     ) -> None:
         """Enqueue ``D = epilogue(A @ B + bias)`` as ``desc`` describes it (row-major
         terms; pointers are device addresses; ``bias`` is 0 without one). ``capturing``
         says whether ``stream`` is recording a graph (None: unknown, the backend asks the
         driver); ``foreign``: another library's stream (no per-stream state is kept for
-        it: that library may destroy it and reuse its handle). Raises LaunchError if the
-        library refuses the problem."""
+        it: that library may destroy it and reuse its handle). ``reuse``: the caller will
+        likely make this exact call (desc, pointers, stream) again, as a replayed recipe
+        does; the backend may keep a prepared form of it (the CUDA backend replays the
+        library's call as a captured graph from the second such call on). Raises
+        LaunchError if the library refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

@@ -7,6 +7,10 @@ memory pool the first time a stream runs a GEMM and freed, stream-ordered, when 
 stream is destroyed. Inside a graph capture GEMMs run without a workspace (a graph must
 not depend on a stream's workspace, which may be gone when it replays).
 
+A GEMM that a replayed recipe makes again (same desc, addresses and stream; see
+CudaDevice.matmul) is captured once and launched as a graph from then on: the graph is
+per stream (it may use the stream's workspace) and goes with the stream or the context.
+
 Row-major ``D = A @ B`` is computed as column-major ``D^T = B^T A^T``: cuBLASLt's A is
 our B and its B our A, so D needs no transpose and a bias of ``n`` elements (one per
 output column, what a linear layer adds) is cuBLASLt's per-row bias.
@@ -19,11 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from .._config import env_switch
 from ._boundary import GemmDesc, GemmOperand
 
 __all__ = ["Gemms"]
 
 WORKSPACE = 32 << 20
+MAX_GRAPHS = 256  # replayed GEMMs kept as graphs per device (the oldest goes first)
 _import_lock = threading.Lock()
 _mods: tuple[Any, Any, Any] | None = None
 
@@ -182,6 +188,15 @@ class Gemms:
         self.handle: int | None = None
         self.plans: dict[tuple[GemmDesc, bool], _Plan] = {}
         self.workspaces: dict[int, int] = {}  # stream handle -> device pointer
+        # Replayed GEMMs (CudaDevice.matmul with reuse): (desc, a, b, d, bias, stream
+        # handle) -> (exec handle, exec) of the captured library call; the keys whose
+        # call could not be captured; the stream captures run on.
+        self.replay = env_switch("TRIO_CUDA_GEMM_GRAPHS")
+        self.graphs: dict[tuple[Any, ...], tuple[int, Any]] = {}
+        self.refused: set[tuple[Any, ...]] = set()
+        self.capture_stream: Any = None
+        self.captures = 0  # graphs made
+        self.replays = 0  # GEMMs launched as a graph
 
     def plan(self, desc: GemmDesc, capturing: bool) -> _Plan:
         key = (desc, capturing)
@@ -197,8 +212,33 @@ class Gemms:
             p = self.plans[key] = _Plan(self.handle, desc, 0 if capturing else WORKSPACE)
         return p
 
+    def refuse(self, key: tuple[Any, ...]) -> None:
+        """The call of ``key`` cannot be captured: it is not tried again."""
+        if len(self.refused) >= 4 * MAX_GRAPHS:
+            self.refused.clear()
+        self.refused.add(key)
+
+    def keep(self, key: tuple[Any, ...], graph: tuple[int, Any], destroy: Any) -> tuple[int, Any]:
+        """Keep the graph of ``key``, destroying the oldest kept one past MAX_GRAPHS (a
+        graph still running is freed by the driver when it completes)."""
+        while self.graphs and len(self.graphs) >= MAX_GRAPHS:
+            old = next(iter(self.graphs))
+            destroy(self.graphs.pop(old)[1])
+        self.graphs[key] = graph
+        self.captures += 1
+        return graph
+
+    def drop_stream(self, stream: int, destroy: Any) -> None:
+        """``stream`` is being destroyed: its graphs go (they use its workspace)."""
+        for key in [k for k in self.graphs if k[5] == stream]:
+            destroy(self.graphs.pop(key)[1])
+        self.refused = {k for k in self.refused if k[5] != stream}
+
     def forget(self) -> None:
-        """After a reset: every handle, plan and workspace went with the context."""
+        """After a reset: every handle, plan, workspace and graph went with the context."""
         self.handle = None
         self.plans = {}
         self.workspaces = {}
+        self.graphs = {}
+        self.refused = set()
+        self.capture_stream = None

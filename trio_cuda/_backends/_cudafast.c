@@ -1,7 +1,7 @@
 /* The CUDA backend's compiled fast path (issue 12): the three driver calls of every
- * await -- cuLaunchKernel, cuEventRecord, cuEventQuery -- made straight through the
- * driver's function pointers, with plain integer handles, instead of through
- * cuda.bindings' generic wrappers.
+ * await -- cuLaunchKernel, cuEventRecord, cuEventQuery -- and cuGraphLaunch (a replayed
+ * GEMM's captured library call) made straight through the driver's function pointers,
+ * with plain integer handles, instead of through cuda.bindings' generic wrappers.
  *
  * The module holds no state and links nothing: the backend passes each call the driver
  * entry point it got from cuGetProcAddress (tests pass ctypes callbacks instead, which
@@ -23,6 +23,7 @@ typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigne
                          unsigned shmem, void *stream, void **params, void **extra);
 typedef int (*record_fn)(void *event, void *stream);
 typedef int (*query_fn)(void *event);
+typedef int (*graph_launch_fn)(void *exec, void *stream);
 
 /* An unsigned integer argument: a handle, a pointer or a dimension (an int, or any
  * object with __index__, such as a numpy integer). */
@@ -118,11 +119,29 @@ static PyObject *fast_query(PyObject *self, PyObject *const *args, Py_ssize_t na
     return PyLong_FromLong(err);
 }
 
+/* graph_launch(pfn_graph_launch, exec, stream) -> CUresult */
+static PyObject *fast_graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "graph_launch takes 3 integer arguments");
+        return NULL;
+    }
+    unsigned long long pfn, exec, stream;
+    if (take_entry(args[0], &pfn) < 0 || take(args[1], &exec) < 0 || take(args[2], &stream) < 0) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS  /* may block like a launch */
+    err = ((graph_launch_fn)(uintptr_t)pfn)((void *)(uintptr_t)exec, (void *)(uintptr_t)stream);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(err);
+}
+
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))fast_launch, METH_FASTCALL,
      "launch(pfn, function, gx, gy, gz, bx, by, bz, shmem, stream, params) -> CUresult"},
     {"record", (PyCFunction)(void (*)(void))fast_record, METH_FASTCALL, "record(pfn, event, stream) -> CUresult"},
     {"query", (PyCFunction)(void (*)(void))fast_query, METH_FASTCALL, "query(pfn, event) -> CUresult"},
+    {"graph_launch", (PyCFunction)(void (*)(void))fast_graph_launch, METH_FASTCALL,
+     "graph_launch(pfn, exec, stream) -> CUresult"},
     {NULL, NULL, 0, NULL},
 };
 

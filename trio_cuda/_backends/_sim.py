@@ -637,6 +637,7 @@ class _SimDevice(DeviceDriver):
         stream: _SimStream,
         capturing: bool | None = None,
         foreign: bool = False,
+        reuse: bool = False,
     ) -> None:
         """numpy's matmul with cuBLASLt's arithmetic: float32 accumulation for half types
         (float64 for float64), TF32 rounding of float32 inputs when allowed, the epilogue

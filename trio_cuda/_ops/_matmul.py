@@ -134,9 +134,10 @@ def _gemm_direct(s: Stream, arg: tuple[tuple[GemmDesc, int, int, int, int], Any,
     (desc, a, b, d, bias), writes, reads = arg
     order_accesses(s, writes, reads)
     device = s.device
-    # as in _gemm_step: not capturing, unless another library's stream may be
+    # as in _gemm_step: not capturing, unless another library's stream may be; the same
+    # call (desc, pointers, stream) comes again at the recipe's next direct submission
     capturing = None if device._foreign_streams else False
-    device._driver.matmul(desc, a, b, d, bias, s.handle, capturing, s._foreign)
+    device._driver.matmul(desc, a, b, d, bias, s.handle, capturing, s._foreign, True)
     s.seq += 1
     note_accesses(s, s.seq, writes, reads)
 
