@@ -271,3 +271,20 @@ async def test_many_tasks_replaying_gemms_on_a_pool(dev: trio_cuda.Device) -> No
         for i in range(16):
             n.start_soon(task, i)
     gc.collect()
+
+
+async def test_after_another_librarys_stream_was_wrapped_gemms_still_replay(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once another library's stream was wrapped, the runtime cannot know whether a
+    # stream of its own joined that library's capture: the backend asks the driver, and
+    # a stream that does not capture still replays its GEMMs as graphs.
+    monkeypatch.setattr(dev, "_foreign_streams", True)
+    hw = f32(24, 40)
+    w, x, y = await api.from_host(hw), await api.from_host(np.ones(40, np.float32)), await api.zeros((24,))
+    c0 = counts(dev)
+    for _ in range(5):
+        await ops.matmul(w, x, out=y)
+        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+    if ON_CUDA:
+        assert counts(dev)[1] - c0[1] == 3

@@ -720,7 +720,9 @@ class CudaDevice(DeviceDriver):
         if _tls.token is not self._token:
             self._current()
         gemms = self._gemms
-        if reuse and capturing is False and not foreign and gemms.replay:
+        if capturing is None:  # (a stream of ours may have joined another library's capture)
+            capturing = self._capturing(stream)
+        if reuse and not capturing and not foreign and gemms.replay:
             # A recipe's GEMM on the same memory as before (its third call: the first
             # two built the recipe and prepared it): cuBLASLt's call is captured once
             # and replayed as a graph (measured on an H200, a 2048^2 fp32 GEMV: 7.0 us
@@ -740,16 +742,18 @@ class CudaDevice(DeviceDriver):
                     raise error(_result(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
                 gemms.replays += 1
                 return
-        if capturing is None:
-            err, status = cu.cuStreamIsCapturing(stream)
-            if err != _SUCCESS:
-                raise error(err, "cuStreamIsCapturing", self)
-            capturing = status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
-        plan, ws, ws_bytes = self._gemm_plan(desc, stream, bool(capturing), foreign)
+        plan, ws, ws_bytes = self._gemm_plan(desc, stream, capturing, foreign)
         try:
             plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
         except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
             raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
+
+    def _capturing(self, stream: Any) -> bool:
+        """Whether ``stream`` is recording a graph now (asks the driver)."""
+        err, status = cu.cuStreamIsCapturing(stream)
+        if err != _SUCCESS:
+            raise error(err, "cuStreamIsCapturing", self)
+        return bool(status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
     def _gemm_plan(self, desc: GemmDesc, stream: Any, capturing: bool, foreign: bool) -> tuple[Any, int, int]:
         """The cuBLASLt plan of ``desc`` and the workspace (pointer, bytes) of ``stream``."""
