@@ -40,6 +40,14 @@ def gemms(dev: trio_cuda.Device) -> Any:
     return getattr(dev._driver, "_gemms", None)
 
 
+@pytest.fixture(autouse=True)
+def _replay_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On, whatever TRIO_CUDA_GEMM_GRAPHS says (the subprocess test below checks it)."""
+    g = gemms(trio_cuda.device(0))
+    if g is not None:
+        monkeypatch.setattr(g, "replay", True)
+
+
 def counts(dev: trio_cuda.Device) -> tuple[int, int]:
     g = gemms(dev)
     return (g.captures, g.replays) if g is not None else (0, 0)
@@ -288,3 +296,30 @@ async def test_after_another_librarys_stream_was_wrapped_gemms_still_replay(
         close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
     if ON_CUDA:
         assert counts(dev)[1] - c0[1] == 3
+
+
+@pytest.mark.gpu
+def test_graphs_are_destroyed_at_exit() -> None:
+    # A child that made GEMM graphs: the exit hook destroys them (and the capture
+    # stream) before the interpreter's teardown, which then reports nothing.
+    code = textwrap.dedent(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api, ops
+        from trio_cuda._backends import _cuda
+        async def main():
+            w, x, y = await api.ones((8, 8)), await api.ones((8,)), await api.zeros((8,))
+            for _ in range(4):
+                await ops.matmul(w, x, out=y)
+        trio.run(main)
+        g = trio_cuda.current_device()._driver._gemms
+        assert len(g.graphs) == 1 and g.capture_stream is not None
+        _cuda._drop_gemm_graphs()
+        assert g.graphs == {} and g.capture_stream is None
+        print("closed")
+        """
+    )
+    env = dict(os.environ, TRIO_CUDA_QUIET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "closed" in r.stdout, r.stderr[-3000:]
+    assert r.stderr.strip() == "", r.stderr[-3000:]

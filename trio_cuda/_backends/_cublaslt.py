@@ -234,6 +234,15 @@ class Gemms:
             destroy(self.graphs.pop(key)[1])
         self.refused = {k for k in self.refused if k[5] != stream}
 
+    def close(self, destroy_graph: Any, destroy_stream: Any) -> None:
+        """Destroy the graphs and the capture stream now (at exit)."""
+        graphs, self.graphs = self.graphs, {}
+        for _, g in graphs.values():
+            destroy_graph(g)
+        cs, self.capture_stream = self.capture_stream, None
+        if cs is not None:
+            destroy_stream(cs)
+
     def forget(self) -> None:
         """After a reset: every handle, plan, workspace and graph went with the context."""
         self.handle = None

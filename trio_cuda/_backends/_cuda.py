@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import hashlib
@@ -40,6 +41,7 @@ import pathlib
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -314,6 +316,21 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
+_live_devices: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
+
+
+@atexit.register
+def _drop_gemm_graphs() -> None:
+    """At exit, before the interpreter tears down its modules: destroy the replayed GEMMs'
+    graphs and capture streams (measured on an H200: left to the interpreter's teardown
+    next to PyTorch's, they made it report an error after every test had passed)."""
+    for dev in list(_live_devices):
+        if dev._fault is None:
+            try:
+                dev._current()
+                dev._gemms.close(cu.cuGraphExecDestroy, cu.cuStreamDestroy)
+            except Exception:  # exiting: a context already gone keeps its objects
+                pass
 
 
 # -- graphs ----------------------------------------------------------------------------------
@@ -435,6 +452,7 @@ class CudaDevice(DeviceDriver):
         # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        _live_devices.add(self)
         self._fast = fast_path()
         self._graph_pfn = graph_launch_entry() if self._fast is not None else 0
         self.hot_calls = (_tls, _Prepared, _NOT_READY, _OWN_CALLS)  # used while _fast is set
