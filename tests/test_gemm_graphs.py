@@ -42,7 +42,9 @@ def gemms(dev: trio_cuda.Device) -> Any:
 
 @pytest.fixture(autouse=True)
 def _replay_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On, whatever TRIO_CUDA_GEMM_GRAPHS says (the subprocess test below checks it)."""
+    """On, whatever TRIO_CUDA_GEMM_GRAPHS says (a test below checks what it does), also
+    after a reset and in child processes."""
+    monkeypatch.delenv("TRIO_CUDA_GEMM_GRAPHS", raising=False)
     g = gemms(trio_cuda.device(0))
     if g is not None:
         monkeypatch.setattr(g, "replay", True)
