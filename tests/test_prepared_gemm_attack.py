@@ -578,8 +578,9 @@ async def test_the_driver_gets_the_same_arguments_both_ways(monkeypatch: pytest.
     for _ in range(3):
         await ops.linear(x, w, b, activation="relu", out=y)
     lane_call, prepared_call = seen[1], seen[2]
-    # only the prepared call says the same call will come again (a replayed recipe's)
-    assert reused == [False, False, True]
+    # only the prepared call says the same call will come again (a replayed recipe's),
+    # unless another library's stream was wrapped (no captures then: see docs/ops.md)
+    assert reused == [False, False, not foreign]
     seen.clear()
     await general(monkeypatch, lambda: ops.linear(x, w, b, activation="relu", out=y))
     assert prepared_call == lane_call == seen[0]

@@ -418,8 +418,8 @@ class DeviceDriver(abc.ABC):
         driver); ``foreign``: another library's stream (no per-stream state is kept for
         it: that library may destroy it and reuse its handle). ``reuse``: the caller will
         likely make this exact call (desc, pointers, stream) again, as a replayed recipe
-        does; the backend may keep a prepared form of it (the CUDA backend replays the
-        library's call as a captured graph from the second such call on). Raises
+        does; the backend may keep a prepared form of it (the CUDA backend captures the
+        library's call at the first such call and replays it as a graph). Raises
         LaunchError if the library refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------

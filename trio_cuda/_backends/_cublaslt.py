@@ -195,6 +195,8 @@ class Gemms:
         self.graphs: dict[tuple[Any, ...], tuple[int, Any]] = {}
         self.refused: set[tuple[Any, ...]] = set()
         self.capture_stream: Any = None
+        self.capture_ok = True  # False once graphs were evicted faster than replayed
+        self.evictions = 0
         self.captures = 0  # graphs made
         self.replays = 0  # GEMMs launched as a graph
 
@@ -219,14 +221,26 @@ class Gemms:
         self.refused.add(key)
 
     def keep(self, key: tuple[Any, ...], graph: tuple[int, Any], destroy: Any) -> tuple[int, Any]:
-        """Keep the graph of ``key``, destroying the oldest kept one past MAX_GRAPHS (a
-        graph still running is freed by the driver when it completes)."""
-        while self.graphs and len(self.graphs) >= MAX_GRAPHS:
-            old = next(iter(self.graphs))
-            destroy(self.graphs.pop(old)[1])
-        self.graphs[key] = graph
+        """Keep the graph of ``key``, destroying the least recently used past MAX_GRAPHS
+        (the driver frees one still running when it completes). A device whose graphs
+        churn (more than one eviction per 8 replays, past the first 64) captures no more:
+        each capture would cost far more than the library call it replaces."""
+        graphs = self.graphs
+        while graphs and len(graphs) >= MAX_GRAPHS:
+            destroy(graphs.pop(next(iter(graphs)))[1])
+            self.evictions += 1
+            if self.evictions > 64 and self.evictions * 8 > self.replays:
+                self.capture_ok = False
+        graphs[key] = graph
         self.captures += 1
         return graph
+
+    def drop(self, key: tuple[Any, ...], destroy: Any) -> None:
+        """The graph of ``key`` failed to launch: it goes, and the key is refused."""
+        g = self.graphs.pop(key, None)
+        if g is not None:
+            destroy(g[1])
+        self.refuse(key)
 
     def drop_stream(self, stream: int, destroy: Any) -> None:
         """``stream`` is being destroyed: its graphs go (they use its workspace)."""
@@ -235,7 +249,8 @@ class Gemms:
         self.refused = {k for k in self.refused if k[5] != stream}
 
     def close(self, destroy_graph: Any, destroy_stream: Any) -> None:
-        """Destroy the graphs and the capture stream now (at exit)."""
+        """Destroy the graphs and the capture stream now (at exit); no more are made."""
+        self.replay = False
         graphs, self.graphs = self.graphs, {}
         for _, g in graphs.values():
             destroy_graph(g)

@@ -454,7 +454,7 @@ class CudaDevice(DeviceDriver):
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         _live_devices.add(self)
         self._fast = fast_path()
-        self._graph_pfn = graph_launch_entry() if self._fast is not None else 0
+        self._graph_pfn = graph_launch_entry() if self._fast is not None and hasattr(_cudafast, "graph_launch") else 0
         self.hot_calls = (_tls, _Prepared, _NOT_READY, _OWN_CALLS)  # used while _fast is set
 
     def _register_flags(self) -> None:
@@ -747,8 +747,11 @@ class CudaDevice(DeviceDriver):
             # of host time per cublasLtMatmul, 3.9 per cuGraphLaunch of the same
             # kernel; with a sync after each, 17.3 against 12.1 us).
             key = (desc, a, b, d, bias, int(stream))
-            g = gemms.graphs.get(key)
-            if g is None and key not in gemms.refused:
+            graphs = gemms.graphs
+            g = graphs.pop(key, None)
+            if g is not None:
+                graphs[key] = g  # the most recently used last: eviction takes the first
+            elif gemms.capture_ok and key not in gemms.refused:
                 g = self._gemm_graph(key, desc, a, b, d, bias, stream)
             if g is not None:
                 pfn = self._graph_pfn
@@ -756,10 +759,14 @@ class CudaDevice(DeviceDriver):
                     err = _cudafast.graph_launch(pfn, g[0], key[5])
                 else:
                     err = int(cu.cuGraphLaunch(g[1], stream)[0])
-                if err:
-                    raise error(_result(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
-                gemms.replays += 1
-                return
+                if not err:
+                    gemms.replays += 1
+                    return
+                exc = error(_result(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
+                if isinstance(exc, (DeviceFault, DeviceOutOfMemory)):
+                    raise exc
+                # Refused for another reason: the graph goes, the library makes the call.
+                gemms.drop(key, cu.cuGraphExecDestroy)
         plan, ws, ws_bytes = self._gemm_plan(desc, stream, capturing, foreign)
         try:
             plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
@@ -794,36 +801,58 @@ class CudaDevice(DeviceDriver):
     def _gemm_graph(self, key: tuple[Any, ...], desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> Any:
         """Capture cuBLASLt's call for ``key`` (the GEMM's desc, pointers and stream) on
         the device's capture stream and keep it instantiated; None, and never again for
-        this key, if the library's call cannot be captured (the caller then makes the
-        call itself, which raises the library's error if it has one).
+        this key, if the call cannot be captured (the caller then makes the call itself,
+        which raises the library's error if it has one). A sticky error on the way
+        faults the device and is raised.
 
         The graph holds what the call enqueues on ``stream`` itself: the same kernel, the
         same arguments, the stream's workspace; it is launched on that stream only, and
-        dropped with it (destroy_stream) or with the context (reset)."""
+        dropped with it (destroy_stream) or with the context (reset).
+
+        While the capture runs (once per key, under the runtime lock), a device- or
+        context-wide synchronize by another library in another thread fails (CUDA
+        forbids it during any capture in the context); see docs/ops.md."""
         gemms = self._gemms
         plan, ws, ws_bytes = self._gemm_plan(desc, stream, False, False)
         cs = gemms.capture_stream
         if cs is None:
-            cs = gemms.capture_stream = self.create_stream()
+            err, cs = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
+            if err != _SUCCESS:
+                return self._refuse_graph(key, err, "cuStreamCreate")
+            gemms.capture_stream = cs
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        exec_ = None
-        if cu.cuStreamBeginCapture(cs, mode)[0] == _SUCCESS:
-            try:
-                plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
-                ran = True
-            except Exception:  # refused: the caller's own call says why
-                ran = False
+        err = cu.cuStreamBeginCapture(cs, mode)[0]
+        if err != _SUCCESS:
+            return self._refuse_graph(key, err, "cuStreamBeginCapture")
+        try:
+            plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
+        except Exception:  # refused: the caller's own call says why
+            ran = False
+        except BaseException:  # (KeyboardInterrupt): the stream never stays capturing
             err, graph = cu.cuStreamEndCapture(cs)
             if err == _SUCCESS:
-                if ran:
-                    err, exec_ = cu.cuGraphInstantiate(graph, 0)
-                    if err != _SUCCESS:
-                        exec_ = None
                 cu.cuGraphDestroy(graph)
-        if exec_ is None:
-            gemms.refuse(key)
-            return None
+            raise
+        else:
+            ran = True
+        err, graph = cu.cuStreamEndCapture(cs)
+        if err != _SUCCESS:
+            return self._refuse_graph(key, err, "cuStreamEndCapture")
+        exec_ = None
+        if ran:
+            err, exec_ = cu.cuGraphInstantiate(graph, 0)
+        cu.cuGraphDestroy(graph)
+        if exec_ is None or err != _SUCCESS:
+            return self._refuse_graph(key, err, "cuGraphInstantiate")
         return gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
+
+    def _refuse_graph(self, key: tuple[Any, ...], err: Any, what: str) -> None:
+        """A capture step failed with ``err``: a sticky error faults the device and is
+        raised; anything else refuses the key (the library makes its calls)."""
+        if err != _SUCCESS and err in _STICKY:
+            raise error(err, f"{what} (capturing a replayed GEMM)", self, launch=True, op="matmul")
+        self._gemms.refuse(key)
+        return None
 
     def mem_info(self) -> tuple[int, int]:
         self._current()

@@ -134,10 +134,14 @@ def _gemm_direct(s: Stream, arg: tuple[tuple[GemmDesc, int, int, int, int], Any,
     (desc, a, b, d, bias), writes, reads = arg
     order_accesses(s, writes, reads)
     device = s.device
-    # as in _gemm_step: not capturing, unless another library's stream may be; the same
-    # call (desc, pointers, stream) comes again at the recipe's next direct submission
-    capturing = None if device._foreign_streams else False
-    device._driver.matmul(desc, a, b, d, bias, s.handle, capturing, s._foreign, True)
+    # As in _gemm_step: not capturing, unless another library's stream may be. The same
+    # call (desc, pointers, stream) comes again at the recipe's next direct submission,
+    # so the backend may replay it as a graph, except in a process that wrapped another
+    # library's stream: that library's device-wide synchronize in another thread would
+    # fail while the backend captures (see docs/ops.md).
+    foreign_streams = device._foreign_streams
+    capturing = None if foreign_streams else False
+    device._driver.matmul(desc, a, b, d, bias, s.handle, capturing, s._foreign, not foreign_streams)
     s.seq += 1
     note_accesses(s, s.seq, writes, reads)
 
