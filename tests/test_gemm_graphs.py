@@ -24,7 +24,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api, ops
+from trio_cuda import Tensor, api, ops
 
 from .conftest import ON_CUDA, settle
 
@@ -69,6 +69,24 @@ def on(stream: trio_cuda.Stream) -> Iterator[None]:
 
 def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+class Gemv:
+    """``y = w @ ones(k)`` on fresh tensors (``w`` random, ``m x k``): ``await g.run()``
+    awaits the matmul and checks ``y`` (the rows' sums)."""
+
+    def __init__(self, hw: np.ndarray, w: Tensor, x: Tensor, y: Tensor) -> None:
+        self.hw, self.w, self.x, self.y = hw, w, x, y
+
+    @classmethod
+    async def new(cls, m: int, k: int) -> Gemv:
+        hw = f32(m, k)
+        return cls(hw, await api.from_host(hw), await api.from_host(np.ones(k, np.float32)), await api.zeros((m,)))
+
+    async def run(self, times: int = 1) -> None:
+        for _ in range(times):
+            await ops.matmul(self.w, self.x, out=self.y)
+            close(await self.y.to_host(), self.hw.astype(np.float64).sum(axis=1))
 
 
 async def test_a_replayed_gemm_reads_the_operands_each_time(dev: trio_cuda.Device) -> None:
@@ -182,14 +200,9 @@ async def test_graphs_that_churn_stop_the_captures(dev: trio_cuda.Device, monkey
 
 
 async def test_a_dropped_stream_takes_its_graphs(dev: trio_cuda.Device) -> None:
-    hw = f32(16, 16)
-
     async def gemm_on(s: trio_cuda.Stream) -> None:
-        w, x, y = await api.from_host(hw), await api.from_host(np.ones(16, np.float32)), await api.zeros((16,))
         with on(s):
-            for _ in range(4):
-                await ops.matmul(w, x, out=y)
-        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+            await (await Gemv.new(16, 16)).run(4)
 
     s = dev.create_stream()
     handle = int(s.handle) if ON_CUDA else None
@@ -206,13 +219,8 @@ async def test_a_dropped_stream_takes_its_graphs(dev: trio_cuda.Device) -> None:
 
 
 def test_after_a_reset_gemms_capture_again(dev: trio_cuda.Device) -> None:
-    hw = f32(16, 16)
-
     async def rounds() -> None:
-        w, x, y = await api.from_host(hw), await api.from_host(np.ones(16, np.float32)), await api.zeros((16,))
-        for _ in range(4):
-            await ops.matmul(w, x, out=y)
-            close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+        await (await Gemv.new(16, 16)).run(4)
 
     trio.run(rounds)
     if ON_CUDA:
@@ -243,12 +251,9 @@ async def test_a_capture_the_driver_refuses_falls_back_to_the_library_call(
     monkeypatch.setattr(_cuda.cu, "cuStreamBeginCapture", refuse)
     # (a shape no other test uses: a GEMM on the same shapes, addresses and stream as an
     # earlier test's would find that test's graph, which computes the same thing)
-    hw = f32(17, 13)
-    w, x, y = await api.from_host(hw), await api.from_host(np.ones(13, np.float32)), await api.zeros((17,))
+    mv = await Gemv.new(17, 13)
     c0 = counts(dev)
-    for _ in range(5):
-        await ops.matmul(w, x, out=y)
-        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+    await mv.run(5)
     assert len(tries) == 1  # tried once for this GEMM, then never again
     assert counts(dev) == c0
 
@@ -261,10 +266,9 @@ async def test_a_graph_the_driver_will_not_launch_goes_and_the_library_makes_the
 
     from trio_cuda._backends import _cuda
 
-    hw = f32(21, 9)
-    w, x, y = await api.from_host(hw), await api.from_host(np.ones(9, np.float32)), await api.zeros((21,))
-    for _ in range(3):
-        await ops.matmul(w, x, out=y)
+    mv = await Gemv.new(21, 9)
+    w, x, y = mv.w, mv.x, mv.y
+    await mv.run(3)
     g = gemms(dev)
     key = next(k for k in g.graphs if (k[0].m, k[0].k) == (21, 9) and k[1:4] == (w.ptr, x.ptr, y.ptr))
     launches: list[Any] = []
@@ -276,9 +280,7 @@ async def test_a_graph_the_driver_will_not_launch_goes_and_the_library_makes_the
     monkeypatch.setattr(dev._driver, "_graph_pfn", 0)  # through cuda.bindings, which we can refuse
     monkeypatch.setattr(_cuda.cu, "cuGraphLaunch", refuse)
     await api.memcpy(y, np.zeros(21, np.float32))
-    for _ in range(3):  # refused once: the graph goes; this call and the next are the library's
-        await ops.matmul(w, x, out=y)
-        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+    await mv.run(3)  # refused once: the graph goes; this call and the next are the library's
     assert len(launches) == 1
     assert key not in g.graphs and key in g.refused
     assert not dev.is_faulted
@@ -306,19 +308,15 @@ async def test_an_exception_inside_a_capture_ends_the_capture(dev: trio_cuda.Dev
         real(self, a, b, d, bias, ws, ws_bytes, stream)
 
     monkeypatch.setattr(_cublaslt._Plan, "run", run)
-    hw = f32(23, 7)
-    w, x, y = await api.from_host(hw), await api.from_host(np.ones(7, np.float32)), await api.zeros((23,))
-    for _ in range(2):
-        await ops.matmul(w, x, out=y)
+    mv = await Gemv.new(23, 7)
+    await mv.run(2)
     with pytest.raises(Stop):
-        await ops.matmul(w, x, out=y)
+        await ops.matmul(mv.w, mv.x, out=mv.y)
     err, status = cu.cuStreamIsCapturing(g.capture_stream)
     assert err == cu.CUresult.CUDA_SUCCESS and status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
     monkeypatch.setattr(_cublaslt._Plan, "run", real)
     c0 = counts(dev)
-    for _ in range(3):  # the next op on the same tensors is captured now, with right results
-        await ops.matmul(w, x, out=y)
-        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+    await mv.run(3)  # the next op on the same tensors is captured now, with right results
     assert counts(dev)[0] == c0[0] + 1
 
 
@@ -371,12 +369,9 @@ async def test_after_another_librarys_stream_was_wrapped_gemms_are_not_captured(
     # threads, and its device-wide synchronize would fail during a capture: no captures
     # then, and the same results.
     monkeypatch.setattr(dev, "_foreign_streams", True)
-    hw = f32(24, 40)
-    w, x, y = await api.from_host(hw), await api.from_host(np.ones(40, np.float32)), await api.zeros((24,))
+    mv = await Gemv.new(24, 40)
     c0 = counts(dev)
-    for _ in range(5):
-        await ops.matmul(w, x, out=y)
-        close(await y.to_host(), hw.astype(np.float64).sum(axis=1))
+    await mv.run(5)
     assert counts(dev) == c0
 
 
@@ -395,7 +390,7 @@ def test_graphs_are_destroyed_at_exit() -> None:
             os.write(1, b"closed" if ok else b"left open")
         atexit.register(check)
         import numpy as np, trio, trio_cuda
-        from trio_cuda import api, ops
+        from trio_cuda import Tensor, api, ops
         async def main():
             w, x, y = await api.ones((8, 8)), await api.ones((8,)), await api.zeros((8,))
             for _ in range(4):
