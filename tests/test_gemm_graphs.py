@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,12 +43,23 @@ def gemms(dev: trio_cuda.Device) -> Any:
 
 @pytest.fixture(autouse=True)
 def _replay_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On, whatever TRIO_CUDA_GEMM_GRAPHS says (a test below checks what it does), also
-    after a reset and in child processes."""
+    """Each test starts from no graphs, with the replay on whatever TRIO_CUDA_GEMM_GRAPHS
+    says (a test below checks what it does; also after a reset and in child processes),
+    and as if no other library's stream had been wrapped (earlier tests of the session
+    may have: then nothing is captured; one test below sets it)."""
     monkeypatch.delenv("TRIO_CUDA_GEMM_GRAPHS", raising=False)
-    g = gemms(trio_cuda.device(0))
+    dev = trio_cuda.device(0)
+    monkeypatch.setattr(dev, "_foreign_streams", False)
+    g = gemms(dev)
     if g is not None:
-        monkeypatch.setattr(g, "replay", True)
+        from cuda.bindings import driver as cu
+
+        for _, e in list(g.graphs.values()):
+            cu.cuGraphExecDestroy(e)
+        g.graphs.clear()
+        g.refused.clear()
+        for name, value in (("replay", True), ("capture_ok", True), ("evictions", 0), ("replays", 0), ("captures", 0)):
+            monkeypatch.setattr(g, name, value)
 
 
 def counts(dev: trio_cuda.Device) -> tuple[int, int]:
@@ -179,11 +191,7 @@ async def test_graphs_that_churn_stop_the_captures(dev: trio_cuda.Device, monkey
     from trio_cuda._backends import _cublaslt
 
     monkeypatch.setattr(_cublaslt, "MAX_GRAPHS", 2)
-    g = gemms(dev)
-    if g is not None:  # (all three restored afterwards: the guard would stay tripped)
-        monkeypatch.setattr(g, "capture_ok", True)
-        monkeypatch.setattr(g, "evictions", 0)
-        monkeypatch.setattr(g, "replays", 0)
+    g = gemms(dev)  # (its guard and counters restored afterwards by _replay_on)
     hws = [f32(16, 10) for _ in range(3)]
     ws = [await api.from_host(h) for h in hws]
     x, y = await api.from_host(np.ones(10, np.float32)), await api.zeros((16,))
@@ -450,3 +458,31 @@ async def test_a_graph_using_a_streams_workspace_goes_with_the_stream(dev: trio_
     assert not any(key[5] == handle for key in drv._gemms.graphs) and handle not in drv._gemms.workspaces
     for _ in range(3):
         await gemms_on(dev.create_stream())
+
+
+def test_the_exit_hook_runs_each_drivers_under_the_runtime_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda import _guard, _registry
+
+    seen: list[tuple[int, bool]] = []
+    for d in trio_cuda.devices():
+        monkeypatch.setattr(d._driver, "at_exit", lambda d=d: seen.append((d.ordinal, _guard.LOCK._is_owned())))  # type: ignore[attr-defined]
+    _registry._at_exit()
+    assert seen == [(d.ordinal, True) for d in trio_cuda.devices()]
+    # Held by another thread (a submission that never ends): skipped after a second.
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _guard.LOCK:
+            held.set()
+            release.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait()
+        seen.clear()
+        _registry._at_exit()
+        assert seen == []
+    finally:
+        release.set()
+        t.join()

@@ -6,6 +6,7 @@ starts) and per thread.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import threading
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from ._backends import backend
 from ._checks import is_int
 from ._device import Device
+from ._guard import LOCK
 
 __all__ = ["as_device", "current_device", "device", "device_count", "devices", "use_device"]
 
@@ -31,6 +33,26 @@ def devices() -> list[Device]:
                 b = backend()
                 _devices = [Device._new(i, b.driver(i), b.name, b.new_waker) for i in range(b.device_count())]
     return list(_devices)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """Before the interpreter's teardown: each device's driver releases what must not be
+    left to it (the CUDA backend's replayed-GEMM graphs), under the runtime lock so no
+    submission of a thread still running races it; skipped if the lock stays held."""
+    devs = _devices
+    if not devs or not LOCK.acquire(timeout=1.0):
+        return
+    try:
+        for d in devs:
+            if d._resetting:
+                continue
+            try:
+                d._driver.at_exit()
+            except Exception:  # exiting: a device that cannot keeps its objects
+                pass
+    finally:
+        LOCK.release()
 
 
 def device_count() -> int:

@@ -452,6 +452,10 @@ class DeviceDriver(abc.ABC):
     def reset(self) -> None:
         """(Slow.) Discard all state of the device (memory, streams, events, fault)."""
 
+    def at_exit(self) -> None:  # noqa: B027 (a hook: nothing to do unless overridden)
+        """The process exits (called under the runtime lock, before the interpreter's
+        teardown): release what must not be left to it. Nothing by default."""
+
 
 class Backend(abc.ABC):
     """The process-wide backend: how many devices, and a driver for each."""

@@ -252,7 +252,7 @@ class Gemms:
         """Destroy the graphs and the capture stream now (at exit); no more are made."""
         self.replay = False
         graphs, self.graphs = self.graphs, {}
-        for _, g in graphs.values():
+        for _, g in list(graphs.values()):
             destroy_graph(g)
         cs, self.capture_stream = self.capture_stream, None
         if cs is not None:

@@ -31,7 +31,6 @@
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import ctypes.util
 import hashlib
@@ -41,7 +40,6 @@ import pathlib
 import struct
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -316,21 +314,6 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
-_live_devices: weakref.WeakSet[CudaDevice] = weakref.WeakSet()
-
-
-@atexit.register
-def _drop_gemm_graphs() -> None:
-    """At exit, before the interpreter tears down its modules: destroy the replayed GEMMs'
-    graphs and capture streams (measured on an H200: left to the interpreter's teardown
-    next to PyTorch's, they made it report an error after every test had passed)."""
-    for dev in list(_live_devices):
-        if dev._fault is None:
-            try:
-                dev._current()
-                dev._gemms.close(cu.cuGraphExecDestroy, cu.cuStreamDestroy)
-            except Exception:  # exiting: a context already gone keeps its objects
-                pass
 
 
 # -- graphs ----------------------------------------------------------------------------------
@@ -452,7 +435,6 @@ class CudaDevice(DeviceDriver):
         # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        _live_devices.add(self)
         self._fast = fast_path()
         self._graph_pfn = graph_launch_entry() if self._fast is not None and hasattr(_cudafast, "graph_launch") else 0
         self.hot_calls = (_tls, _Prepared, _NOT_READY, _OWN_CALLS)  # used while _fast is set
@@ -763,15 +745,24 @@ class CudaDevice(DeviceDriver):
                     gemms.replays += 1
                     return
                 exc = error(_result(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
-                if isinstance(exc, (DeviceFault, DeviceOutOfMemory)):
+                if isinstance(exc, DeviceFault):
                     raise exc
-                # Refused for another reason: the graph goes, the library makes the call.
-                gemms.drop(key, cu.cuGraphExecDestroy)
+                # Refused: the library makes the call. Out of memory may pass (the graph
+                # stays); any other refusal would come again (the graph goes).
+                if not isinstance(exc, DeviceOutOfMemory):
+                    gemms.drop(key, cu.cuGraphExecDestroy)
         plan, ws, ws_bytes = self._gemm_plan(desc, stream, capturing, foreign)
         try:
             plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
         except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
             raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
+
+    def at_exit(self) -> None:
+        """Destroy the replayed GEMMs' graphs and capture stream before the interpreter's
+        teardown (no more are made)."""
+        if self._fault is None:
+            self._current()
+            self._gemms.close(cu.cuGraphExecDestroy, cu.cuStreamDestroy)
 
     def _capturing(self, stream: Any) -> bool:
         """Whether ``stream`` is recording a graph now (asks the driver)."""
@@ -824,27 +815,39 @@ class CudaDevice(DeviceDriver):
         err = cu.cuStreamBeginCapture(cs, mode)[0]
         if err != _SUCCESS:
             return self._refuse_graph(key, err, "cuStreamBeginCapture")
+        graph = exec_ = None
         try:
-            plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
-        except Exception:  # refused: the caller's own call says why
             ran = False
-        except BaseException:  # (KeyboardInterrupt): the stream never stays capturing
+            try:
+                plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
+                ran = True
+            except Exception:  # refused: the caller's own call says why
+                pass
             err, graph = cu.cuStreamEndCapture(cs)
-            if err == _SUCCESS:
-                cu.cuGraphDestroy(graph)
-            raise
-        else:
-            ran = True
-        err, graph = cu.cuStreamEndCapture(cs)
-        if err != _SUCCESS:
-            return self._refuse_graph(key, err, "cuStreamEndCapture")
-        exec_ = None
-        if ran:
+            if err != _SUCCESS:
+                graph = None
+                return self._refuse_graph(key, err, "cuStreamEndCapture")
+            if not ran:
+                return self._refuse_graph(key, _SUCCESS, "cuBLASLt")
             err, exec_ = cu.cuGraphInstantiate(graph, 0)
-        cu.cuGraphDestroy(graph)
-        if exec_ is None or err != _SUCCESS:
-            return self._refuse_graph(key, err, "cuGraphInstantiate")
-        return gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
+            if err != _SUCCESS:
+                exec_ = None
+                return self._refuse_graph(key, err, "cuGraphInstantiate")
+            kept = gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
+            exec_ = None  # the cache's now
+            return kept
+        finally:
+            # Whatever happened (a KeyboardInterrupt anywhere above too): the stream does
+            # not stay capturing, and nothing made here is left undestroyed.
+            err, status = cu.cuStreamIsCapturing(cs)
+            if err == _SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+                err, left = cu.cuStreamEndCapture(cs)
+                if err == _SUCCESS and left is not None and int(left):
+                    cu.cuGraphDestroy(left)
+            if graph is not None:
+                cu.cuGraphDestroy(graph)
+            if exec_ is not None:
+                cu.cuGraphExecDestroy(exec_)
 
     def _refuse_graph(self, key: tuple[Any, ...], err: Any, what: str) -> None:
         """A capture step failed with ``err``: a sticky error faults the device and is
