@@ -29,7 +29,7 @@ from ._boundary import GemmDesc, GemmOperand
 __all__ = ["Gemms"]
 
 WORKSPACE = 32 << 20
-MAX_GRAPHS = 256  # replayed GEMMs kept as graphs per device (the oldest goes first)
+MAX_GRAPHS = 256  # replayed GEMMs kept as graphs per device (the least recently used goes first)
 _import_lock = threading.Lock()
 _mods: tuple[Any, Any, Any] | None = None
 
