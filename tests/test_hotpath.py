@@ -701,12 +701,158 @@ async def test_replayed_ops_enqueue_the_same_both_ways() -> None:
             yb = y._buffer
             seen[compiled] = (raw, zs, waits, st, yb.writer == (b, b.seq), (await y.to_host()).tolist())
             if compiled:  # every direct submission of these ops went through the C
-                assert delta(c0, counters())["enqueues"] == st["direct"] >= 3
+                d = delta(c0, counters())
+                assert d["enqueues"] == st["direct"] == d["op_submits"] >= 3
+                assert d["op_submits_python"] == 0
     assert seen[False] == seen[True]
     xs = np.arange(64, dtype=np.float32)
     assert seen[True][0] == 1 and seen[True][1] == (3 * xs).tolist()
     assert seen[True][2] == 1 and seen[True][4]
     assert seen[True][5] == (8 * xs).tolist()
+
+
+def test_the_compiled_op_submission_is_installed_with_the_rest() -> None:
+    from trio_cuda._ops import _core
+
+    assert _core._hot_submit is not None
+    assert _core.TensorOp._submit_now is _core._hot_submit
+    with mode(False):
+        assert _core.TensorOp._submit_now is _core._submit_now_py
+    assert _core.TensorOp._submit_now is _core._hot_submit
+
+
+async def test_replayed_gemms_submit_the_same_both_ways() -> None:
+    """A replayed ops.matmul (a prepared GEMM step, not a kernel launch) goes through the
+    compiled TensorOp._submit_now once prepared (its first direct submission, which
+    prepares it, is the Python's): the same results, counters and pending accesses."""
+    dev = trio_cuda.current_device()
+    hw = np.arange(48, dtype=np.float32).reshape(6, 8) / 7
+    hx = np.arange(8, dtype=np.float32) - 3
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            a, b = wordless_stream(dev), wordless_stream(dev)
+            w, x = await api.from_host(hw), await api.from_host(hx)
+            y, z = await api.zeros((6,)), await api.zeros((6,))
+            c0 = counters()
+            await on(ops.matmul(w, x, out=y), a)  # recorded
+            await on(ops.matmul(w, x, out=y), a)  # the first direct submission: prepares the step
+            d = delta(c0, counters())
+            first = (d["op_submits"], d["op_submits_python"])
+            st0, c0 = stats_of(dev), counters()
+            for _ in range(4):
+                await on(ops.matmul(w, x, out=y), a)
+            await on(ops.add(y, y, out=z), b)  # reads y on another stream: waits for a's GEMM
+            await on(ops.matmul(w, x, out=y), b)  # now on b: writes after b's read, as the Python
+            st = delta(st0, stats_of(dev))
+            d = delta(c0, counters())
+            seen[compiled] = (
+                st,
+                (await y.to_host()).tolist(),
+                (await z.to_host()).tolist(),
+                y._buffer.writer == (b, b.seq),
+            )
+            if compiled:
+                assert first == (0, 1)  # the preparing submission went to the Python
+                assert d["op_submits"] == st["direct"] == 5 and d["op_submits_python"] == 0
+    assert seen[False] == seen[True]
+    want = hw @ hx
+    np.testing.assert_allclose(seen[True][1], want, rtol=1e-5)
+    np.testing.assert_allclose(seen[True][2], 2 * want, rtol=1e-5)
+    assert seen[True][3] and seen[True][0]["direct"] == 5  # (the add's first call is recorded)
+
+
+async def test_ops_the_compiled_submission_refuses_take_the_general_path_both_ways() -> None:
+    """What the compiled TensorOp._submit_now declines (an op awaited twice, memory freed
+    first, an op with op inputs, a stream being captured) ends as in the Python: the same
+    errors, results and counters."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            x = await api.ones((8,))
+            for _ in range(3):
+                await ops.add(x, 1.0, out=x)
+            st0, c0 = stats_of(dev), counters()
+            op = ops.add(x, 1.0, out=x)
+            await op  # direct
+            with pytest.raises(trio_cuda.OpAlreadyExecuted):
+                await op
+            tmp = await api.zeros((1 << 12,))
+            await ops.add(tmp, 1.0, out=tmp)
+            del tmp
+            gc.collect()
+            dead = bool(dev._dead_buffers)
+            await ops.add(x, 1.0, out=x)  # direct: frees the dropped memory first
+            freed = not dev._dead_buffers
+            await ops.add(ops.add(x, 1.0, out=x), 1.0, out=x)  # an op input: planned
+            st = delta(st0, stats_of(dev))
+            d = delta(c0, counters())
+            seen[compiled] = (st, dead, freed, (await x.to_host()).tolist(), _tls.submitting)
+            if compiled:
+                assert d["op_submits"] == 2
+    assert seen[False] == seen[True]
+    assert seen[True][1] and seen[True][2]
+    assert seen[True][3] == [8.0] * 8  # 1 + 3 + 1 + 1 + 2
+    assert seen[True][4] is False
+
+
+async def test_a_failed_gemm_of_a_replayed_op_counts_and_releases_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = trio_cuda.current_device()
+    w, x, y = await api.ones((8, 8)), await api.ones((8,)), await api.zeros((8,))
+    for _ in range(3):
+        await ops.matmul(w, x, out=y)
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            await ops.matmul(w, x, out=y)  # prepared on this path too
+            c0 = counters()
+
+            def refuse(*a: Any, **k: Any) -> None:
+                raise trio_cuda.LaunchError("GEMM refused by the test")
+
+            monkeypatch.setattr(dev._driver, "matmul", refuse)
+            st0 = stats_of(dev)
+            op = ops.matmul(w, x, out=y)
+            with pytest.raises(trio_cuda.LaunchError, match="GEMM refused by the test"):
+                await op
+            monkeypatch.undo()
+            with pytest.raises(trio_cuda.OpAlreadyExecuted):
+                await op
+            free = lock_taken_by_another_thread()
+            seen[compiled] = (delta(st0, stats_of(dev)), _tls.submitting, free)
+            if compiled:
+                assert delta(c0, counters())["op_submits"] == 0  # (it raised: not counted as made)
+    assert seen[False] == seen[True]
+    assert seen[True][0]["failed"] == 1 and seen[True][1] is False and seen[True][2] == [True]
+    await ops.matmul(w, x, out=y)
+    np.testing.assert_array_equal(await y.to_host(), np.full(8, 8.0, np.float32))
+
+
+def test_the_compiled_op_submission_from_threads_lands_every_add() -> None:
+    """Threads submitting the same replayed op on one buffer (``op.sync()``) through the
+    compiled path: every add lands once (the runtime lock orders them)."""
+    x = api.zeros((32,)).sync()
+    for _ in range(3):
+        ops.add(x, 1.0, out=x).sync()
+    c0 = counters()
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(50):
+                ops.add(x, 1.0, out=x).sync()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert delta(c0, counters())["op_submits"] >= 50
+    np.testing.assert_array_equal(x.to_host().sync(), np.full(32, 203.0, np.float32))
 
 
 async def test_a_failed_launch_of_a_replayed_op_counts_and_releases(monkeypatch: pytest.MonkeyPatch) -> None:

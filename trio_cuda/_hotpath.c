@@ -1198,6 +1198,309 @@ static PyObject *submit_method(PyObject *op, PyObject *const *argv, Py_ssize_t a
 static PyMethodDef submit_def = {"_submit_now", (PyCFunction)(void (*)(void))submit_method, METH_FASTCALL,
                                  "_Launch._submit_now, compiled (trio_cuda/_hotpath.c)."};
 
+/* ---- the ops' direct submissions ---------------------------------------------------- */
+/* ``TensorOp._submit_now`` (trio_cuda/_ops/_core.py) with ``_Recipe.submit_now``: a lone
+ * op replayed from a recipe whose one step is a prepared kernel launch (enqueued as
+ * enqueue_direct above) or a prepared step of another kind (a GEMM: its function,
+ * through _submit.direct_enqueue), on its operands only. The same checks in the same
+ * order, under the same lock; every other case (a step not prepared yet, arguments of
+ * other classes) goes to the Python before any effect. Bound by setup_ops. */
+static PyObject *TensorOp_T, *Recipe_T, *Step_T, *py_op_submit, *core_counts, *py_make, *py_direct_tidy, *s_hits;
+static PyObject *empty_tuple; /* (set at import, below) */
+static struct {
+    Py_ssize_t top_args, top_hit, rec_device, rec_direct, rec_generation, rec_ops, rec_result, rec_uses, st_kernel,
+        st_prepared, st_cfg, st_writes, st_reads, st_ready;
+} Q;
+static unsigned long long n_op_submits, n_op_submits_python;
+
+static PyObject *op_delegate(PyObject *op, PyObject *s) {
+    n_op_submits_python++;
+    return PyObject_CallFunctionObjArgs(py_op_submit, op, s, NULL);
+}
+
+/* _ops._core._buffers(args, sources): [(args[i]._buffer, args[i]._tracked if t is None
+ * else t) for i, t in sources], for tensors of exactly the runtime's class. NULL without
+ * an error: not handled here. */
+static PyObject *op_pairs(PyObject *args, PyObject *sources) {
+    if (!PyTuple_CheckExact(sources)) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(sources);
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *src = PyTuple_GET_ITEM(sources, j);
+        if (!PyTuple_CheckExact(src) || PyTuple_GET_SIZE(src) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(src, 0)))
+            goto unhandled;
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(src, 0));
+        if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
+            PyErr_Clear();
+            goto unhandled;
+        }
+        PyObject *a = PyTuple_GET_ITEM(args, i), *t = PyTuple_GET_ITEM(src, 1);
+        if (!IS(a, Tensor_T)) goto unhandled;
+        PyObject *b = SLOT(a, O.tensor_buffer), *tracked = t == Py_None ? SLOT(a, O.tensor_tracked) : t;
+        if (b == NULL || tracked == NULL) goto unhandled;
+        PyObject *pair = PyTuple_Pack(2, b, tracked);
+        if (pair == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, j, pair);
+    }
+    return list;
+unhandled:
+    Py_DECREF(list);
+    return NULL;
+}
+
+static int dict_add_one(PyObject *d, PyObject *key) { /* d[key] += 1 */
+    PyObject *v = PyDict_GetItemWithError(d, key);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "_hotpath: a cache counter is missing");
+        return -1;
+    }
+    PyObject *n = PyNumber_Add(v, one);
+    if (n == NULL) return -1;
+    int r = PyDict_SetItem(d, key, n);
+    Py_DECREF(n);
+    return r;
+}
+
+/* 1 if ``a`` and ``b`` differ (a != b), 0 if not, -1 on error. */
+static int differ(PyObject *a, PyObject *b) {
+    if (a == b) return 0;
+    return PyObject_RichCompareBool(a, b, Py_NE);
+}
+
+/* _submit.direct_ready(s, generation) under the lock: 1 ready, 0 not, -1 error. */
+static int op_direct_ready(PyObject *s, PyObject *device, PyObject *generation) {
+    PyObject *dgen = PyObject_GetAttr(device, s_generation);
+    if (dgen == NULL) return -1;
+    int r = differ(generation, dgen);
+    Py_DECREF(dgen);
+    if (r) return r < 0 ? -1 : 0;
+    if ((r = attr_true(device, s_resetting))) return r < 0 ? -1 : 0;
+    PyObject *driver = PyObject_GetAttr(device, s_driver);
+    if (driver == NULL) return -1;
+    PyObject *fault = PyObject_GetAttr(driver, s_fault);
+    Py_DECREF(driver);
+    if (fault == NULL) return -1;
+    int faulted = fault != Py_None;
+    Py_DECREF(fault);
+    if (faulted) return 0;
+    PyObject *sgen = SLOT(s, O.s_generation), *scap = SLOT(s, O.s_capture), *sdrop = SLOT(s, O.s_dropped);
+    if (sgen == NULL || scap == NULL || sdrop == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "_hotpath: a stream's slot is unset");
+        return -1;
+    }
+    if ((r = differ(sgen, generation))) return r < 0 ? -1 : 0;
+    if (scap != Py_None) return 0;
+    Py_INCREF(sdrop);
+    r = PyObject_IsTrue(sdrop);
+    Py_DECREF(sdrop);
+    if (r) return r < 0 ? -1 : 0;
+    if ((r = attr_true(device, s_dead_buffers)) || (r = attr_true(device, s_dead_streams)) ||
+        (r = attr_true(device, s_lingering)) || (r = attr_true(device, s_dead_graphs))) {
+        if (r < 0) return -1;
+        PyObject *x = PyObject_CallOneArg(py_direct_tidy, device);
+        if (x == NULL) return -1;
+        Py_DECREF(x);
+    }
+    return 1;
+}
+
+/* Whether the memory of ``args[i]`` for i in ``uses`` may be used as it is (allocated,
+ * not recorded by a capture, of the device's generation): 1, 0 (the general path says
+ * why), 2 (not a tensor of the runtime's class: the Python decides), -1 error. */
+static int op_uses_ok(PyObject *args, PyObject *uses) {
+    if (!PyTuple_CheckExact(uses)) return 2;
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(uses); j++) {
+        PyObject *ix = PyTuple_GET_ITEM(uses, j);
+        Py_ssize_t i = PyLong_CheckExact(ix) ? PyLong_AsSsize_t(ix) : -1;
+        if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
+            PyErr_Clear();
+            return 2;
+        }
+        PyObject *a = PyTuple_GET_ITEM(args, i);
+        if (!IS(a, Tensor_T)) return 2;
+        PyObject *b = SLOT(a, O.tensor_buffer);
+        if (b == NULL || !IS(b, Buffer_T)) return 2;
+        PyObject *ptr = SLOT(b, O.buf_ptr), *cap = SLOT(b, O.buf_capture), *bgen = SLOT(b, O.buf_generation),
+                 *bdev = SLOT(b, O.buf_device);
+        if (ptr == NULL || cap == NULL || bgen == NULL || bdev == NULL) return 2;
+        if (ptr == Py_None || cap != Py_None) return 0;
+        Py_INCREF(b); /* (reading the device's generation may run Python) */
+        PyObject *dgen = PyObject_GetAttr(bdev, s_generation);
+        int r = -1;
+        if (dgen != NULL) {
+            r = differ(SLOT(b, O.buf_generation), dgen);
+            Py_DECREF(dgen);
+        }
+        Py_DECREF(b);
+        if (r) return r < 0 ? -1 : 0;
+    }
+    return 1;
+}
+
+static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args, PyObject *device,
+                                int kernel);
+
+static PyObject *op_submit(PyObject *op, PyObject *s) {
+    if (!PyObject_TypeCheck(op, (PyTypeObject *)TensorOp_T) || !IS(s, Stream_T)) return op_delegate(op, s);
+    PyObject *hit = SLOT(op, Q.top_hit);
+    if (hit == NULL) return op_delegate(op, s);
+    if (hit == Py_None) Py_RETURN_NONE;
+    if (!IS(hit, Recipe_T)) return op_delegate(op, s);
+    PyObject *st = SLOT(hit, Q.rec_direct);
+    if (st == NULL) return op_delegate(op, s);
+    if (st == Py_None) Py_RETURN_NONE;
+    if (!IS(st, Step_T)) return op_delegate(op, s);
+    PyObject *device = SLOT(s, O.s_device), *rdev = SLOT(hit, Q.rec_device), *k = SLOT(st, Q.st_kernel),
+             *prepared = SLOT(st, Q.st_prepared), *ready = SLOT(st, Q.st_ready), *args = SLOT(op, Q.top_args);
+    if (device == NULL || rdev == NULL || k == NULL || prepared == NULL || ready == NULL || args == NULL ||
+        !PyTuple_CheckExact(args))
+        return op_delegate(op, s);
+    if (rdev != device || (k != Py_None && prepared == Py_None)) Py_RETURN_NONE;
+    int kernel = k != Py_None;
+    if (!kernel && !(PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2))
+        return op_delegate(op, s); /* a step of another kind, not prepared (yet) */
+    {
+        PyObject *sub = PyObject_GetAttr(tls, s_submitting);
+        if (sub == NULL) return NULL;
+        int nested = PyObject_IsTrue(sub);
+        Py_DECREF(sub);
+        if (nested) {
+            if (nested < 0) return NULL;
+            Py_RETURN_NONE;
+        }
+    }
+    /* held across the calls below (any of them may run other threads) */
+    Py_INCREF(hit);
+    Py_INCREF(st);
+    Py_INCREF(args);
+    Py_INCREF(device);
+    PyObject *r = op_submit_held(op, s, hit, st, args, device, kernel);
+    Py_DECREF(hit);
+    Py_DECREF(st);
+    Py_DECREF(args);
+    Py_DECREF(device);
+    return r;
+}
+
+static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args, PyObject *device,
+                                int kernel) {
+    PyObject *writes = NULL, *reads = NULL, *ev = NULL, *res = NULL, *gen = NULL, *uses = NULL, *cfg = NULL,
+             *prepared = NULL, *ready = NULL, *spec = NULL, *ops = NULL, *out = NULL;
+    int locked = 0;
+    writes = op_pairs(args, SLOT(st, Q.st_writes));
+    reads = writes == NULL ? NULL : op_pairs(args, SLOT(st, Q.st_reads));
+    if (reads == NULL) {
+        if (PyErr_Occurred()) goto done;
+        out = op_delegate(op, s);
+        goto done;
+    }
+    gen = Py_XNewRef(SLOT(hit, Q.rec_generation));
+    uses = Py_XNewRef(SLOT(hit, Q.rec_uses));
+    spec = Py_XNewRef(SLOT(hit, Q.rec_result));
+    ops = Py_XNewRef(SLOT(hit, Q.rec_ops));
+    cfg = Py_XNewRef(SLOT(st, Q.st_cfg));
+    prepared = Py_XNewRef(SLOT(st, Q.st_prepared));
+    ready = Py_XNewRef(SLOT(st, Q.st_ready));
+    if (gen == NULL || uses == NULL || spec == NULL || ops == NULL || cfg == NULL || prepared == NULL || ready == NULL) {
+        out = op_delegate(op, s);
+        goto done;
+    }
+    if (lock_call(s_acquire) < 0) goto done;
+    locked = 1;
+    {
+        PyObject *state = SLOT(op, O.op_state);
+        if (state == NULL) goto python;
+        if (state != Py_None) goto none;
+        int r = op_direct_ready(s, device, gen);
+        if (r < 0) goto done;
+        if (r == 0) goto none;
+        r = op_uses_ok(args, uses);
+        if (r < 0) goto done;
+        if (r == 0) goto none;
+        if (r == 2) goto python;
+        if (SLOT(op, O.op_state) != Py_None) goto none; /* (Python ran above) */
+    }
+    /* the submission */
+    Py_INCREF(executing);
+    Py_XSETREF(SLOT(op, O.op_state), executing);
+    if (dict_add_one(core_counts, s_hits) < 0) goto done;
+    if (kernel) {
+        PyObject *argv[5] = {s, cfg, prepared, writes, reads};
+        ev = enqueue_direct(NULL, argv, 5);
+    } else {
+        PyObject *arg = PyTuple_Pack(3, PyTuple_GET_ITEM(ready, 1), writes, reads);
+        if (arg == NULL) goto done;
+        ev = PyObject_CallFunctionObjArgs(py_direct_enqueue, s, PyTuple_GET_ITEM(ready, 0), arg, NULL);
+        Py_DECREF(arg);
+    }
+    if (ev == NULL) goto done;
+    locked = 0;
+    if (lock_call(s_release) < 0) goto done;
+    /* _make(self.result, args, ()) */
+    if (PyTuple_CheckExact(spec) && PyTuple_GET_SIZE(spec) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 0)) &&
+        PyLong_AsLong(PyTuple_GET_ITEM(spec, 0)) == 0 && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 1))) {
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 1));
+        if (p < 0 || p >= PyTuple_GET_SIZE(args)) {
+            PyErr_SetString(PyExc_SystemError, "_hotpath: a recipe's result is not one of its operands");
+            goto done;
+        }
+        res = Py_NewRef(PyTuple_GET_ITEM(args, p));
+    } else {
+        res = PyObject_CallFunctionObjArgs(py_make, spec, args, empty_tuple, NULL);
+        if (res == NULL) goto done;
+    }
+    out = PyTuple_Pack(3, res, ev, ops);
+    if (out != NULL) n_op_submits++;
+    goto done;
+none:
+    out = Py_NewRef(Py_None);
+    goto done;
+python:
+    locked = 0;
+    if (lock_call(s_release) < 0) goto done;
+    out = op_delegate(op, s);
+done:
+    if (locked) {
+        PyObject *et, *ev_, *tb;
+        PyErr_Fetch(&et, &ev_, &tb);
+        if (lock_call(s_release) < 0) {
+            if (et != NULL) PyErr_Clear(); /* the first error wins */
+            else {
+                PyErr_Fetch(&et, &ev_, &tb);
+                Py_CLEAR(out);
+            }
+        }
+        PyErr_Restore(et, ev_, tb);
+    }
+    Py_XDECREF(writes);
+    Py_XDECREF(reads);
+    Py_XDECREF(ev);
+    Py_XDECREF(res);
+    Py_XDECREF(gen);
+    Py_XDECREF(uses);
+    Py_XDECREF(cfg);
+    Py_XDECREF(prepared);
+    Py_XDECREF(ready);
+    Py_XDECREF(spec);
+    Py_XDECREF(ops);
+    return out;
+}
+
+static PyObject *op_submit_method(PyObject *op, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 1) {
+        PyErr_SetString(PyExc_TypeError, "_submit_now(stream)");
+        return NULL;
+    }
+    return op_submit(op, argv[0]);
+}
+
+static PyMethodDef op_submit_def = {"_submit_now", (PyCFunction)(void (*)(void))op_submit_method, METH_FASTCALL,
+                                    "TensorOp._submit_now, compiled (trio_cuda/_hotpath.c)."};
+
 /* ---- the general path: planning and running a plan's steps ------------------------- */
 /* Three pieces of _submit.Plan's walk of a DAG (the chain ``inc(op.first())`` repeated,
  * awaited once, is all of them):
@@ -1220,7 +1523,6 @@ static int kernel_global_is(PyObject *name, PyObject *fn) {
     return v == fn;
 }
 static PyObject *plan_descr; /* the compiled _Launch._plan, as installed on the class */
-static PyObject *empty_tuple;
 
 static PyObject *plan_delegate(PyObject *op, PyObject *plan, PyObject *lane, PyObject *values) {
     n_plans_python++;
@@ -2738,13 +3040,90 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
     return r;
 }
 
+/* setup_ops(objects): bind what the ops' direct submission works on (after setup());
+ * returns the compiled TensorOp._submit_now. All or nothing, as setup(). */
+static PyObject *setup_ops_inner(PyObject *kw) {
+#define GET(var, name)                                                               \
+    do {                                                                             \
+        PyObject *v_ = PyDict_GetItemString(kw, name);                               \
+        if (v_ == NULL) {                                                            \
+            PyErr_Format(PyExc_KeyError, "_hotpath.setup_ops needs %s", name);     \
+            return NULL;                                                             \
+        }                                                                            \
+        Py_INCREF(v_);                                                               \
+        Py_XSETREF(var, v_);                                                         \
+    } while (0)
+#define OFF(cls, name, field) \
+    if (slot_offset((PyObject *)(cls), name, &Q.field) < 0) return NULL
+    if (!PyDict_Check(kw)) {
+        PyErr_SetString(PyExc_TypeError, "setup_ops(dict)");
+        return NULL;
+    }
+    if (Tensor_T == NULL || Stream_T == NULL || Buffer_T == NULL || lock_obj == NULL || py_direct_enqueue == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_hotpath.setup_ops: setup() first");
+        return NULL;
+    }
+    GET(TensorOp_T, "TensorOp");
+    GET(Recipe_T, "Recipe");
+    GET(Step_T, "Step");
+    GET(py_op_submit, "submit");
+    GET(core_counts, "counts");
+    GET(py_make, "make");
+    GET(py_direct_tidy, "direct_tidy");
+    if (!PyType_Check(TensorOp_T) || !PyDict_CheckExact(core_counts)) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath.setup_ops: TensorOp is not a class or counts not a dict");
+        return NULL;
+    }
+    OFF(TensorOp_T, "_args", top_args);
+    OFF(TensorOp_T, "_hit", top_hit);
+    OFF(Recipe_T, "device", rec_device);
+    OFF(Recipe_T, "direct", rec_direct);
+    OFF(Recipe_T, "generation", rec_generation);
+    OFF(Recipe_T, "ops", rec_ops);
+    OFF(Recipe_T, "result", rec_result);
+    OFF(Recipe_T, "uses", rec_uses);
+    OFF(Step_T, "kernel", st_kernel);
+    OFF(Step_T, "prepared", st_prepared);
+    OFF(Step_T, "cfg", st_cfg);
+    OFF(Step_T, "writes", st_writes);
+    OFF(Step_T, "reads", st_reads);
+    OFF(Step_T, "ready", st_ready);
+    {
+        Py_ssize_t state_off;
+        if (slot_offset(TensorOp_T, "_state", &state_off) < 0) return NULL;
+        if (state_off != O.op_state) {
+            PyErr_SetString(PyExc_TypeError, "_hotpath: TensorOp's _state slot differs from _Launch's");
+            return NULL;
+        }
+    }
+    return PyDescr_NewMethod((PyTypeObject *)TensorOp_T, &op_submit_def);
+#undef GET
+#undef OFF
+}
+
+static PyObject *setup_ops(PyObject *module, PyObject *kw) {
+    PyObject **globals[] = {&TensorOp_T, &Recipe_T, &Step_T, &py_op_submit, &core_counts, &py_make, &py_direct_tidy};
+    enum { N = sizeof(globals) / sizeof(globals[0]) };
+    PyObject *saved[N];
+    for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
+    __typeof__(Q) saved_offsets = Q;
+    PyObject *r = setup_ops_inner(kw);
+    for (int i = 0; i < N; i++) {
+        if (r == NULL) Py_XSETREF(*globals[i], saved[i]);
+        else Py_XDECREF(saved[i]);
+    }
+    if (r == NULL) Q = saved_offsets;
+    return r;
+}
+
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
-                         n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python);
+                         n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
+                         "op_submits_python", n_op_submits_python);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -2785,6 +3164,8 @@ static PyMethodDef methods[] = {
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup_calls", (PyCFunction)setup_calls, METH_O,
      "setup_calls(objects): bind what the per-call path works on; returns DeviceOp.__await__, Event.__del__ and Kernel.__call__."},
+    {"setup_ops", (PyCFunction)setup_ops, METH_O,
+     "setup_ops(objects): bind what the ops' direct submission works on; returns the compiled TensorOp._submit_now."},
     {"setup", (PyCFunction)setup, METH_O,
      "setup(objects): bind the runtime's classes and objects; returns the compiled _Launch._submit_now, Device.poll and _Launch._plan."},
     {NULL, NULL, 0, NULL},
@@ -2861,6 +3242,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_poll, "poll");
     NAME(s_throw, "throw");
     NAME(s_close, "close");
+    NAME(s_hits, "hits");
 #undef NAME
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;

@@ -665,6 +665,17 @@ _kernel_call_py = Kernel.__call__
 #: not as it expects, and the Python ones stay).
 _hot_calls: tuple[Any, Any, Any] | None = None
 _hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
+#: Switches of upper layers' compiled methods (the ops' TensorOp._submit_now), each
+#: called with whether the compiled path is in use, by use_hotpath and when registered.
+_hot_switches: list[Callable[[bool], None]] = []
+
+
+def on_hotpath_switch(switch: Callable[[bool], None]) -> None:
+    """Register ``switch(on)``, called now and on every use_hotpath with whether the
+    compiled methods are in use: an upper layer installs its own compiled methods (or
+    its Python ones) there."""
+    _hot_switches.append(switch)
+    switch(hotpath_active())
 
 
 def _enqueue_direct_py(
@@ -803,7 +814,10 @@ def use_hotpath(on: bool) -> bool:
         _Launch._plan = _plan_py  # type: ignore[method-assign]
         enqueue_direct = _enqueue_direct_py
         _submit.hot_walk = _submit.hot_run_steps = None
-    return hotpath_active()
+    active = hotpath_active()
+    for switch in _hot_switches:
+        switch(active)
+    return active
 
 
 def hotpath_active() -> bool:

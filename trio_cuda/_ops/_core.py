@@ -28,7 +28,7 @@ from .._device import Device
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
-from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, lane_step
+from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, direct_tidy, lane_step
 from .._tensor import Partition, Tensor, c_strides
 
 if TYPE_CHECKING:
@@ -453,6 +453,45 @@ class _Recipe:
         del ops[nops:]
         ops.extend(self.ops)
         return _make(self.result, args, bufs)  # type: ignore[no-any-return]
+
+
+# -- the compiled direct submission -----------------------------------------------------------
+# trio_cuda/_hotpath.c's op_submit: TensorOp._submit_now with _Recipe.submit_now for a
+# recipe whose one step is a prepared kernel launch or a prepared step of another kind
+# (a GEMM), in C, installed while the runtime's compiled path is in use (see
+# _kernel.use_hotpath). It hands every other case, before any effect, to the Python
+# methods above, which stay the reference: a change there must be made there too
+# (tests/test_hotpath.py runs both).
+_submit_now_py = TensorOp._submit_now
+
+
+def _load_hot_submit() -> Any:
+    hot = _kernel._hotmod
+    if hot is None:
+        return None
+    objects = {
+        "TensorOp": TensorOp,
+        "Recipe": _Recipe,
+        "Step": _Step,
+        "submit": _submit_now_py,
+        "counts": _counts,
+        "make": _make,
+        "direct_tidy": direct_tidy,
+    }
+    try:
+        return hot.setup_ops(objects)
+    except (AttributeError, KeyError, TypeError, RuntimeError):  # an older build, or classes it does not expect
+        return None
+
+
+_hot_submit = _load_hot_submit()
+
+
+def _switch_hot_submit(on: bool) -> None:
+    TensorOp._submit_now = _hot_submit if on and _hot_submit is not None else _submit_now_py  # type: ignore[method-assign]
+
+
+_kernel.on_hotpath_switch(_switch_hot_submit)
 
 
 def _record(op: TensorOp, plan: Plan, lane: Lane, args: tuple[Any, ...], key: tuple[Any, ...]) -> Tensor:
