@@ -721,6 +721,45 @@ def test_the_compiled_op_submission_is_installed_with_the_rest() -> None:
     assert _core.TensorOp._submit_now is _core._hot_submit
 
 
+async def test_the_compiled_op_key_is_the_pythons() -> None:
+    """The constructors' key, compiled: equal to _op_key's for every kind of argument
+    (or the Python's own answer for the kinds it hands over), so recipes are shared by
+    both ways and never between different calls."""
+    from trio_cuda._ops import _core
+
+    x, y, g = await api.ones((4, 8)), await api.zeros((4, 8)), await api.ones((8,))
+    v = x[1:3]  # a view: no descriptor until first used (the Python makes it)
+    op = ops.add(x, y)
+    arg_sets = [
+        (x, y, None),
+        (x, 2.0, y),
+        (x, -0.0, y),
+        (x, 0.0, y),
+        (x, 2, y),
+        (x, True, y),
+        (x, "gelu", (1, 2, 3)),
+        (x, (1, 2.0)),  # a tuple with a float: the Python says None
+        (x, np.float32(3.0), y),  # numpy scalar: the Python's key
+        (x, np.dtype(np.float16), None),
+        (v, g, None),
+        (x, op, y),  # an op input: no key
+        (x, [1, 2], y),  # a list: no key
+    ]
+    compiled = []
+    for args in arg_sets:
+        want = _core._op_key(op, args)
+        got = _hotpath.op_key(op, args)
+        assert got == want, args
+        compiled.append(got)
+    assert compiled[7] is None and compiled[11] is None and compiled[12] is None
+    keyed = [k for k in compiled if k is not None]
+    assert len(set(keyed)) == len(keyed)  # -0.0, 0.0, 2, True, 2.0: all different
+    with mode(True):
+        assert _core._key_of is _hotpath.op_key
+    with mode(False):
+        assert _core._key_of is _core._op_key
+
+
 async def test_replayed_gemms_submit_the_same_both_ways() -> None:
     """A replayed ops.matmul (a prepared GEMM step, not a kernel launch) goes through the
     compiled TensorOp._submit_now once prepared (its first direct submission, which
@@ -795,6 +834,150 @@ async def test_ops_the_compiled_submission_refuses_take_the_general_path_both_wa
     assert seen[True][1] and seen[True][2]
     assert seen[True][3] == [8.0] * 8  # 1 + 3 + 1 + 1 + 2
     assert seen[True][4] is False
+
+
+class _Adopted:
+    """Another library's array, as DLPack sees it: adopting it makes a foreign buffer
+    (not the runtime's Buffer class) on either backend."""
+
+    def __init__(self, t: Any) -> None:
+        self._t = t
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._t.__dlpack_device__()  # type: ignore[no-any-return]
+
+
+async def test_an_op_on_adopted_memory_frees_dropped_memory_once_and_submits_in_c() -> None:
+    """An operand whose buffer is not the runtime's class: the compiled submission reads
+    it as the Python does (by attribute), so after it freed dropped memory (an effect)
+    it goes on itself; the memory is freed once, the result is the Python's."""
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            own = await api.arange(16)
+            x = api.from_dlpack(_Adopted(own))
+            assert type(x._buffer).__name__ != "Buffer"
+            y = await api.zeros((16,))
+            for _ in range(3):
+                await ops.add(x, y, out=y)
+            tmp = await api.zeros((1 << 12,))
+            await ops.add(tmp, 1.0, out=tmp)
+            del tmp
+            gc.collect()
+            assert dev._dead_buffers
+            frees = []
+            flush = dev.flush_frees
+
+            def counted(frees: list[int] = frees, flush: Any = flush) -> None:
+                frees.append(1)
+                flush()
+
+            dev.flush_frees = counted  # type: ignore[method-assign]
+            try:
+                c0 = counters()
+                await ops.add(x, y, out=y)
+                d = delta(c0, counters())
+            finally:
+                del dev.flush_frees
+            seen[compiled] = (len(frees), bool(dev._dead_buffers), (await y.to_host()).tolist())
+            if compiled:
+                assert (d["op_submits"], d["op_submits_python"]) == (1, 0)
+    assert seen[False] == seen[True]
+    assert seen[True][:2] == (1, False)
+    assert seen[True][2] == (4 * np.arange(16, dtype=np.float32)).tolist()
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "_core.direct_enqueue",
+        "_core._make",
+        "_core.direct_ready",
+        "_core._buffers",
+        "_submit.direct_tidy",
+        "_kernel.enqueue_direct",
+    ],
+)
+async def test_a_replaced_runtime_function_sends_replayed_ops_to_the_python(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A tool or a test that wraps a function the Python submission calls sees its
+    wrapper run: the compiled submission hands such calls to the Python."""
+    from trio_cuda import _submit
+    from trio_cuda._ops import _core
+
+    module = {"_core": _core, "_submit": _submit, "_kernel": _kernel}[where.split(".")[0]]
+    name = where.split(".")[1]
+    w, x, y, z = await api.ones((8, 8)), await api.ones((8,)), await api.zeros((8,)), await api.zeros((8,))
+    for _ in range(3):
+        await ops.matmul(w, x, out=y)
+        await ops.add(x, x, out=z)
+    calls = []
+    original = getattr(module, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return original(*a, **k)
+
+    monkeypatch.setattr(module, name, wrapper)
+    c0 = counters()
+    await ops.matmul(w, x, out=y)
+    await ops.add(x, x, out=z)
+    d = delta(c0, counters())
+    assert (d["op_submits"], d["op_submits_python"]) == (0, 2)
+    if name not in ("direct_tidy", "direct_enqueue", "enqueue_direct"):  # (called only when there is work for them)
+        assert calls
+    np.testing.assert_array_equal(await y.to_host(), np.full(8, 8.0, np.float32))
+    np.testing.assert_array_equal(await z.to_host(), np.full(8, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("change", ["step not prepared", "recipe dropped"])
+def test_python_run_by_the_thread_flag_read_cannot_break_the_compiled_submission(change: str) -> None:
+    """Reading ``_tls.submitting`` may run Python (a property, a finalizer), which may
+    change the recipe or drop it: the compiled submission reads nothing before it, and
+    holds what it reads after (the reviewer's crash: it read the step first)."""
+    from trio_cuda._guard import _ThreadState
+    from trio_cuda._ops import _core
+
+    dev = trio_cuda.current_device()
+    w, x, y = api.ones((8, 8)).sync(), api.ones((8,)).sync(), api.zeros((8,)).sync()
+    for _ in range(3):
+        ops.matmul(w, x, out=y).sync()
+    op = ops.matmul(w, x, out=y)
+    assert op._hit is not None and op._hit.direct is not None
+    step = op._hit.direct
+    fired = []
+
+    def flag(self: Any) -> bool:
+        if not fired:
+            fired.append(1)
+            if change == "step not prepared":
+                step.ready = False
+            else:
+                op._hit = None
+                _core._cache.clear()
+                del step.ready
+                gc.collect()
+        return bool(self.__dict__.get("_flag", False))
+
+    def set_flag(self: Any, v: bool) -> None:
+        self.__dict__["_flag"] = v
+
+    _ThreadState.submitting = property(flag, set_flag)  # type: ignore[assignment]
+    try:
+        got = op._submit_now(dev._submission_stream())
+    finally:
+        _ThreadState.submitting = False  # type: ignore[assignment]
+    assert fired
+    if got is not None:
+        value, ev, names = got
+        assert value._buffer is y._buffer and names == ["ops.matmul"]
+        if ev is not None:
+            dev.wait_blocking(ev)
+    ops.matmul(w, x, out=y).sync()
+    np.testing.assert_array_equal(y.to_host().sync(), np.full(8, 8.0, np.float32))
 
 
 async def test_a_failed_gemm_of_a_replayed_op_counts_and_releases_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1239,7 +1239,11 @@ static PyObject *op_pairs(PyObject *args, PyObject *sources) {
         if (!IS(a, Tensor_T)) goto unhandled;
         PyObject *b = SLOT(a, O.tensor_buffer), *tracked = t == Py_None ? SLOT(a, O.tensor_tracked) : t;
         if (b == NULL || tracked == NULL) goto unhandled;
+        Py_INCREF(b); /* (an allocation may collect garbage, and a finalizer run Python) */
+        Py_INCREF(tracked);
         PyObject *pair = PyTuple_Pack(2, b, tracked);
+        Py_DECREF(b);
+        Py_DECREF(tracked);
         if (pair == NULL) {
             Py_DECREF(list);
             return NULL;
@@ -1255,7 +1259,7 @@ unhandled:
 static int dict_add_one(PyObject *d, PyObject *key) { /* d[key] += 1 */
     PyObject *v = PyDict_GetItemWithError(d, key);
     if (v == NULL) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "_hotpath: a cache counter is missing");
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key); /* (as d[key] += 1) */
         return -1;
     }
     PyObject *n = PyNumber_Add(v, one);
@@ -1309,61 +1313,79 @@ static int op_direct_ready(PyObject *s, PyObject *device, PyObject *generation) 
 }
 
 /* Whether the memory of ``args[i]`` for i in ``uses`` may be used as it is (allocated,
- * not recorded by a capture, of the device's generation): 1, 0 (the general path says
- * why), 2 (not a tensor of the runtime's class: the Python decides), -1 error. */
+ * not recorded by a capture, of the device's generation), read as the Python reads it
+ * (attributes in its order; any class): 1, 0 (the general path says why), -1 error. */
 static int op_uses_ok(PyObject *args, PyObject *uses) {
-    if (!PyTuple_CheckExact(uses)) return 2;
+    static const char *what[] = {"ptr", "capture", "generation", "device"};
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(uses); j++) {
         PyObject *ix = PyTuple_GET_ITEM(uses, j);
-        Py_ssize_t i = PyLong_CheckExact(ix) ? PyLong_AsSsize_t(ix) : -1;
+        Py_ssize_t i = PyLong_AsSsize_t(ix);
+        if (i == -1 && PyErr_Occurred()) return -1;
+        if (i < 0) i += PyTuple_GET_SIZE(args);
         if (i < 0 || i >= PyTuple_GET_SIZE(args)) {
-            PyErr_Clear();
-            return 2;
+            PyErr_SetString(PyExc_IndexError, "tuple index out of range");
+            return -1;
         }
-        PyObject *a = PyTuple_GET_ITEM(args, i);
-        if (!IS(a, Tensor_T)) return 2;
-        PyObject *b = SLOT(a, O.tensor_buffer);
-        if (b == NULL || !IS(b, Buffer_T)) return 2;
-        PyObject *ptr = SLOT(b, O.buf_ptr), *cap = SLOT(b, O.buf_capture), *bgen = SLOT(b, O.buf_generation),
-                 *bdev = SLOT(b, O.buf_device);
-        if (ptr == NULL || cap == NULL || bgen == NULL || bdev == NULL) return 2;
-        if (ptr == Py_None || cap != Py_None) return 0;
-        Py_INCREF(b); /* (reading the device's generation may run Python) */
-        PyObject *dgen = PyObject_GetAttr(bdev, s_generation);
-        int r = -1;
-        if (dgen != NULL) {
-            r = differ(SLOT(b, O.buf_generation), dgen);
-            Py_DECREF(dgen);
+        PyObject *a = PyTuple_GET_ITEM(args, i), *b, *v[4] = {NULL, NULL, NULL, NULL};
+        if (IS(a, Tensor_T)) {
+            b = Py_XNewRef(SLOT(a, O.tensor_buffer));
+            if (b == NULL) b = PyObject_GetAttrString(a, "_buffer"); /* (unset: raises as the Python) */
+        } else {
+            b = PyObject_GetAttrString(a, "_buffer");
         }
+        if (b == NULL) return -1;
+        int r = 1;
+        if (IS(b, Buffer_T)) { /* its slots, each held (what follows may run Python) */
+            Py_ssize_t offs[4] = {O.buf_ptr, O.buf_capture, O.buf_generation, O.buf_device};
+            for (int m = 0; m < 4; m++) v[m] = Py_XNewRef(SLOT(b, offs[m]));
+        }
+        /* b.ptr is None or b.capture is not None or b.generation != b.device.generation */
+        for (int m = 0; m < 4 && r == 1; m++) {
+            if (v[m] == NULL && (v[m] = PyObject_GetAttrString(b, what[m])) == NULL) r = -1;
+            else if (m == 0 && v[0] == Py_None) r = 0;
+            else if (m == 1 && v[1] != Py_None) r = 0;
+        }
+        if (r == 1) {
+            PyObject *dgen = PyObject_GetAttr(v[3], s_generation);
+            if (dgen == NULL) r = -1;
+            else {
+                int ne = differ(v[2], dgen);
+                Py_DECREF(dgen);
+                r = ne < 0 ? -1 : !ne;
+            }
+        }
+        for (int m = 0; m < 4; m++) Py_XDECREF(v[m]);
         Py_DECREF(b);
-        if (r) return r < 0 ? -1 : 0;
+        if (r != 1) return r;
     }
     return 1;
 }
 
-static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args, PyObject *device,
-                                int kernel);
+/* _core's functions the Python submission calls, as bound at setup (a test or a tool
+ * that replaced one sees the Python run): 1 yes, 0 no, -1 error. */
+static PyObject *kernel_globals; /* _kernel's module dict (set by setup) */
+static PyObject *core_globals, *submit_globals, *py_direct_ready, *py_buffers, *hot_enqueue_direct;
+static int global_is(PyObject *globals, const char *name, PyObject *fn) {
+    PyObject *v = PyDict_GetItemString(globals, name);
+    return v == fn;
+}
+static int op_functions_own(void) {
+    return global_is(core_globals, "direct_ready", py_direct_ready) && global_is(core_globals, "_make", py_make) &&
+           global_is(core_globals, "direct_enqueue", py_direct_enqueue) &&
+           global_is(core_globals, "_buffers", py_buffers) &&
+           global_is(submit_globals, "direct_tidy", py_direct_tidy) &&
+           global_is(kernel_globals, "enqueue_direct", hot_enqueue_direct);
+}
+
+static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args,
+                                PyObject *device);
 
 static PyObject *op_submit(PyObject *op, PyObject *s) {
-    if (!PyObject_TypeCheck(op, (PyTypeObject *)TensorOp_T) || !IS(s, Stream_T)) return op_delegate(op, s);
-    PyObject *hit = SLOT(op, Q.top_hit);
-    if (hit == NULL) return op_delegate(op, s);
-    if (hit == Py_None) Py_RETURN_NONE;
-    if (!IS(hit, Recipe_T)) return op_delegate(op, s);
-    PyObject *st = SLOT(hit, Q.rec_direct);
-    if (st == NULL) return op_delegate(op, s);
-    if (st == Py_None) Py_RETURN_NONE;
-    if (!IS(st, Step_T)) return op_delegate(op, s);
-    PyObject *device = SLOT(s, O.s_device), *rdev = SLOT(hit, Q.rec_device), *k = SLOT(st, Q.st_kernel),
-             *prepared = SLOT(st, Q.st_prepared), *ready = SLOT(st, Q.st_ready), *args = SLOT(op, Q.top_args);
-    if (device == NULL || rdev == NULL || k == NULL || prepared == NULL || ready == NULL || args == NULL ||
-        !PyTuple_CheckExact(args))
+    if (!PyObject_TypeCheck(op, (PyTypeObject *)TensorOp_T) || !IS(s, Stream_T) || !op_functions_own())
         return op_delegate(op, s);
-    if (rdev != device || (k != Py_None && prepared == Py_None)) Py_RETURN_NONE;
-    int kernel = k != Py_None;
-    if (!kernel && !(PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2))
-        return op_delegate(op, s); /* a step of another kind, not prepared (yet) */
     {
+        /* _tls.submitting first: reading it may run Python, and nothing is read yet (the
+         * Python answers None for a nested submission as for the checks below) */
         PyObject *sub = PyObject_GetAttr(tls, s_submitting);
         if (sub == NULL) return NULL;
         int nested = PyObject_IsTrue(sub);
@@ -1373,12 +1395,20 @@ static PyObject *op_submit(PyObject *op, PyObject *s) {
             Py_RETURN_NONE;
         }
     }
-    /* held across the calls below (any of them may run other threads) */
+    PyObject *hit = SLOT(op, Q.top_hit);
+    if (hit == NULL) return op_delegate(op, s);
+    if (hit == Py_None) Py_RETURN_NONE;
+    if (!IS(hit, Recipe_T)) return op_delegate(op, s);
+    PyObject *st = SLOT(hit, Q.rec_direct), *args = SLOT(op, Q.top_args), *device = SLOT(s, O.s_device);
+    if (st == NULL || args == NULL || device == NULL) return op_delegate(op, s);
+    if (st == Py_None) Py_RETURN_NONE;
+    if (!IS(st, Step_T) || !PyTuple_CheckExact(args)) return op_delegate(op, s);
+    /* held from here on (what follows may run Python, which may change the slots) */
     Py_INCREF(hit);
     Py_INCREF(st);
     Py_INCREF(args);
     Py_INCREF(device);
-    PyObject *r = op_submit_held(op, s, hit, st, args, device, kernel);
+    PyObject *r = op_submit_held(op, s, hit, st, args, device);
     Py_DECREF(hit);
     Py_DECREF(st);
     Py_DECREF(args);
@@ -1386,28 +1416,30 @@ static PyObject *op_submit(PyObject *op, PyObject *s) {
     return r;
 }
 
-static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args, PyObject *device,
-                                int kernel) {
+static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args,
+                                PyObject *device) {
     PyObject *writes = NULL, *reads = NULL, *ev = NULL, *res = NULL, *gen = NULL, *uses = NULL, *cfg = NULL,
-             *prepared = NULL, *ready = NULL, *spec = NULL, *ops = NULL, *out = NULL;
-    int locked = 0;
-    writes = op_pairs(args, SLOT(st, Q.st_writes));
-    reads = writes == NULL ? NULL : op_pairs(args, SLOT(st, Q.st_reads));
+             *prepared = NULL, *ready = NULL, *spec = NULL, *ops = NULL, *out = NULL, *k = NULL, *rdev = NULL,
+             *wsrc = NULL, *rsrc = NULL;
+    int locked = 0, kernel = 0;
+    PyObject **fields[] = {&gen, &uses, &spec, &ops, &rdev, &k, &cfg, &prepared, &ready, &wsrc, &rsrc};
+    PyObject *objs[] = {hit, hit, hit, hit, hit, st, st, st, st, st, st};
+    Py_ssize_t offs[] = {Q.rec_generation, Q.rec_uses, Q.rec_result, Q.rec_ops, Q.rec_device, Q.st_kernel,
+                         Q.st_cfg, Q.st_prepared, Q.st_ready, Q.st_writes, Q.st_reads};
+    for (int m = 0; m < 11; m++) *fields[m] = Py_XNewRef(SLOT(objs[m], offs[m]));
+    for (int m = 0; m < 11; m++)
+        if (*fields[m] == NULL) goto python_unlocked;
+    if (rdev != device) goto none;
+    kernel = k != Py_None;
+    if (kernel && prepared == Py_None) goto none;
+    if (!kernel && !(PyTuple_CheckExact(ready) && PyTuple_GET_SIZE(ready) == 2))
+        goto python_unlocked; /* a step of another kind, not prepared (yet) */
+    if (!PyTuple_CheckExact(uses) || !PyTuple_CheckExact(spec)) goto python_unlocked;
+    writes = op_pairs(args, wsrc);
+    reads = writes == NULL ? NULL : op_pairs(args, rsrc);
     if (reads == NULL) {
         if (PyErr_Occurred()) goto done;
-        out = op_delegate(op, s);
-        goto done;
-    }
-    gen = Py_XNewRef(SLOT(hit, Q.rec_generation));
-    uses = Py_XNewRef(SLOT(hit, Q.rec_uses));
-    spec = Py_XNewRef(SLOT(hit, Q.rec_result));
-    ops = Py_XNewRef(SLOT(hit, Q.rec_ops));
-    cfg = Py_XNewRef(SLOT(st, Q.st_cfg));
-    prepared = Py_XNewRef(SLOT(st, Q.st_prepared));
-    ready = Py_XNewRef(SLOT(st, Q.st_ready));
-    if (gen == NULL || uses == NULL || spec == NULL || ops == NULL || cfg == NULL || prepared == NULL || ready == NULL) {
-        out = op_delegate(op, s);
-        goto done;
+        goto python_unlocked;
     }
     if (lock_call(s_acquire) < 0) goto done;
     locked = 1;
@@ -1415,14 +1447,12 @@ static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObje
         PyObject *state = SLOT(op, O.op_state);
         if (state == NULL) goto python;
         if (state != Py_None) goto none;
-        int r = op_direct_ready(s, device, gen);
+        int r = op_direct_ready(s, device, gen); /* (may free memory first: an effect) */
         if (r < 0) goto done;
         if (r == 0) goto none;
         r = op_uses_ok(args, uses);
         if (r < 0) goto done;
         if (r == 0) goto none;
-        if (r == 2) goto python;
-        if (SLOT(op, O.op_state) != Py_None) goto none; /* (Python ran above) */
     }
     /* the submission */
     Py_INCREF(executing);
@@ -1440,18 +1470,18 @@ static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObje
     if (ev == NULL) goto done;
     locked = 0;
     if (lock_call(s_release) < 0) goto done;
-    /* _make(self.result, args, ()) */
-    if (PyTuple_CheckExact(spec) && PyTuple_GET_SIZE(spec) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 0)) &&
-        PyLong_AsLong(PyTuple_GET_ITEM(spec, 0)) == 0 && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 1))) {
-        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 1));
-        if (p < 0 || p >= PyTuple_GET_SIZE(args)) {
-            PyErr_SetString(PyExc_SystemError, "_hotpath: a recipe's result is not one of its operands");
-            goto done;
-        }
-        res = Py_NewRef(PyTuple_GET_ITEM(args, p));
-    } else {
-        res = PyObject_CallFunctionObjArgs(py_make, spec, args, empty_tuple, NULL);
-        if (res == NULL) goto done;
+    /* _make(self.result, args, ()): an operand itself, here; any other spec, the Python's */
+    {
+        int overflow = 0;
+        long kind = PyTuple_GET_SIZE(spec) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 0))
+                        ? PyLong_AsLongAndOverflow(PyTuple_GET_ITEM(spec, 0), &overflow)
+                        : -1;
+        Py_ssize_t p = kind == 0 && !overflow && PyLong_CheckExact(PyTuple_GET_ITEM(spec, 1))
+                           ? PyLong_AsSsize_t(PyTuple_GET_ITEM(spec, 1))
+                           : -1;
+        if (PyErr_Occurred()) goto done;
+        if (p >= 0 && p < PyTuple_GET_SIZE(args)) res = Py_NewRef(PyTuple_GET_ITEM(args, p));
+        else if ((res = PyObject_CallFunctionObjArgs(py_make, spec, args, empty_tuple, NULL)) == NULL) goto done;
     }
     out = PyTuple_Pack(3, res, ev, ops);
     if (out != NULL) n_op_submits++;
@@ -1460,8 +1490,10 @@ none:
     out = Py_NewRef(Py_None);
     goto done;
 python:
+    /* (only before any effect: nothing under the lock ran yet) */
     locked = 0;
     if (lock_call(s_release) < 0) goto done;
+python_unlocked:
     out = op_delegate(op, s);
 done:
     if (locked) {
@@ -1480,13 +1512,7 @@ done:
     Py_XDECREF(reads);
     Py_XDECREF(ev);
     Py_XDECREF(res);
-    Py_XDECREF(gen);
-    Py_XDECREF(uses);
-    Py_XDECREF(cfg);
-    Py_XDECREF(prepared);
-    Py_XDECREF(ready);
-    Py_XDECREF(spec);
-    Py_XDECREF(ops);
+    for (int m = 0; m < 11; m++) Py_XDECREF(*fields[m]);
     return out;
 }
 
@@ -1501,6 +1527,61 @@ static PyObject *op_submit_method(PyObject *op, PyObject *const *argv, Py_ssize_
 static PyMethodDef op_submit_def = {"_submit_now", (PyCFunction)(void (*)(void))op_submit_method, METH_FASTCALL,
                                     "TensorOp._submit_now, compiled (trio_cuda/_hotpath.c)."};
 
+/* _ops._core._op_key(op, args) for the common arguments: tensors whose kernel descriptor
+ * is cached, None, bool, int, str, float and tuples of ints; any other argument (a
+ * tensor without its descriptor yet, numpy scalars and dtypes, ...) goes to the Python
+ * function, which has no effect but that cache. */
+static PyObject *py_op_key;
+
+static PyObject *op_key(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 2 || !PyTuple_CheckExact(argv[1])) {
+        if (py_op_key == NULL) {
+            PyErr_SetString(PyExc_TypeError, "op_key(op, args): setup_ops() first, args a tuple");
+            return NULL;
+        }
+        return PyObject_Vectorcall(py_op_key, argv, argc, NULL);
+    }
+    PyObject *op = argv[0], *args = argv[1];
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *key = PyTuple_New(n + 2);
+    if (key == NULL) return NULL;
+    PyObject *name = PyObject_GetAttr(op, s_name);
+    if (name == NULL) {
+        Py_DECREF(key);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(key, 0, Py_NewRef((PyObject *)Py_TYPE(op)));
+    PyTuple_SET_ITEM(key, 1, name);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyTuple_GET_ITEM(args, i), *k = NULL;
+        PyTypeObject *t = Py_TYPE(a);
+        if (IS(a, Tensor_T)) {
+            PyObject *d = SLOT(a, O.tensor_args);
+            if (d == NULL || !PyTuple_CheckExact(d) || PyTuple_GET_SIZE(d) < 1) goto python;
+            k = Py_NewRef(PyTuple_GET_ITEM(d, 0));
+        } else if (a == Py_None || t == &PyBool_Type || t == &PyLong_Type || t == &PyUnicode_Type) {
+            k = PyTuple_Pack(2, (PyObject *)t, a);
+        } else if (t == &PyFloat_Type) {
+            k = scalar_key(a);
+        } else if (t == &PyTuple_Type) {
+            for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(a); j++)
+                if (!PyLong_CheckExact(PyTuple_GET_ITEM(a, j))) goto python;
+            k = PyTuple_Pack(2, (PyObject *)t, a);
+        } else {
+            goto python;
+        }
+        if (k == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i + 2, k);
+    }
+    return key;
+python:
+    Py_DECREF(key);
+    return PyObject_Vectorcall(py_op_key, argv, argc, NULL);
+}
+
 /* ---- the general path: planning and running a plan's steps ------------------------- */
 /* Three pieces of _submit.Plan's walk of a DAG (the chain ``inc(op.first())`` repeated,
  * awaited once, is all of them):
@@ -1513,7 +1594,6 @@ static PyMethodDef op_submit_def = {"_submit_now", (PyCFunction)(void (*)(void))
  *   enqueued here, any other step is called.
  * Every case not handled goes to the Python before any effect. */
 static PyObject *Lane_T, *Select_T, *Continue_T, *py_plan, *py_select_plan, *py_prepared_step, *py_enqueue_launch;
-static PyObject *kernel_globals; /* _kernel's module dict */
 
 /* Is _kernel's global ``name`` still ``fn`` (not replaced by a test's or a tool's
  * wrapper, which the Python would call)? 1, 0, or -1 on error. */
@@ -3042,7 +3122,7 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 
 /* setup_ops(objects): bind what the ops' direct submission works on (after setup());
  * returns the compiled TensorOp._submit_now. All or nothing, as setup(). */
-static PyObject *setup_ops_inner(PyObject *kw) {
+static PyObject *setup_ops_inner(PyObject *module, PyObject *kw) {
 #define GET(var, name)                                                               \
     do {                                                                             \
         PyObject *v_ = PyDict_GetItemString(kw, name);                               \
@@ -3070,6 +3150,20 @@ static PyObject *setup_ops_inner(PyObject *kw) {
     GET(core_counts, "counts");
     GET(py_make, "make");
     GET(py_direct_tidy, "direct_tidy");
+    GET(py_op_key, "op_key");
+    GET(core_globals, "core_globals");
+    GET(submit_globals, "submit_globals");
+    GET(py_direct_ready, "direct_ready");
+    GET(py_buffers, "buffers");
+    if (!PyDict_Check(core_globals) || !PyDict_Check(submit_globals) || kernel_globals == NULL) {
+        PyErr_SetString(PyExc_TypeError, "_hotpath.setup_ops: core_globals or submit_globals is not a dict");
+        return NULL;
+    }
+    {
+        PyObject *own = PyObject_GetAttrString(module, "enqueue_direct");
+        if (own == NULL) return NULL;
+        Py_XSETREF(hot_enqueue_direct, own);
+    }
     if (!PyType_Check(TensorOp_T) || !PyDict_CheckExact(core_counts)) {
         PyErr_SetString(PyExc_TypeError, "_hotpath.setup_ops: TensorOp is not a class or counts not a dict");
         return NULL;
@@ -3102,12 +3196,14 @@ static PyObject *setup_ops_inner(PyObject *kw) {
 }
 
 static PyObject *setup_ops(PyObject *module, PyObject *kw) {
-    PyObject **globals[] = {&TensorOp_T, &Recipe_T, &Step_T, &py_op_submit, &core_counts, &py_make, &py_direct_tidy};
+    PyObject **globals[] = {&TensorOp_T,     &Recipe_T,       &Step_T,          &py_op_submit, &core_counts,
+                            &py_make,        &py_direct_tidy, &py_op_key,       &core_globals, &submit_globals,
+                            &py_direct_ready, &py_buffers,    &hot_enqueue_direct};
     enum { N = sizeof(globals) / sizeof(globals[0]) };
     PyObject *saved[N];
     for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
     __typeof__(Q) saved_offsets = Q;
-    PyObject *r = setup_ops_inner(kw);
+    PyObject *r = setup_ops_inner(module, kw);
     for (int i = 0; i < N; i++) {
         if (r == NULL) Py_XSETREF(*globals[i], saved[i]);
         else Py_XDECREF(saved[i]);
@@ -3164,6 +3260,8 @@ static PyMethodDef methods[] = {
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup_calls", (PyCFunction)setup_calls, METH_O,
      "setup_calls(objects): bind what the per-call path works on; returns DeviceOp.__await__, Event.__del__ and Kernel.__call__."},
+    {"op_key", (PyCFunction)(void (*)(void))op_key, METH_FASTCALL,
+     "op_key(op, args): _ops._core._op_key, compiled for the common arguments (setup_ops first)."},
     {"setup_ops", (PyCFunction)setup_ops, METH_O,
      "setup_ops(objects): bind what the ops' direct submission works on; returns the compiled TensorOp._submit_now."},
     {"setup", (PyCFunction)setup, METH_O,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _kernel
+from .. import _kernel, _submit
 from .._checks import BFLOAT16, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._guard import LOCK, _tls
@@ -120,7 +120,7 @@ class TensorOp(DeviceOp[Tensor]):
         self._key: tuple[Any, ...] | None = None
         if self._cacheable:
             # The common call first: a key means no op inputs (_op_key keys none).
-            key = self._key = _op_key(self, args)
+            key = self._key = _key_of(self, args)
             if key is not None:
                 self._inputs = ()
                 self._at: tuple[int, ...] = ()
@@ -157,7 +157,7 @@ class TensorOp(DeviceOp[Tensor]):
                 merged[i] = resolved(v, self.name)
             args = tuple(merged)
             if self._cacheable:
-                key = _op_key(self, args)
+                key = _key_of(self, args)
                 hit = _cache.get(key) if key is not None else None
         if hit is not None:
             dev = lane.device
@@ -477,6 +477,11 @@ def _load_hot_submit() -> Any:
         "counts": _counts,
         "make": _make,
         "direct_tidy": direct_tidy,
+        "op_key": _op_key,
+        "core_globals": globals(),
+        "submit_globals": vars(_submit),
+        "direct_ready": direct_ready,
+        "buffers": _buffers,
     }
     try:
         return hot.setup_ops(objects)
@@ -487,8 +492,16 @@ def _load_hot_submit() -> Any:
 _hot_submit = _load_hot_submit()
 
 
+#: The op key of the constructor and the planning: _op_key, or the module's compiled
+#: twin (with the compiled submission).
+_key_of: Callable[[TensorOp, tuple[Any, ...]], tuple[Any, ...] | None] = _op_key
+
+
 def _switch_hot_submit(on: bool) -> None:
-    TensorOp._submit_now = _hot_submit if on and _hot_submit is not None else _submit_now_py  # type: ignore[method-assign]
+    global _key_of
+    hot = on and _hot_submit is not None
+    TensorOp._submit_now = _hot_submit if hot else _submit_now_py  # type: ignore[method-assign]
+    _key_of = _kernel._hotmod.op_key if hot else _op_key
 
 
 _kernel.on_hotpath_switch(_switch_hot_submit)
