@@ -1,15 +1,19 @@
-"""The compiled direct submission of replayed ``ops`` calls (issue 12), on against off,
-A/B in one process.
+"""Two host-path switches of issue 12, A/B in one process: the compiled direct
+submission of replayed ``ops`` calls, and the spin after an await's first poll.
 
-``trio_cuda/_hotpath.c``'s ``TensorOp._submit_now`` (a replayed op whose recipe is one
-prepared launch or one prepared GEMM) against the Python method, switched with
-``_ops._core._switch_hot_submit`` (the rest of the compiled path stays on). Alternating
-rounds: ``ops.add``, ``ops.rms_norm`` and a GEMV (``ops.matmul``, ``--hidden`` square,
-fp32) each awaited ``--n`` times, and the decode step of bench_decode.py awaited kernel
-by kernel (3 tokens); PyTorch eager's step on the same shapes each round, where
-installed. Medians per variant at the end, with the gain in us per await.
+``--switch submit`` (default): ``trio_cuda/_hotpath.c``'s ``TensorOp._submit_now`` (a
+replayed op whose recipe is one prepared launch or one prepared GEMM) against the Python
+method, switched with ``_ops._core._switch_hot_submit`` (the rest of the compiled path
+stays on). ``--switch spin``: the spin time after an await's first poll found its work
+pending (``_notifier._spin_ns``, what ``TRIO_CUDA_SPIN_US`` sets), each of
+``--spins`` (us; 0 is no spin). Rounds in alternating order: ``ops.add``,
+``ops.rms_norm`` and a GEMV (``ops.matmul``, ``--hidden`` square, fp32) each awaited
+``--n`` times, and the decode step of bench_decode.py awaited kernel by kernel (3
+tokens); PyTorch eager's step on the same shapes each round, where installed. Medians
+per variant at the end, against the first variant.
 
-    python benchmarks/probe_ops_submit.py [--hidden 2048] [--layers 22] [--rounds 6] [--n 2000]
+    python benchmarks/probe_ops_submit.py [--switch submit|spin] [--spins 0,10,20,50]
+        [--hidden 2048] [--layers 22] [--rounds 6] [--n 2000]
 
 On the simulated device use small sizes (``--hidden 64 --layers 2 --n 200``): the
 figures then mean nothing, the run checks that the probe works.
@@ -26,7 +30,7 @@ import time
 import trio
 
 import trio_cuda
-from trio_cuda import api, ops
+from trio_cuda import _hotpath, _notifier, api, ops
 from trio_cuda._ops import _core
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -34,7 +38,7 @@ from bench_decode import per_kernel_step_figure  # this folder (run as a script)
 from probe_gemm_graphs import torch_eager_ms
 
 
-async def main(hidden: int, layers: int, rounds: int, n: int) -> None:
+async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds: int, n: int) -> None:
     if _core._hot_submit is None:
         raise SystemExit("probe_ops_submit: the compiled hot path is not built (or TRIO_CUDA_HOTPATH=0)")
     dev = trio_cuda.current_device()
@@ -50,44 +54,68 @@ async def main(hidden: int, layers: int, rounds: int, n: int) -> None:
     for make in cases.values():
         for _ in range(3):
             await make()
-    res: dict[tuple[str, bool], list[float]] = {}
+    if switch == "submit":
+        variants = ["compiled", "python"]
+    else:
+        variants = [f"spin {us:g} us" for us in spins]
+    spin_was = _notifier._spin_ns
+
+    def use(i: int) -> None:
+        if switch == "submit":
+            _core._switch_hot_submit(i == 0)
+        else:
+            _notifier._spin_ns = int(spins[i] * 1000)
+
+    res: dict[tuple[str, str], list[float]] = {}
     eager: list[float] = []
     for r in range(rounds):
-        for on in (True, False) if r % 2 == 0 else (False, True):
-            _core._switch_hot_submit(on)
+        order = range(len(variants)) if r % 2 == 0 else reversed(range(len(variants)))
+        for i in order:
+            use(i)
             await decode()
-            line = [f"round {r} compiled {'on ' if on else 'off'}:"]
+            c0 = _hotpath.counters()
+            line = [f"round {r} {variants[i]}:"]
             for name, make in cases.items():
                 t0 = time.perf_counter_ns()
                 for _ in range(n):
                     await make()
                 us = (time.perf_counter_ns() - t0) / n / 1e3
-                res.setdefault((name, on), []).append(us)
+                res.setdefault((name, variants[i]), []).append(us)
                 line.append(f"{name} {us:6.2f} us")
             d = await decode()
-            res.setdefault(("decode, ms/token", on), []).append(d)
+            res.setdefault(("decode, ms/token", variants[i]), []).append(d)
+            c1 = _hotpath.counters()
             line.append(f"decode {d:.3f} ms/token")
+            line.append(
+                f"(rest {c1['awaits_rest'] - c0['awaits_rest']}, spins {c1['spins'] - c0['spins']}, done {c1['spins_done'] - c0['spins_done']})"
+            )
             print(" | ".join(line), flush=True)
         e = torch_eager_ms(hidden, layers) if trio_cuda.backend_name() == "cuda" else None
         if e is not None:
             eager.append(e)
             print(f"round {r}: torch eager {e:.3f} ms/token", flush=True)
     _core._switch_hot_submit(True)
-    print(f"\n{'median':22s} {'compiled':>9s} {'python':>9s} {'python/compiled':>16s}")
+    _notifier._spin_ns = spin_was
+    print(f"\n{'median':22s}" + "".join(f" {v:>16s}" for v in variants) + f"  (ratio to {variants[0]})")
     for name in [*cases, "decode, ms/token"]:
-        a, b = statistics.median(res[(name, True)]), statistics.median(res[(name, False)])
-        print(f"{name:22s} {a:9.3f} {b:9.3f} {b / a:15.3f}x")
+        med = [statistics.median(res[(name, v)]) for v in variants]
+        print(f"{name:22s}" + "".join(f" {m:9.3f} ({m / med[0]:.3f})" for m in med))
     if eager:
         e = statistics.median(eager)
-        d = statistics.median(res[("decode, ms/token", True)])
-        print(f"torch eager {e:.3f} ms/token; decode compiled / eager {d / e:.3f}x")
+        print(
+            f"torch eager {e:.3f} ms/token; decode / eager: "
+            + ", ".join(f"{v} {statistics.median(res[('decode, ms/token', v)]) / e:.3f}x" for v in variants)
+        )
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--switch", choices=["submit", "spin"], default="submit")
+    ap.add_argument("--spins", default="0,10,20,50", help="spin times to compare, us (--switch spin)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--n", type=int, default=2000)
     args = ap.parse_args()
-    trio.run(main, args.hidden, args.layers, args.rounds, args.n)
+    spins = [float(v) for v in args.spins.split(",")]
+    trio.run(main, args.switch, spins, args.hidden, args.layers, args.rounds, args.n)

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import queue
 import sys
+import time
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -694,3 +695,88 @@ def test_nothing_of_an_await_outlives_it(wordless: bool) -> None:
     traps, public = both(_outlives, wordless)
     assert public == {"input": 0, "output": 0}
     assert traps == public
+
+
+# -- spinning after the first poll (TRIO_CUDA_SPIN_US) ----------------------------------------
+@contextlib.contextmanager
+def pending_polls(n: int) -> Iterator[list[int]]:
+    """Each event's first ``n`` polls answer "pending" (the device work may be done:
+    what a slower GPU would answer); later polls wait for the work. Yields the number of
+    polls made."""
+    dev = trio_cuda.current_device()
+    poll = dev.poll
+    seen: dict[int, int] = {}
+    made: list[int] = [0]
+
+    def fake(ev: Any) -> bool:
+        made[0] += 1
+        k = seen[id(ev)] = seen.get(id(ev), 0) + 1
+        if k <= n:
+            return False
+        while not poll(ev):
+            pass
+        return True
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(vars(dev), "poll", fake)
+    try:
+        yield made
+    finally:
+        mp.undo()
+
+
+def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0) -> dict[str, Any]:
+    """One direct await whose first ``pending`` polls answer pending, with the spin set
+    to ``spin_ns``; ``slow_pass_ns``: trio's pass after the submission takes that long
+    (an instrument holds the loop, as other tasks' steps would)."""
+    from trio_cuda import _notifier
+
+    def hold() -> None:
+        end = time.perf_counter_ns() + slow_pass_ns
+        while time.perf_counter_ns() < end:
+            pass
+
+    async def main() -> dict[str, Any]:
+        x, y, z = await _operands()
+        mp = pytest.MonkeyPatch()
+        mp.setattr(_notifier, "_spin_ns", spin_ns)
+        mp.setattr(_notifier, "_budget_ns", 10_000_000_000)  # polls between passes, never parks
+        paths = list(_notifier._paths)
+        try:
+            with pending_polls(pending) as made:
+                inst = Steps(trio.lowlevel.current_task(), enqueued(), after=[hold] if slow_pass_ns else [])
+                got = await _counted_await(add(z.partition((32,)), x, y), inst)
+        finally:
+            mp.undo()
+        got["polls"] = made[0]
+        got["fast"] = _notifier._paths[0] - paths[0]
+        got["parked"] = _notifier._paths[1] - paths[1]
+        got["z"] = (await z.to_host()).tolist()
+        return got
+
+    return trio.run(main)
+
+
+def test_a_quick_pass_spins_on_the_poll_instead_of_another_pass() -> None:
+    """With a spin time and the scheduler back at once: the polls after the first go on
+    without yielding, and the await resumes once (one schedule point) on the fast path."""
+    py, _, compiled = three_ways(lambda: _spun_await(10_000_000_000, pending=3))
+    assert py["outcome"] == "value" and py["z"] == [5.0] * 64
+    assert py["polls"] == 4  # the first, two spun pending, the spun done
+    assert (py["schedule_points"], py["steps"], py["fast"], py["parked"]) == (1, 1, 1, 0)
+    if compiled is not None:
+        assert compiled == py
+
+
+def test_without_a_spin_time_each_poll_comes_after_a_pass() -> None:
+    py, _, _ = three_ways(lambda: _spun_await(0, pending=3))
+    assert py["outcome"] == "value" and py["polls"] == 4
+    assert py["schedule_points"] == 4 and py["steps"] == 4 and py["fast"] == 1
+
+
+def test_a_slow_pass_does_not_spin() -> None:
+    """Another task held the loop during the await's pass for longer than the spin
+    time: the await yields again rather than spinning (other tasks are running)."""
+    py, _, _ = three_ways(lambda: _spun_await(1_000_000, pending=1, slow_pass_ns=20_000_000))
+    assert py["outcome"] == "value" and py["polls"] == 2
+    assert py["schedule_points"] == 2 and py["fast"] == 1

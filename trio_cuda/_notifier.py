@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Event
 
-__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_ns", "wait_event"]
+__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_ns", "spin_poll", "wait_event"]
 
 _FAULT_POLL_S = 0.02
 _budget_ns: int | None = None
@@ -74,6 +74,33 @@ def spin_ns() -> int:
         us = env_float("TRIO_CUDA_SPIN_US", backend().spin_us, minimum=0.0)
         _spin_ns = int(us * 1000)
     return _spin_ns
+
+
+def spin_poll(event: Event, started: int, deadline: int) -> bool:
+    """After a poll that found ``event`` pending, right after a pass of the scheduler
+    that began at ``started`` (perf_counter_ns): if that pass came back within the spin
+    time (few tasks are running), poll again without yielding, for up to the spin time
+    and not past ``deadline`` (the end of the polling budget); True if the event
+    completed meanwhile (the caller counts it). An
+    event with a completion word spins on the word and asks the driver once at the end.
+    (trio_cuda/_hotpath.c's await does the same: a change here must be made there too.)"""
+    spin = _spin_ns if _spin_ns is not None else spin_ns()
+    clock = time.perf_counter_ns
+    now = clock()
+    if not spin or now - started >= spin or now >= deadline:
+        return False
+    end = min(now + spin, deadline)
+    dev = event.device
+    if event.flag >= 0:
+        while clock() < end:
+            if dev.reached(event):
+                break
+        done = dev.poll(event)
+    else:
+        done = False
+        while not done and clock() < end:
+            done = dev.poll(event)
+    return done
 
 
 def poll_budget_ns() -> int:
@@ -246,19 +273,10 @@ async def wait_pending(event: Event, started: int) -> None:
     while clock() < deadline:
         before = clock()
         await _traps.checkpoint()
-        if dev.poll(event):
+        # (if the scheduler came back at once, few tasks are running: spin for a moment
+        # instead of another pass of the loop)
+        if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
             _paths[0] += 1
             return
-        now = clock()
-        if spin and now - before < spin and now < deadline:
-            # The scheduler came back at once (few tasks are running): spin on the
-            # completion word for a moment instead of another pass of the loop.
-            end = min(now + spin, deadline)
-            while clock() < end:
-                if dev.reached(event):
-                    break
-            if dev.poll(event):
-                _paths[0] += 1
-                return
     _paths[1] += 1
     await notifier().wait(event)

@@ -1341,7 +1341,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
             (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
             if _traps.after_pass():
                 stage = 1
-            elif dev.poll(ev):
+            elif dev.poll(ev) or (_notifier._spin_ns and _notifier.spin_poll(ev, started, started + _notifier._budget_ns)):
                 _notifier._paths[0] += 1
                 return value
             else:
