@@ -1001,6 +1001,11 @@ class CudaBackend(Backend):
     # Measured on an H200: a parked wait wakes ~0.25 ms after its event (host function,
     # helper thread, trio wake-up); polling sees completion within one scheduler pass.
     poll_budget_us = 5000.0
+    # An await whose first poll after trio's pass finds a kernel of a few us (a GEMV)
+    # still running polls on for up to this long when that pass came back at once: on
+    # an H200 a decode step awaited kernel by kernel took 0.92-0.94x the time of spin 0
+    # with 10, 20 and 50 us (benchmarks/probe_ops_submit.py --switch spin).
+    spin_us = 20.0
 
     def __init__(self) -> None:
         check(cu.cuInit(0), "cuInit")
