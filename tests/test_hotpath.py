@@ -794,6 +794,7 @@ async def test_replayed_gemms_submit_the_same_both_ways() -> None:
             if compiled:
                 assert first == (0, 1)  # the preparing submission went to the Python
                 assert d["op_submits"] == st["direct"] == 5 and d["op_submits_python"] == 0
+                assert d["gemms"] == 5  # each GEMM's enqueue too (gemm_enqueue)
     assert seen[False] == seen[True]
     want = hw @ hx
     np.testing.assert_allclose(seen[True][1], want, rtol=1e-5)
@@ -931,6 +932,38 @@ async def test_a_replaced_runtime_function_sends_replayed_ops_to_the_python(monk
         assert calls
     np.testing.assert_array_equal(await y.to_host(), np.full(8, 8.0, np.float32))
     np.testing.assert_array_equal(await z.to_host(), np.full(8, 2.0, np.float32))
+
+
+@pytest.mark.parametrize("name", ["order_accesses", "note_accesses"])
+async def test_a_replaced_access_function_of_the_gemm_step_sends_its_enqueue_to_the_python(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The compiled GEMM enqueue does _matmul._gemm_direct's work itself: a wrapper of a
+    function that step calls (as a tool or a test may install) must run, so the step
+    goes to the Python, and computes the same."""
+    from trio_cuda._ops import _matmul
+
+    dev = trio_cuda.current_device()
+    a, b = wordless_stream(dev), wordless_stream(dev)
+    w, x = await api.ones((8, 8)), await api.arange(8)
+    y = await api.zeros((8,))
+    for _ in range(3):
+        await on(ops.matmul(w, x, out=y), a)
+    calls = []
+    original = getattr(_matmul, name)
+
+    def wrapper(*args: Any) -> Any:
+        calls.append(args[0])
+        return original(*args)
+
+    monkeypatch.setattr(_matmul, name, wrapper)
+    c0 = counters()
+    await on(ops.matmul(w, x, out=y), b)  # on another stream: ordered after a's write
+    d = delta(c0, counters())
+    assert (d["op_submits"], d["gemms"]) == (1, 0)
+    assert calls == [b]
+    assert y._buffer.writer == (b, b.seq)
+    np.testing.assert_array_equal(await y.to_host(), np.full(8, 28.0, np.float32))
 
 
 @pytest.mark.parametrize("change", ["step not prepared", "recipe dropped"])

@@ -1377,6 +1377,138 @@ static int op_functions_own(void) {
            global_is(kernel_globals, "enqueue_direct", hot_enqueue_direct);
 }
 
+/* _submit.direct_enqueue(s, _matmul._gemm_direct, (static, writes, reads)) in C, for
+ * a replayed op whose recipe is one prepared GEMM (under the lock, checked; writes and
+ * reads lists of (buffer, tracked) pairs): ordered after the pending accesses of its
+ * buffers on other streams, the backend's matmul called (Python: the library call or
+ * its replayed graph), the stream's point registered as their writer or reader. Bound
+ * by set_gemm_step; used only while _matmul's order_accesses and note_accesses are the
+ * ones bound. Returns the event to wait for, or None. */
+static PyObject *py_gemm_step, *matmul_globals, *py_order_accesses, *py_note_accesses, *s__foreign_streams,
+    *s__foreign, *s_matmul;
+static unsigned long long n_gemms;
+
+static int gemm_step_own(PyObject *fn) {
+    return py_gemm_step != NULL && fn == py_gemm_step && global_is(matmul_globals, "order_accesses", py_order_accesses) &&
+           global_is(matmul_globals, "note_accesses", py_note_accesses);
+}
+
+static PyObject *gemm_enqueue(PyObject *s, PyObject *device, PyObject *stat, PyObject *writes, PyObject *reads) {
+    PyObject *start = Py_NewRef(SLOT(s, O.s_seq)), *seq = NULL, *ev = NULL, *driver = NULL;
+    Direct direct = {NULL, NULL, NULL, NULL, 0};
+    int use_direct = 0;
+    if (set_submitting(Py_True) < 0) {
+        Py_DECREF(start);
+        return NULL;
+    }
+    {
+        int r = PyObject_IsTrue(SLOT(s, O.s_keep));
+        if (r < 0) goto failed;
+        if (r) {
+            PyObject *x = PyObject_CallMethodNoArgs(s, s_retire);
+            if (x == NULL) goto failed;
+            Py_DECREF(x);
+        }
+    }
+    if (order_pairs(s, writes, 1) < 0 || order_pairs(s, reads, 0) < 0) goto failed;
+    {
+        /* _gemm_direct: desc, a, b, d, bias = static; capturing None if another library's
+         * stream was ever wrapped, else False; replayed as a graph unless so */
+        int foreign = attr_true(device, s__foreign_streams);
+        if (foreign < 0) goto failed;
+        driver = PyObject_GetAttr(device, s_driver);
+        PyObject *mm = driver == NULL ? NULL : PyObject_GetAttr(driver, s_matmul);
+        if (mm == NULL) goto failed;
+        PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
+        if (sforeign == NULL) {
+            Py_DECREF(mm);
+            goto failed;
+        }
+        PyObject *argv[9] = {PyTuple_GET_ITEM(stat, 0), PyTuple_GET_ITEM(stat, 1), PyTuple_GET_ITEM(stat, 2),
+                             PyTuple_GET_ITEM(stat, 3), PyTuple_GET_ITEM(stat, 4), SLOT(s, O.s_handle),
+                             foreign ? Py_None : Py_False, sforeign, foreign ? Py_False : Py_True};
+        Py_INCREF(argv[5]); /* (the stream's handle, held across the call) */
+        PyObject *x = PyObject_Vectorcall(mm, argv, 9, NULL);
+        Py_DECREF(argv[5]);
+        Py_DECREF(sforeign);
+        Py_DECREF(mm);
+        if (x == NULL) goto failed;
+        Py_DECREF(x);
+    }
+    if (add_one(s, O.s_seq) < 0) goto failed;
+    seq = Py_NewRef(SLOT(s, O.s_seq));
+    if (note_pairs(s, seq, writes, 1) < 0 || note_pairs(s, seq, reads, 0) < 0) goto failed;
+    use_direct = direct_calls(driver, &direct);
+    if (use_direct < 0) goto failed;
+    {
+        int later = PyObject_RichCompareBool(seq, start, Py_GT);
+        if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
+        if (later < 0) goto failed;
+        ev = later ? event_at(s, device, driver, seq, use_direct ? &direct : NULL) : Py_NewRef(Py_None);
+        if (ev == NULL) goto failed;
+    }
+    Py_CLEAR(direct.hot);
+    Py_CLEAR(driver);
+    Py_CLEAR(seq);
+    Py_CLEAR(start);
+    if (set_submitting(Py_False) < 0) goto error;
+    {
+        PyObject *stats = PyObject_GetAttr(device, s_stats);
+        if (stats == NULL) goto error;
+        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_submissions) : -1;
+        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
+        Py_DECREF(stats);
+        if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
+    }
+    n_gemms++;
+    return ev;
+failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
+    PyObject *et, *ev_, *tb;
+    PyErr_Fetch(&et, &ev_, &tb);
+    PyObject *x = PyObject_CallNoArgs(direct_failed);
+    if (x == NULL) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev_);
+        Py_XDECREF(tb);
+    } else {
+        Py_DECREF(x);
+        PyErr_Restore(et, ev_, tb);
+    }
+    PyErr_Fetch(&et, &ev_, &tb);
+    if (set_submitting(Py_False) < 0) PyErr_Clear();
+    PyErr_Restore(et, ev_, tb);
+    Py_XDECREF(direct.hot);
+    Py_XDECREF(driver);
+    Py_XDECREF(seq);
+    Py_XDECREF(start);
+    Py_XDECREF(ev);
+    return NULL;
+}
+error:
+    Py_XDECREF(ev);
+    return NULL;
+}
+
+/* set_gemm_step(fn, matmul_globals): the GEMM step function (_matmul._gemm_direct) whose
+ * direct submissions gemm_enqueue makes, and its module's globals (its
+ * order_accesses and note_accesses must stay the ones bound now). */
+static PyObject *set_gemm_step(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+    if (argc != 2 || !PyCallable_Check(argv[0]) || !PyDict_Check(argv[1])) {
+        PyErr_SetString(PyExc_TypeError, "set_gemm_step(fn, module_globals)");
+        return NULL;
+    }
+    PyObject *oa = PyDict_GetItemString(argv[1], "order_accesses"), *na = PyDict_GetItemString(argv[1], "note_accesses");
+    if (oa == NULL || na == NULL) {
+        PyErr_SetString(PyExc_KeyError, "set_gemm_step: the module has no order_accesses / note_accesses");
+        return NULL;
+    }
+    Py_XSETREF(py_order_accesses, Py_NewRef(oa));
+    Py_XSETREF(py_note_accesses, Py_NewRef(na));
+    Py_XSETREF(matmul_globals, Py_NewRef(argv[1]));
+    Py_XSETREF(py_gemm_step, Py_NewRef(argv[0]));
+    Py_RETURN_NONE;
+}
+
 static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObject *st, PyObject *args,
                                 PyObject *device);
 
@@ -1461,6 +1593,11 @@ static PyObject *op_submit_held(PyObject *op, PyObject *s, PyObject *hit, PyObje
     if (kernel) {
         PyObject *argv[5] = {s, cfg, prepared, writes, reads};
         ev = enqueue_direct(NULL, argv, 5);
+    } else if (gemm_step_own(PyTuple_GET_ITEM(ready, 0)) && pairs_ok(writes) && pairs_ok(reads) &&
+               PyTuple_CheckExact(PyTuple_GET_ITEM(ready, 1)) && PyTuple_GET_SIZE(PyTuple_GET_ITEM(ready, 1)) == 5 &&
+               SLOT(s, O.s_seq) != NULL && PyLong_CheckExact(SLOT(s, O.s_seq)) && SLOT(s, O.s_done_seq) != NULL &&
+               SLOT(s, O.s_keep) != NULL && SLOT(s, O.s_handle) != NULL && SLOT(s, O.s_capture) == Py_None) {
+        ev = gemm_enqueue(s, device, PyTuple_GET_ITEM(ready, 1), writes, reads);
     } else {
         PyObject *arg = PyTuple_Pack(3, PyTuple_GET_ITEM(ready, 1), writes, reads);
         if (arg == NULL) goto done;
@@ -3292,13 +3429,13 @@ static PyObject *setup_ops(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
                          n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
-                         "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done);
+                         "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -3341,6 +3478,8 @@ static PyMethodDef methods[] = {
      "setup_calls(objects): bind what the per-call path works on; returns DeviceOp.__await__, Event.__del__ and Kernel.__call__."},
     {"op_key", (PyCFunction)(void (*)(void))op_key, METH_FASTCALL,
      "op_key(op, args): _ops._core._op_key, compiled for the common arguments (setup_ops first)."},
+    {"set_gemm_step", (PyCFunction)(void (*)(void))set_gemm_step, METH_FASTCALL,
+     "set_gemm_step(fn, module_globals): the GEMM step whose direct submissions are made here."},
     {"setup_ops", (PyCFunction)setup_ops, METH_O,
      "setup_ops(objects): bind what the ops' direct submission works on; returns the compiled TensorOp._submit_now."},
     {"setup", (PyCFunction)setup, METH_O,
@@ -3421,6 +3560,9 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_throw, "throw");
     NAME(s_close, "close");
     NAME(s_hits, "hits");
+    NAME(s__foreign_streams, "_foreign_streams");
+    NAME(s__foreign, "_foreign");
+    NAME(s_matmul, "matmul");
 #undef NAME
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;

@@ -497,6 +497,16 @@ _hot_submit = _load_hot_submit()
 _key_of: Callable[[TensorOp, tuple[Any, ...]], tuple[Any, ...] | None] = _op_key
 
 
+def compiled_gemm_step(fn: Callable[[Any, Any], None], module_globals: dict[str, Any]) -> None:
+    """Let the compiled submission make the direct submissions of the GEMM step ``fn``
+    itself (trio_cuda/_hotpath.c's gemm_enqueue: ``fn``'s work with the backend's matmul
+    called from C), while the ``order_accesses`` and ``note_accesses`` of
+    ``module_globals`` (``fn``'s module) are the ones it has now."""
+    hot = _kernel._hotmod
+    if hot is not None and _hot_submit is not None and hasattr(hot, "set_gemm_step"):
+        hot.set_gemm_step(fn, module_globals)
+
+
 def _switch_hot_submit(on: bool) -> None:
     global _key_of
     hot = on and _hot_submit is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,11 @@ class Ufunc:
     like: Any  # numpy ufunc for dtype resolution
     kinds: str = "biuf"
     weak_second: Any = None  # resolve as like(x, weak_second) (relu: maximum(x, 0))
+
+    opname: str = field(init=False, repr=False, compare=False)  # ops.<name>, as errors and traces say
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "opname", f"ops.{self.name}")
 
 
 def _u(name: str, nin: int, expr: str, np_fn: Callable[..., Any], like: Any, kinds: str = "biuf", weak: Any = None) -> Ufunc:
@@ -201,7 +206,7 @@ class Elementwise(TensorOp):
     def __init__(self, u: Ufunc, args: tuple[Any, ...], out: Any) -> None:
         self._u = u
         self._out = out
-        self.name = f"ops.{u.name}"
+        self.name = u.opname
         super().__init__((*args, out))
 
     def _check(self, *args: Any) -> None:
@@ -229,7 +234,14 @@ def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
     u = UFUNCS[name]
     if len(args) != u.nin:
         raise TypeError(f"ops.{name} takes {u.nin} operand{'s' if u.nin > 1 else ''}, got {len(args)}")
-    return Elementwise(u, tuple(operand(a, f"ops.{name}") for a in args), None if out is None else operand(out, f"ops.{name}"))
+    n = u.opname
+    # (a tensor is its own operand: the common case without a call)
+    if len(args) == 2:
+        x, y = args
+        operands = (x if type(x) is Tensor else operand(x, n), y if type(y) is Tensor else operand(y, n))
+    else:
+        operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
+    return Elementwise(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
 
 
 # -- where ----------------------------------------------------------------------------------

@@ -470,11 +470,22 @@ def _eps(name: str, eps: Any) -> float:
     return e
 
 
+def _norm_param(name: str, what: str, p: Any) -> Any:
+    if p is None or type(p) is Tensor:  # the common cases, without the checks' calls
+        return p
+    p = operand(p, name, what)
+    if is_scalar(p):
+        raise TypeError(f"{name}: the {what} must be a tensor, not a scalar")
+    return p
+
+
 def norm(rms: bool, x: Any, weight: Any, bias: Any, eps: Any, out: Any) -> Norm:
     name = "ops.rms_norm" if rms else "ops.layer_norm"
-    w = None if weight is None else operand(weight, name, "weight")
-    b = None if bias is None else operand(bias, name, "bias")
-    for what, p in (("weight", w), ("bias", b)):
-        if p is not None and is_scalar(p):
-            raise TypeError(f"{name}: the {what} must be a tensor, not a scalar")
-    return Norm(rms, (operand(x, name), w, b, _eps(name, eps), None if out is None else operand(out, name)))
+    w = _norm_param(name, "weight", weight)
+    b = _norm_param(name, "bias", bias)
+    if type(x) is not Tensor:
+        x = operand(x, name)
+    e = _eps(name, eps)
+    if out is not None and type(out) is not Tensor:
+        out = operand(out, name)
+    return Norm(rms, (x, w, b, e, out))
