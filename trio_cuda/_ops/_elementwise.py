@@ -236,6 +236,7 @@ def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
         raise TypeError(f"ops.{name} takes {u.nin} operand{'s' if u.nin > 1 else ''}, got {len(args)}")
     n = u.opname
     # (a tensor is its own operand: the common case without a call)
+    operands: tuple[Any, ...]
     if len(args) == 2:
         x, y = args
         operands = (x if type(x) is Tensor else operand(x, n), y if type(y) is Tensor else operand(y, n))
