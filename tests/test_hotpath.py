@@ -1414,6 +1414,73 @@ async def test_statistics_of_another_class_are_counted_the_same(monkeypatch: pyt
     assert seen[False] == seen[True] == (3, 3, (4 * np.arange(16, dtype=np.float32)).tolist())
 
 
+async def test_statistics_of_another_class_count_replayed_ops_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for replayed ops' direct submissions (a launch: ops.add; a GEMM:
+    ops.matmul): counted in the replacement, the work done, nothing raised after the
+    enqueue (found by review: the compiled enqueues raised after the GEMM or the launch,
+    losing the result)."""
+    from trio_cuda._device import _Counters
+
+    class Counting(_Counters):
+        __slots__ = ()
+
+    dev = trio_cuda.current_device()
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            w, x = await api.ones((8, 8)), await api.arange(8)
+            y, z = await api.zeros((8,)), await api.zeros((8,))
+            for _ in range(3):
+                await ops.matmul(w, x, out=y)
+                await ops.add(x, x, out=z)
+            mine = Counting()
+            for f in _Counters.__slots__:
+                setattr(mine, f, getattr(dev._stats, f))
+            monkeypatch.setattr(dev, "_stats", mine)
+            c0, sub0, l0 = counters(), mine.submissions, mine.launches
+            await ops.matmul(w, x, out=y)
+            await ops.add(x, x, out=z)
+            d = delta(c0, counters())
+            monkeypatch.undo()
+            seen[compiled] = (
+                mine.submissions - sub0,
+                mine.launches - l0,
+                (await y.to_host()).tolist(),
+                (await z.to_host()).tolist(),
+            )
+            if compiled:
+                assert (d["op_submits"], d["gemms"]) == (2, 1)
+    assert seen[False] == seen[True] == (2, 1, [28.0] * 8, (2 * np.arange(8, dtype=np.float32)).tolist())
+
+
+async def test_a_replaced_event_at_is_called_by_the_compiled_enqueues(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stream.event_at replaced on the class (a tool's wrapper): every submission's event
+    comes from it, both ways (found by review: the compiled enqueues made their own)."""
+    from trio_cuda._stream import Stream
+
+    w, x, y, z = await api.ones((8, 8)), await api.arange(8), await api.zeros((8,)), await api.zeros((8,))
+    part = z.partition((8,))
+    for _ in range(3):
+        await ops.matmul(w, x, out=y)
+        await add(part, x, x)
+    seen = {}
+    for compiled in (False, True):
+        with mode(compiled):
+            calls: list[int] = []
+            real = Stream.event_at
+
+            def event_at(self: Any, seq: int, real: Any = real, calls: list[int] = calls) -> Any:
+                calls.append(seq)
+                return real(self, seq)
+
+            monkeypatch.setattr(Stream, "event_at", event_at)
+            await ops.matmul(w, x, out=y)
+            await add(part, x, x)
+            monkeypatch.undo()
+            seen[compiled] = len(calls)
+    assert seen[False] == seen[True] == 2
+
+
 async def test_step_functions_replaced_in_the_module_are_called(monkeypatch: pytest.MonkeyPatch) -> None:
     """_kernel._prepared_step or _kernel._enqueue_launch replaced (a tool's wrapper): the
     compiled plan and steps call the wrapper for each launch, as the Python does (found by

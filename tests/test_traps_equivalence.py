@@ -725,7 +725,7 @@ def pending_polls(n: int) -> Iterator[list[int]]:
         mp.undo()
 
 
-def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0) -> dict[str, Any]:
+def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0, budget_ns: int = 10_000_000_000) -> dict[str, Any]:
     """One direct await whose first ``pending`` polls answer pending, with the spin set
     to ``spin_ns``; ``slow_pass_ns``: trio's pass after the submission takes that long
     (an instrument holds the loop, as other tasks' steps would)."""
@@ -740,7 +740,7 @@ def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0) -> dict[str, 
         x, y, z = await _operands()
         mp = pytest.MonkeyPatch()
         mp.setattr(_notifier, "_spin_ns", spin_ns)
-        mp.setattr(_notifier, "_budget_ns", 10_000_000_000)  # polls between passes, never parks
+        mp.setattr(_notifier, "_budget_ns", budget_ns)  # (by default: polls between passes, never parks)
         paths = list(_notifier._paths)
         try:
             with pending_polls(pending) as made:
@@ -780,3 +780,41 @@ def test_a_slow_pass_does_not_spin() -> None:
     py, _, _ = three_ways(lambda: _spun_await(1_000_000, pending=1, slow_pass_ns=20_000_000))
     assert py["outcome"] == "value" and py["polls"] == 2
     assert py["schedule_points"] == 2 and py["fast"] == 1
+
+
+def test_a_replaced_spin_poll_is_called_the_same() -> None:
+    """_notifier.spin_poll replaced (a tool's wrapper): the compiled await calls it too."""
+    from trio_cuda import _notifier
+
+    def run() -> tuple[Any, int]:
+        calls: list[int] = []
+        real = _notifier.spin_poll
+
+        def wrapper(ev: Any, started: int, deadline: int) -> bool:
+            calls.append(1)
+            return real(ev, started, deadline)
+
+        mp = pytest.MonkeyPatch()
+        mp.setattr(_notifier, "spin_poll", wrapper)
+        try:
+            got = _spun_await(10_000_000_000, pending=2)
+        finally:
+            mp.undo()
+        return (got["outcome"], got["polls"], got["fast"]), len(calls)
+
+    py, _, _ = three_ways(run)  # (the compiled await observed the same: three_ways checks)
+    assert py == (("value", 3, 1), 1)
+
+
+def test_budgets_and_spins_beyond_64_bits_are_what_python_does() -> None:
+    """A polling budget or spin time too large for a C integer (as an environment
+    variable may set) still spins and completes, both ways (found by review: the
+    compiled await raised OverflowError)."""
+    big = 10**19
+
+    def run() -> Any:
+        got = _spun_await(big, pending=2, budget_ns=big)
+        return got["outcome"], got["polls"], got["fast"], got["steps"]
+
+    py, _, _ = three_ways(run)  # (the compiled await observed the same: three_ways checks)
+    assert py == ("value", 3, 1, 1)

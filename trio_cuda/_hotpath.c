@@ -132,6 +132,27 @@ static int count(PyObject *key) { /* _counts[key] += 1 */
     return r;
 }
 
+static PyObject *s_submissions;
+
+/* device._stats.<name> += 1: at its slot for the runtime's statistics class, by attribute
+ * for another class (as the Python's ``device._stats.<name> += 1``). */
+static int stats_add(PyObject *device, Py_ssize_t off, PyObject *name) {
+    PyObject *stats = PyObject_GetAttr(device, s_stats);
+    if (stats == NULL) return -1;
+    int e;
+    if (IS(stats, Counters_T)) {
+        e = add_one(stats, off);
+    } else {
+        PyObject *v = PyObject_GetAttr(stats, name);
+        PyObject *n = v == NULL ? NULL : PyNumber_Add(v, one);
+        e = n == NULL ? -1 : PyObject_SetAttr(stats, name, n);
+        Py_XDECREF(v);
+        Py_XDECREF(n);
+    }
+    Py_DECREF(stats);
+    return e;
+}
+
 /* A true attribute of a dict-based object (the device): 1, 0, or -1 on error. */
 static int attr_true(PyObject *o, PyObject *name) {
     PyObject *v = PyObject_GetAttr(o, name);
@@ -565,9 +586,15 @@ static PyObject *event_handle(PyObject *device) {
     return h;
 }
 
+static PyObject *py_event_at; /* Stream.event_at as bound at setup */
+
 static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct) {
     PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
-    if (h == NULL || h == Py_None || cap != Py_None) /* a destroyed or capturing stream: the Python says */
+    PyObject *own = PyObject_GetAttr(Stream_T, s_event_at);
+    if (own == NULL) return NULL;
+    Py_DECREF(own); /* (the class keeps it) */
+    /* a destroyed or capturing stream, or the method replaced on the class: the Python says */
+    if (h == NULL || h == Py_None || cap != Py_None || own != py_event_at)
         return PyObject_CallMethodOneArg(s, s_event_at, seq);
     PyObject *last = SLOT(s, O.s_last_event);
     if (last != NULL && last != Py_None) {
@@ -736,7 +763,9 @@ static int note_one(PyObject *s, PyObject *seq, PyObject *b, int tracked, int wr
     if (!write) return PyDict_SetItem(readers, s, seq);
     PyObject *w = PyTuple_Pack(2, s, seq);
     if (w == NULL) return -1;
-    Py_XSETREF(SLOT(b, O.buf_writer), w);
+    Py_XSETREF(SLOT(b, O.buf_writer), w); /* (the old writer's release may run Python) */
+    readers = SLOT(b, O.buf_readers);
+    if (readers == NULL || !PyDict_CheckExact(readers)) return changed_slot();
     if (PyDict_GET_SIZE(readers)) PyDict_Clear(readers);
     return 0;
 }
@@ -885,14 +914,7 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
     if (add_one(s, O.s_seq) < 0) goto failed;
     seq = Py_NewRef(SLOT(s, O.s_seq));
     if (note_pairs(s, seq, writes, 1) < 0 || note_pairs(s, seq, reads, 0) < 0) goto failed;
-    {
-        PyObject *stats = PyObject_GetAttr(device, s_stats);
-        if (stats == NULL) goto failed;
-        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_launches) : -1;
-        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
-        Py_DECREF(stats);
-        if (e < 0) goto failed;
-    }
+    if (stats_add(device, O.ctr_launches, s_launches) < 0) goto failed;
     {
         int later = PyObject_RichCompareBool(seq, start, Py_GT);
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
@@ -905,14 +927,9 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
     Py_CLEAR(seq);
     Py_CLEAR(start);
     if (set_submitting(Py_False) < 0) goto error;
-    {
-        PyObject *stats = PyObject_GetAttr(device, s_stats);
-        if (stats == NULL) goto error;
-        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_submissions) : -1;
-        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
-        Py_DECREF(stats);
-        if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
-    }
+    if (stats_add(device, O.ctr_submissions, s_submissions) < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 ||
+        count(s_direct) < 0)
+        goto error;
     n_enqueues++;
     return ev;
 failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
@@ -1452,14 +1469,9 @@ static PyObject *gemm_enqueue(PyObject *s, PyObject *device, PyObject *stat, PyO
     Py_CLEAR(seq);
     Py_CLEAR(start);
     if (set_submitting(Py_False) < 0) goto error;
-    {
-        PyObject *stats = PyObject_GetAttr(device, s_stats);
-        if (stats == NULL) goto error;
-        int e = IS(stats, Counters_T) ? add_one(stats, O.ctr_submissions) : -1;
-        if (e < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "_hotpath: unexpected device statistics");
-        Py_DECREF(stats);
-        if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
-    }
+    if (stats_add(device, O.ctr_submissions, s_submissions) < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 ||
+        count(s_direct) < 0)
+        goto error;
     n_gemms++;
     return ev;
 failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
@@ -2786,7 +2798,7 @@ static int unwrap(PyObject *outcome) {
  * found the event pending, and that pass came back within the spin time (_spin_ns),
  * poll again without yielding for up to the spin time. 1: done (counted as the fast
  * path), 0: not, -1: error. */
-static PyObject *s__spin_ns;
+static PyObject *s__spin_ns, *s_spin_poll;
 static unsigned long long n_spins, n_spins_done;
 
 static int clock_ns(long long *out) {
@@ -2799,19 +2811,41 @@ static int clock_ns(long long *out) {
 
 static int spin_held(PyObject *ev, PyObject *dev, long long end);
 
+/* An int of nanoseconds as a C long long, clamped to +-2**61 (73 years: the sums below
+ * cannot overflow; the Python's unbounded ints compare the same for any real clock). */
+static int clamped_ns(PyObject *v, long long *out) {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) return -1;
+    const long long lim = 1LL << 61;
+    *out = overflow > 0 || x > lim ? lim : overflow < 0 || x < -lim ? -lim : x;
+    return 0;
+}
+
+static PyObject *py_spin_poll; /* _notifier.spin_poll as bound by setup_calls: a replacement is called instead */
+
 static int spin_counted(Await *a) {
     PyObject *spin = module_global(notifier_globals, s__spin_ns);
     if (spin == NULL) return -1;
-    if (spin == Py_None) return 0;
-    long long ns = PyLong_AsLongLong(spin), started, now, budget;
-    if (ns == -1 && PyErr_Occurred()) return -1;
-    if (ns <= 0) return 0;
+    int on = spin == Py_None ? 0 : PyObject_IsTrue(spin); /* (the Python: ``_spin_ns and ...``) */
+    if (on <= 0) return on;
     PyObject *b = module_global(notifier_globals, s__budget_ns);
     if (b == NULL) return -1;
-    budget = PyLong_AsLongLong(b); /* (an int: the await read it before its pass) */
-    if (budget == -1 && PyErr_Occurred()) return -1;
-    started = PyLong_AsLongLong(a->started);
-    if (started == -1 && PyErr_Occurred()) return -1;
+    PyObject *sp = module_global(notifier_globals, s_spin_poll);
+    if (sp == NULL) return -1;
+    if (sp != py_spin_poll) { /* replaced: call it, as the Python does */
+        PyObject *deadline = PyNumber_Add(a->started, b);
+        if (deadline == NULL) return -1;
+        PyObject *r = PyObject_CallFunctionObjArgs(sp, a->ev, a->started, deadline, NULL);
+        Py_DECREF(deadline);
+        if (r == NULL) return -1;
+        int done = PyObject_IsTrue(r);
+        Py_DECREF(r);
+        if (done == 1 && count_fast_path() < 0) return -1;
+        return done;
+    }
+    long long ns, started, now, budget;
+    if (clamped_ns(spin, &ns) < 0 || clamped_ns(b, &budget) < 0 || clamped_ns(a->started, &started) < 0) return -1;
     if (clock_ns(&now) < 0) return -1;
     long long deadline = started + budget;
     if (now - started >= ns || now >= deadline) return 0;
@@ -2842,9 +2876,11 @@ static int spin_held(PyObject *ev, PyObject *dev, long long end) {
     }
     int word = PyObject_RichCompareBool(flag, zero, Py_GE);
     if (word < 0) return -1;
+    /* (signals are checked each round, as the Python loop's bytecode would: a
+     * KeyboardInterrupt is not held back for the spin's length) */
     if (word) {
         for (;;) {
-            if (clock_ns(&now) < 0) return -1;
+            if (PyErr_CheckSignals() < 0 || clock_ns(&now) < 0) return -1;
             if (now >= end) break;
             int r = call_true(dev, s_reached, ev);
             if (r < 0) return -1;
@@ -2853,7 +2889,7 @@ static int spin_held(PyObject *ev, PyObject *dev, long long end) {
         return call_true(dev, s_poll, ev);
     }
     for (;;) {
-        if (clock_ns(&now) < 0) return -1;
+        if (PyErr_CheckSignals() < 0 || clock_ns(&now) < 0) return -1;
         if (now >= end) return 0;
         int r = call_true(dev, s_poll, ev);
         if (r) return r;
@@ -3159,6 +3195,7 @@ static PyObject *setup_calls(PyObject *module, PyObject *kw) {
         return NULL;
     }
     for (int i = 0; i < N; i++) Py_XSETREF(*vars[i], Py_NewRef(got[i]));
+    Py_XSETREF(py_spin_poll, Py_XNewRef(PyDict_GetItemString(notifier_globals, "spin_poll")));
     task_status_off = offs[0];
     task_runner_off = offs[1];
     task_points_off = offs[2];
@@ -3267,6 +3304,11 @@ static PyObject *setup_inner(PyObject *kw) {
     OFF(Event_T, "ticket", ev_ticket);
     OFF(Counters_T, "launches", ctr_launches);
     OFF(Counters_T, "submissions", ctr_submissions);
+    {
+        PyObject *ea = PyObject_GetAttr(Stream_T, s_event_at);
+        if (ea == NULL) return NULL;
+        Py_XSETREF(py_event_at, ea);
+    }
     OFF(Launch_T, "_inputs_at", launch_inputs_at);
     OFF(Select_T, "_index", sel_index);
     OFF(Select_T, "_expect", sel_expect);
@@ -3552,6 +3594,8 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_active, "active");
     NAME(s__budget_ns, "_budget_ns");
     NAME(s__spin_ns, "_spin_ns");
+    NAME(s_spin_poll, "spin_poll");
+    NAME(s_submissions, "submissions");
     NAME(s__paths, "_paths");
     NAME(s__submit_now, "_submit_now");
     NAME(s__submission_stream, "_submission_stream");
