@@ -1389,24 +1389,31 @@ async def test_a_buffer_dropped_while_waiting_for_another_stream_is_held(monkeyp
     assert seen[True][0] == [1]  # the buffer went while its order was being made
 
 
-async def test_statistics_of_another_class_are_counted_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """device._stats replaced by a subclass (a tool's counting wrapper): a chain counts
-    its launches in it both ways (found by review: the compiled steps raised after the
-    first launch)."""
+def counting_stats(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The device's statistics replaced by an instance of a subclass of their class (as a
+    tool's counting wrapper may), with the same counts."""
     from trio_cuda._device import _Counters
 
     class Counting(_Counters):
         __slots__ = ()
 
+    mine = Counting()
+    for f in _Counters.__slots__:
+        setattr(mine, f, getattr(dev._stats, f))
+    monkeypatch.setattr(dev, "_stats", mine)
+    return mine
+
+
+async def test_statistics_of_another_class_are_counted_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device._stats replaced by a subclass (a tool's counting wrapper): a chain counts
+    its launches in it both ways (found by review: the compiled steps raised after the
+    first launch)."""
     dev = trio_cuda.current_device()
     seen = {}
     for compiled in (False, True):
         with mode(compiled):
             s, x, y, part = await prepared_saxpy(dev, 16)
-            mine = Counting()
-            for f in _Counters.__slots__:
-                setattr(mine, f, getattr(dev._stats, f))
-            monkeypatch.setattr(dev, "_stats", mine)
+            mine = counting_stats(dev, monkeypatch)
             s0, l0 = s.seq, mine.launches
             await on(saxpy_chain(x, part, 3), s)
             monkeypatch.undo()
@@ -1419,11 +1426,6 @@ async def test_statistics_of_another_class_count_replayed_ops_the_same(monkeypat
     ops.matmul): counted in the replacement, the work done, nothing raised after the
     enqueue (found by review: the compiled enqueues raised after the GEMM or the launch,
     losing the result)."""
-    from trio_cuda._device import _Counters
-
-    class Counting(_Counters):
-        __slots__ = ()
-
     dev = trio_cuda.current_device()
     seen = {}
     for compiled in (False, True):
@@ -1433,10 +1435,7 @@ async def test_statistics_of_another_class_count_replayed_ops_the_same(monkeypat
             for _ in range(3):
                 await ops.matmul(w, x, out=y)
                 await ops.add(x, x, out=z)
-            mine = Counting()
-            for f in _Counters.__slots__:
-                setattr(mine, f, getattr(dev._stats, f))
-            monkeypatch.setattr(dev, "_stats", mine)
+            mine = counting_stats(dev, monkeypatch)
             c0, sub0, l0 = counters(), mine.submissions, mine.launches
             await ops.matmul(w, x, out=y)
             await ops.add(x, x, out=z)

@@ -883,8 +883,17 @@ static PyObject *enqueue_direct(PyObject *module, PyObject *const *argv, Py_ssiz
     return r;
 }
 
-static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyObject *prepared, PyObject *writes,
-                              PyObject *reads) {
+/* A direct enqueue (_submit.direct_enqueue of one step, under the lock, checked): the
+ * flag up, the stream's keep-alives retired, the step ordered after its buffers' pending
+ * accesses on other streams, ``step`` (the launch or the call), the stream's new point
+ * registered as their writer or reader (a launch counted), the event to wait for (if
+ * anything was enqueued that is not known done), the flag down, the submission counted.
+ * On an error after the flag went up: counted as failed (direct_failed), the flag down,
+ * the error raised. Returns the event or None (new references), NULL on error. */
+typedef int (*enqueue_step)(PyObject *s, PyObject *device, PyObject *driver, Direct *direct, void *arg);
+
+static PyObject *enqueue_with(PyObject *s, PyObject *device, PyObject *writes, PyObject *reads, enqueue_step step,
+                              void *arg, int launch) {
     PyObject *start = Py_NewRef(SLOT(s, O.s_seq)), *seq = NULL, *ev = NULL, *driver = NULL;
     Direct direct = {NULL, NULL, NULL, NULL, 0};
     int use_direct = 0;
@@ -906,15 +915,11 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
     if (driver == NULL) goto failed;
     use_direct = direct_calls(driver, &direct);
     if (use_direct < 0) goto failed;
-    {
-        int empty = PySequence_Contains(SLOT(cfg, O.cfg_grid), zero);
-        if (empty < 0) goto failed;
-        if (!empty && launch_prepared(driver, use_direct ? &direct : NULL, prepared, SLOT(s, O.s_handle)) < 0) goto failed;
-    }
+    if (step(s, device, driver, use_direct ? &direct : NULL, arg) < 0) goto failed;
     if (add_one(s, O.s_seq) < 0) goto failed;
     seq = Py_NewRef(SLOT(s, O.s_seq));
     if (note_pairs(s, seq, writes, 1) < 0 || note_pairs(s, seq, reads, 0) < 0) goto failed;
-    if (stats_add(device, O.ctr_launches, s_launches) < 0) goto failed;
+    if (launch && stats_add(device, O.ctr_launches, s_launches) < 0) goto failed;
     {
         int later = PyObject_RichCompareBool(seq, start, Py_GT);
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
@@ -930,7 +935,6 @@ static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyOb
     if (stats_add(device, O.ctr_submissions, s_submissions) < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 ||
         count(s_direct) < 0)
         goto error;
-    n_enqueues++;
     return ev;
 failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
     PyObject *et, *ev_, *tb;
@@ -957,6 +961,22 @@ failed: { /* as direct_enqueue: counted as failed, the flag down, the error rais
 error:
     Py_XDECREF(ev);
     return NULL;
+}
+
+/* _kernel.enqueue_prepared's launch: none for an empty grid. */
+static int launch_step(PyObject *s, PyObject *device, PyObject *driver, Direct *direct, void *arg) {
+    PyObject **cp = (PyObject **)arg; /* {cfg, prepared} */
+    int empty = PySequence_Contains(SLOT(cp[0], O.cfg_grid), zero);
+    if (empty < 0) return -1;
+    return empty ? 0 : launch_prepared(driver, direct, cp[1], SLOT(s, O.s_handle));
+}
+
+static PyObject *enqueue_held(PyObject *s, PyObject *device, PyObject *cfg, PyObject *prepared, PyObject *writes,
+                              PyObject *reads) {
+    PyObject *cp[2] = {cfg, prepared};
+    PyObject *ev = enqueue_with(s, device, writes, reads, launch_step, cp, 1);
+    if (ev != NULL) n_enqueues++;
+    return ev;
 }
 
 /* The cache entry of a launch of these exact arguments on ``device`` (the kernel's
@@ -1410,95 +1430,36 @@ static int gemm_step_own(PyObject *fn) {
            global_is(matmul_globals, "note_accesses", py_note_accesses);
 }
 
-static PyObject *gemm_enqueue(PyObject *s, PyObject *device, PyObject *stat, PyObject *writes, PyObject *reads) {
-    PyObject *start = Py_NewRef(SLOT(s, O.s_seq)), *seq = NULL, *ev = NULL, *driver = NULL;
-    Direct direct = {NULL, NULL, NULL, NULL, 0};
-    int use_direct = 0;
-    if (set_submitting(Py_True) < 0) {
-        Py_DECREF(start);
-        return NULL;
-    }
-    {
-        int r = PyObject_IsTrue(SLOT(s, O.s_keep));
-        if (r < 0) goto failed;
-        if (r) {
-            PyObject *x = PyObject_CallMethodNoArgs(s, s_retire);
-            if (x == NULL) goto failed;
-            Py_DECREF(x);
-        }
-    }
-    if (order_pairs(s, writes, 1) < 0 || order_pairs(s, reads, 0) < 0) goto failed;
-    {
-        /* _gemm_direct: desc, a, b, d, bias = static; capturing None if another library's
-         * stream was ever wrapped, else False; replayed as a graph unless so */
-        int foreign = attr_true(device, s__foreign_streams);
-        if (foreign < 0) goto failed;
-        driver = PyObject_GetAttr(device, s_driver);
-        PyObject *mm = driver == NULL ? NULL : PyObject_GetAttr(driver, s_matmul);
-        if (mm == NULL) goto failed;
-        PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
-        if (sforeign == NULL) {
-            Py_DECREF(mm);
-            goto failed;
-        }
-        PyObject *argv[9] = {PyTuple_GET_ITEM(stat, 0), PyTuple_GET_ITEM(stat, 1), PyTuple_GET_ITEM(stat, 2),
-                             PyTuple_GET_ITEM(stat, 3), PyTuple_GET_ITEM(stat, 4), SLOT(s, O.s_handle),
-                             foreign ? Py_None : Py_False, sforeign, foreign ? Py_False : Py_True};
-        Py_INCREF(argv[5]); /* (the stream's handle, held across the call) */
-        PyObject *x = PyObject_Vectorcall(mm, argv, 9, NULL);
-        Py_DECREF(argv[5]);
-        Py_DECREF(sforeign);
+/* _gemm_direct's call: desc, a, b, d, bias = static; capturing None if another
+ * library's stream was ever wrapped, else False; replayed as a graph unless so. */
+static int gemm_step(PyObject *s, PyObject *device, PyObject *driver, Direct *direct, void *arg) {
+    PyObject *stat = (PyObject *)arg;
+    int foreign = attr_true(device, s__foreign_streams);
+    if (foreign < 0) return -1;
+    PyObject *mm = PyObject_GetAttr(driver, s_matmul);
+    if (mm == NULL) return -1;
+    PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
+    if (sforeign == NULL) {
         Py_DECREF(mm);
-        if (x == NULL) goto failed;
-        Py_DECREF(x);
+        return -1;
     }
-    if (add_one(s, O.s_seq) < 0) goto failed;
-    seq = Py_NewRef(SLOT(s, O.s_seq));
-    if (note_pairs(s, seq, writes, 1) < 0 || note_pairs(s, seq, reads, 0) < 0) goto failed;
-    use_direct = direct_calls(driver, &direct);
-    if (use_direct < 0) goto failed;
-    {
-        int later = PyObject_RichCompareBool(seq, start, Py_GT);
-        if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
-        if (later < 0) goto failed;
-        ev = later ? event_at(s, device, driver, seq, use_direct ? &direct : NULL) : Py_NewRef(Py_None);
-        if (ev == NULL) goto failed;
-    }
-    Py_CLEAR(direct.hot);
-    Py_CLEAR(driver);
-    Py_CLEAR(seq);
-    Py_CLEAR(start);
-    if (set_submitting(Py_False) < 0) goto error;
-    if (stats_add(device, O.ctr_submissions, s_submissions) < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 ||
-        count(s_direct) < 0)
-        goto error;
-    n_gemms++;
-    return ev;
-failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
-    PyObject *et, *ev_, *tb;
-    PyErr_Fetch(&et, &ev_, &tb);
-    PyObject *x = PyObject_CallNoArgs(direct_failed);
-    if (x == NULL) {
-        Py_XDECREF(et);
-        Py_XDECREF(ev_);
-        Py_XDECREF(tb);
-    } else {
-        Py_DECREF(x);
-        PyErr_Restore(et, ev_, tb);
-    }
-    PyErr_Fetch(&et, &ev_, &tb);
-    if (set_submitting(Py_False) < 0) PyErr_Clear();
-    PyErr_Restore(et, ev_, tb);
-    Py_XDECREF(direct.hot);
-    Py_XDECREF(driver);
-    Py_XDECREF(seq);
-    Py_XDECREF(start);
-    Py_XDECREF(ev);
-    return NULL;
+    PyObject *argv[9] = {PyTuple_GET_ITEM(stat, 0), PyTuple_GET_ITEM(stat, 1), PyTuple_GET_ITEM(stat, 2),
+                         PyTuple_GET_ITEM(stat, 3), PyTuple_GET_ITEM(stat, 4), SLOT(s, O.s_handle),
+                         foreign ? Py_None : Py_False, sforeign, foreign ? Py_False : Py_True};
+    Py_INCREF(argv[5]); /* (the stream's handle, held across the call) */
+    PyObject *x = PyObject_Vectorcall(mm, argv, 9, NULL);
+    Py_DECREF(argv[5]);
+    Py_DECREF(sforeign);
+    Py_DECREF(mm);
+    if (x == NULL) return -1;
+    Py_DECREF(x);
+    return 0;
 }
-error:
-    Py_XDECREF(ev);
-    return NULL;
+
+static PyObject *gemm_enqueue(PyObject *s, PyObject *device, PyObject *stat, PyObject *writes, PyObject *reads) {
+    PyObject *ev = enqueue_with(s, device, writes, reads, gemm_step, stat, 0);
+    if (ev != NULL) n_gemms++;
+    return ev;
 }
 
 /* set_gemm_step(fn, matmul_globals): the GEMM step function (_matmul._gemm_direct) whose
@@ -3208,18 +3169,21 @@ static PyObject *setup_calls(PyObject *module, PyObject *kw) {
 
 /* ---- setup ------------------------------------------------------------------------ */
 
-static PyObject *setup_inner(PyObject *kw) {
-    /* setup(dict): the classes and objects this file works on, by name */
-#define GET(var, name)                                                               \
+/* var = kw[name] (a new reference), or KeyError naming the setup function ``who``. */
+#define GET_FROM(who, var, name)                                                     \
     do {                                                                             \
         PyObject *v_ = PyDict_GetItemString(kw, name);                               \
         if (v_ == NULL) {                                                            \
-            PyErr_Format(PyExc_KeyError, "_hotpath.setup needs %s", name);         \
+            PyErr_Format(PyExc_KeyError, "_hotpath.%s needs %s", who, name);         \
             return NULL;                                                             \
         }                                                                            \
         Py_INCREF(v_);                                                               \
         Py_XSETREF(var, v_);                                                         \
     } while (0)
+
+static PyObject *setup_inner(PyObject *kw) {
+    /* setup(dict): the classes and objects this file works on, by name */
+#define GET(var, name) GET_FROM("setup", var, name)
 #define OFF(cls, name, field) \
     if (slot_offset((PyObject *)(cls), name, &O.field) < 0) return NULL
     if (!PyDict_Check(kw)) {
@@ -3381,16 +3345,7 @@ static PyObject *setup(PyObject *module, PyObject *kw) {
 /* setup_ops(objects): bind what the ops' direct submission works on (after setup());
  * returns the compiled TensorOp._submit_now. All or nothing, as setup(). */
 static PyObject *setup_ops_inner(PyObject *module, PyObject *kw) {
-#define GET(var, name)                                                               \
-    do {                                                                             \
-        PyObject *v_ = PyDict_GetItemString(kw, name);                               \
-        if (v_ == NULL) {                                                            \
-            PyErr_Format(PyExc_KeyError, "_hotpath.setup_ops needs %s", name);     \
-            return NULL;                                                             \
-        }                                                                            \
-        Py_INCREF(v_);                                                               \
-        Py_XSETREF(var, v_);                                                         \
-    } while (0)
+#define GET(var, name) GET_FROM("setup_ops", var, name)
 #define OFF(cls, name, field) \
     if (slot_offset((PyObject *)(cls), name, &Q.field) < 0) return NULL
     if (!PyDict_Check(kw)) {
