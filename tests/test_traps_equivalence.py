@@ -725,7 +725,9 @@ def pending_polls(n: int) -> Iterator[list[int]]:
         mp.undo()
 
 
-def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0, budget_ns: int = 10_000_000_000) -> dict[str, Any]:
+def _spun_await(
+    spin_ns: int, pending: int, slow_pass_ns: int = 0, budget_ns: int = 10_000_000_000, spin_poll: Any = None
+) -> dict[str, Any]:
     """One direct await whose first ``pending`` polls answer pending, with the spin set
     to ``spin_ns``; ``slow_pass_ns``: trio's pass after the submission takes that long
     (an instrument holds the loop, as other tasks' steps would)."""
@@ -741,6 +743,8 @@ def _spun_await(spin_ns: int, pending: int, slow_pass_ns: int = 0, budget_ns: in
         mp = pytest.MonkeyPatch()
         mp.setattr(_notifier, "_spin_ns", spin_ns)
         mp.setattr(_notifier, "_budget_ns", budget_ns)  # (by default: polls between passes, never parks)
+        if spin_poll is not None:  # (replaced for this await only)
+            mp.setattr(_notifier, "spin_poll", spin_poll)
         paths = list(_notifier._paths)
         try:
             with pending_polls(pending) as made:
@@ -794,12 +798,7 @@ def test_a_replaced_spin_poll_is_called_the_same() -> None:
             calls.append(1)
             return real(ev, started, deadline)
 
-        mp = pytest.MonkeyPatch()
-        mp.setattr(_notifier, "spin_poll", wrapper)
-        try:
-            got = _spun_await(10_000_000_000, pending=2)
-        finally:
-            mp.undo()
+        got = _spun_await(10_000_000_000, pending=2, spin_poll=wrapper)
         return (got["outcome"], got["polls"], got["fast"]), len(calls)
 
     py, _, _ = three_ways(run)  # (the compiled await observed the same: three_ways checks)
