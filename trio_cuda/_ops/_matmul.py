@@ -261,10 +261,18 @@ def _squeeze_strides(d: Tensor, a_ndim: int, b_ndim: int) -> tuple[int, ...]:
 
 def matmul(a: Any, b: Any, *, out: Any = None, allow_tf32: bool = False) -> Matmul:
     """``a @ b`` with numpy's rules (1-D operands, broadcast batch dimensions)."""
-    if not isinstance(allow_tf32, bool):
+    if allow_tf32 is not False and allow_tf32 is not True:
         raise TypeError(f"ops.matmul: allow_tf32 must be a bool, not {allow_tf32!r}")
     n = "ops.matmul"
-    return Matmul((operand(a, n), operand(b, n), None if out is None else operand(out, n), allow_tf32))
+    # (a tensor is its own operand: the common case without a call)
+    return Matmul(
+        (
+            a if type(a) is Tensor else operand(a, n),
+            b if type(b) is Tensor else operand(b, n),
+            out if out is None or type(out) is Tensor else operand(out, n),
+            allow_tf32,
+        )
+    )
 
 
 class Linear(TensorOp):
