@@ -81,8 +81,8 @@ def spin_poll(event: Event, started: int, deadline: int) -> bool:
     that began at ``started`` (perf_counter_ns): if that pass came back within the spin
     time (few tasks are running), poll again without yielding, for up to the spin time
     and not past ``deadline`` (the end of the polling budget); True if the event
-    completed meanwhile (the caller counts it). An
-    event with a completion word spins on the word and asks the driver once at the end.
+    completed meanwhile (the caller counts it). An event with a completion word spins
+    on the word and asks the driver once at the end.
     (trio_cuda/_hotpath.c's await does the same: a change here must be made there too.)"""
     spin = _spin_ns if _spin_ns is not None else spin_ns()
     clock = time.perf_counter_ns
