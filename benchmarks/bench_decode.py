@@ -174,13 +174,18 @@ def raw_graph(graph: Any, tokens: int, label: str = "") -> dict[str, float]:
     return out
 
 
-def torch_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float], str | None]:
-    try:
+class TorchSteps:
+    """PyTorch's decode step on the example's shapes (rms_norm as PyTorch ops: pow, mean,
+    add, rsqrt and two multiplies; two ``torch.mv``; the residual add: 9 kernels per
+    layer), on the current CUDA stream, warm."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
         import torch
 
+        self.torch = torch
         dev = torch.device("cuda")
         g = torch.Generator(device="cpu").manual_seed(0)
-        ws = [
+        self.ws = [
             (
                 torch.randn(hidden, generator=g).to(dev),
                 (torch.randn(hidden, hidden, generator=g) / hidden**0.5).to(dev),
@@ -188,28 +193,103 @@ def torch_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float]
             )
             for _ in range(layers)
         ]
-        h = torch.randn(hidden, generator=g).to(dev)
+        self.h = torch.randn(hidden, generator=g).to(dev)
+        for _ in range(3):
+            self.step(self.h)
+            self.step(self.h, sync_each=True)
+        torch.cuda.synchronize()
 
-        def step(h: Any) -> Any:
-            for w, wq, wo in ws:
+    def step(self, h: Any, sync_each: bool = False) -> Any:
+        """One step; ``sync_each``: a ``torch.cuda.synchronize()`` after every op (what an
+        await per kernel is), else none."""
+        torch = self.torch
+        if not sync_each:
+            for w, wq, wo in self.ws:
                 hn = h * torch.rsqrt(h.pow(2).mean() + EPS) * w
                 h = h + torch.mv(wo, torch.mv(wq, hn))
             return h
 
-        s = torch.cuda.Stream()
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                step(h)
-        torch.cuda.synchronize()
+        def op(t: Any) -> Any:
+            torch.cuda.synchronize()
+            return t
+
+        for w, wq, wo in self.ws:
+            ms = op(op(op(h.pow(2)).mean()) + EPS)
+            hn = op(op(h * op(torch.rsqrt(ms))) * w)
+            h = op(h + op(torch.mv(wo, op(torch.mv(wq, hn)))))
+        return h
+
+    def ms_per_token(self, tokens: int, sync_each: bool = False) -> float:
+        """``tokens`` steps, one ``torch.cuda.synchronize()`` per token (and per op with
+        ``sync_each``); ms per token."""
         t0 = time.perf_counter()
         for _ in range(tokens):
-            step(h)
-            torch.cuda.synchronize()
-        res = {"torch eager": (time.perf_counter() - t0) / tokens * 1e3}
-        static = h.clone()
+            self.step(self.h, sync_each)
+            self.torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / tokens * 1e3
+
+
+def torch_steps(hidden: int, layers: int) -> tuple[TorchSteps | None, str | None]:
+    """:class:`TorchSteps`, or None and why (no PyTorch, no CUDA device, ...)."""
+    try:
+        return TorchSteps(hidden, layers), None
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+async def per_kernel_floor(makers: list[Any]) -> Any:
+    """The floor of a step awaited kernel by kernel, without trio-cuda's host code: each
+    op of ``makers`` captured alone as a one-node graph (a GEMV on cuBLASLt is a graph
+    launch on trio-cuda's direct path too; for the other kernels a graph launch costs the
+    host a little more than ``cuLaunchKernel``), then per kernel the backend's compiled
+    driver calls (``cuGraphLaunch``, ``cuEventRecord``, ``cuEventQuery`` until done) on a
+    stream of its own. Returns an async function ``floor(tokens, trio_pass)`` giving ms
+    per token (``trio_pass``: one trio schedule point per kernel between the record and
+    the first query, as an await has), or None where there is no such path (the
+    simulated device, no compiled calls)."""
+    dev = trio_cuda.current_device()
+    drv = dev._driver  # type: ignore[attr-defined]
+    fast, pfn = getattr(drv, "_fast", None), getattr(drv, "_graph_pfn", 0)
+    if trio_cuda.backend_name() != "cuda" or fast is None or not pfn:
+        return None
+    from trio_cuda._backends import _cudafast
+
+    graphs = [make().graph() for make in makers]
+    execs = [int(g._handle.exec) for g in graphs]
+    stream, event = drv.create_stream(), drv.create_event()
+    sh, eh = int(stream), int(event)
+    launch, record, query = _cudafast.graph_launch, _cudafast.record, _cudafast.query
+    checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+
+    async def floor(tokens: int, trio_pass: bool) -> float:
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            for x in execs:
+                if launch(pfn, x, sh) or record(fast[1], eh, sh):
+                    raise RuntimeError("per_kernel_floor: a launch or record failed")
+                if trio_pass:
+                    await checkpoint()
+                while (r := query(fast[2], eh)) != 0:
+                    if r != 600:  # CUDA_ERROR_NOT_READY
+                        raise RuntimeError(f"per_kernel_floor: cuEventQuery returned {r}")
+        return (time.perf_counter() - t0) / tokens * 1e3
+
+    floor.graphs = graphs  # type: ignore[attr-defined]  # (kept alive with the function)
+    await floor(1, False)
+    return floor
+
+
+def torch_modes(hidden: int, layers: int, tokens: int) -> tuple[dict[str, float], str | None]:
+    steps, err = torch_steps(hidden, layers)
+    if steps is None:
+        return {}, err
+    try:
+        torch = steps.torch
+        res = {"torch eager": steps.ms_per_token(tokens)}
+        static = steps.h.clone()
         cg = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cg):
-            out = step(static)
+            out = steps.step(static)
         cg.replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()

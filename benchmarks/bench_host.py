@@ -20,9 +20,18 @@ the peers of ``_peers.py``, then PyTorch's decode step):
 * ``decode step, 88 kernels, await per kernel, ms/token``: the decode step of
   ``examples/cuda_graphs_deviceop.py`` (hidden 2048, 22 layers of rms_norm, two GEMVs
   and a residual add: 4 kernels per layer) with one ``await`` per kernel, on one stream
-  (``bench_decode.trio_modes``, the row ``trio: await per kernel``), against PyTorch
-  eager on the same shapes with one ``torch.cuda.synchronize()`` per token
-  (``bench_decode.torch_modes``, ``torch eager``). The other peers have no such figure.
+  (``bench_decode.per_kernel_ops``), against PyTorch eager on the same shapes (rms_norm
+  as PyTorch ops: 9 kernels per layer) with one ``torch.cuda.synchronize()`` per token
+  (``bench_decode.TorchSteps``). In the same ``--rounds`` interleaved rounds of
+  ``--tokens`` tokens each (the order reversed every other round, so that a drift of the
+  machine's speed, which moves PyTorch's figure by tens of percent between processes,
+  falls on both alike): PyTorch with a synchronize after every op (the same program as
+  an await per kernel), and the step's floor without trio-cuda's host code
+  (``bench_decode.per_kernel_floor``: each kernel captured as a one-node graph, then per
+  kernel the compiled ``cuGraphLaunch`` + ``cuEventRecord`` + ``cuEventQuery`` until
+  done), alone and with one trio schedule point per kernel (an await's checkpoint).
+  Medians over the rounds; the verdict line also gives the median and range of the
+  per-round ratios. The other peers have no such figure.
 * ``awaits/s, T concurrent tasks, tiny kernels``: T trio tasks in one nursery, each
   doing ``await inc(part)`` k times on its own 32-element tensor, under the device's
   default policy (a pool of streams); total awaits / wall seconds of the nursery, median
@@ -81,6 +90,7 @@ SMOKE = {
     "hidden": 16,
     "layers": 2,
     "tokens": 2,
+    "rounds": 2,
     "tasks": 8,
     "tasks_extra": "1,2,4",
     "awaits": 32,
@@ -205,6 +215,64 @@ async def _idle_figure(idle_s: float) -> dict[str, Any]:
     }
 
 
+async def _decode_figure(args: argparse.Namespace) -> dict[str, Any]:
+    """The decode step awaited kernel by kernel, PyTorch's step (eager, and with a sync
+    after every op) and the step's floor without trio-cuda's host code, in ``--rounds``
+    interleaved rounds of ``--tokens`` tokens (the order reversed every other round), so
+    that a drift of the machine's speed falls on every variant alike."""
+    dev = trio_cuda.current_device()
+    m = await bench_decode.build(args.hidden, args.layers)
+    dev.policy = trio_cuda.SingleStream(dev)  # one stream: bench_decode's "await per kernel"
+    makers = bench_decode.per_kernel_ops(m)
+    for make in makers:  # warm-up: compile and load every kernel
+        await make()
+
+    async def trio_ms(tokens: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            for make in makers:
+                await make()
+        return (time.perf_counter() - t0) / tokens * 1e3
+
+    variants: dict[str, Any] = {"trio": trio_ms}
+    torch_error = "not on the CUDA backend"
+    if trio_cuda.backend_name() == "cuda":
+        steps, torch_error = bench_decode.torch_steps(args.hidden, args.layers)
+        if steps is not None:
+
+            async def eager(tokens: int) -> float:
+                return steps.ms_per_token(tokens)
+
+            async def synced(tokens: int) -> float:
+                return steps.ms_per_token(tokens, sync_each=True)
+
+            variants["torch eager"] = eager
+            variants["torch sync each"] = synced
+    floor = await bench_decode.per_kernel_floor(makers)
+    if floor is not None:
+
+        async def bare(tokens: int) -> float:
+            return await floor(tokens, False)
+
+        async def with_pass(tokens: int) -> float:
+            return await floor(tokens, True)
+
+        variants["floor"] = bare
+        variants["floor + trio pass"] = with_pass
+    rounds: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(args.rounds):
+        for name in list(variants) if r % 2 == 0 else reversed(list(variants)):
+            rounds[name].append(await variants[name](args.tokens))
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        "median": {k: statistics.median(v) for k, v in rounds.items()},
+        "torch_error": torch_error if "torch eager" not in variants else None,
+    }
+    if "torch eager" in rounds:
+        out["ratio_per_round"] = [t / e for t, e in zip(rounds["trio"], rounds["torch eager"], strict=True)]
+    return out
+
+
 async def _trio_part(args: argparse.Namespace) -> dict[str, Any]:
     dev = trio_cuda.current_device()
     default_policy = dev.policy
@@ -232,12 +300,7 @@ async def _trio_part(args: argparse.Namespace) -> dict[str, Any]:
         k = max(1, args.awaits // t)
         out["tasks"][t] = await section(f"awaits/s, {t} task{'s' if t > 1 else ''}", _tasks_figure, t, k)
 
-    async def decode() -> dict[str, float]:
-        res, graph, others, kernels = await bench_decode.trio_modes(args.hidden, args.layers, args.tokens)
-        del graph, others, kernels
-        return res
-
-    out["decode"] = await section("decode step", decode)
+    out["decode"] = await section("decode step", _decode_figure, args)
     out["idle"] = await section("idle", _idle_figure, args.idle_s)
     out["device_statistics"] = dataclasses.asdict(dev.statistics())
     return out
@@ -258,9 +321,7 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "missed")
 
 
-def build_rows(
-    args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, dict[str, Any]], torch_eager: float | None
-) -> tuple[list[str], list[str]]:
+def build_rows(args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
     """The table's lines and the verdict lines under it."""
     rt = ours.get("runtime") or {}
     raw = peers.get("raw_cuda_bindings", {})
@@ -291,14 +352,36 @@ def build_rows(
         checks.append(f"- {label}: {ratio} (target <= {limit}x): {_verdict(ok)}")
 
     kernels = 4 * args.layers
+    dec = ours.get("decode") or {}
+    med = dec.get("median") or {}
+    v, torch_eager = med.get("trio"), med.get("torch eager")
     label = f"decode step, {kernels} kernels, await per kernel, ms/token"
-    v = (ours.get("decode") or {}).get("trio: await per kernel")
     trio_cell = "n/a" if v is None else _fmt(v) + (f" ({v / torch_eager:.2f}x torch)" if torch_eager else "")
     torch_cell = "n/a" if torch_eager is None else _fmt(torch_eager)
     lines.append(f"| {label} | {trio_cell} |  |  |  | {torch_cell} | <= PyTorch eager |")
     ok = None if v is None or torch_eager is None else v <= torch_eager
     ratio = f"{v / torch_eager:.2f}x torch eager" if v is not None and torch_eager else "no torch figure"
-    checks.append(f"- {label}: {ratio} (target <= 1x): {_verdict(ok)}")
+    per_round = dec.get("ratio_per_round") or []
+    spread = (
+        f"; per round {statistics.median(per_round):.2f}x median, {min(per_round):.2f}x-{max(per_round):.2f}x over {len(per_round)} rounds"
+        if per_round
+        else ""
+    )
+    checks.append(f"- {label}: {ratio} (target <= 1x){spread}: {_verdict(ok)}")
+    synced = med.get("torch sync each")
+    if v is not None and synced is not None:
+        lines.append(
+            f"| decode step, a sync after every op (trio-cuda: the same await per kernel), ms/token | {_fmt(v)} "
+            f"({v / synced:.2f}x torch) |  |  |  | {_fmt(synced)} |  |"
+        )
+    for key, what in (
+        ("floor", "decode step's floor: per kernel a one-node graph launch, record, query until done, ms/token"),
+        ("floor + trio pass", "the floor with one trio schedule point per kernel, ms/token"),
+    ):
+        f = med.get(key)
+        if f is not None:
+            cell = _fmt(f) + (f" ({f / torch_eager:.2f}x torch eager)" if torch_eager else "")
+            lines.append(f"| {what} |  | {cell} |  |  |  |  |")
 
     for i, t in enumerate([args.tasks, *args.tasks_extra]):
         r = (ours.get("tasks") or {}).get(t) or {}
@@ -355,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of the chain and sync figures")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
-    ap.add_argument("--tokens", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=30, help="tokens per variant per round of the decode figure")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the decode figure")
     ap.add_argument("--tasks", type=int, default=256, help="concurrent tasks of the awaits/s figure")
     ap.add_argument("--tasks-extra", default="1,16,64", help="task counts of the extra awaits/s rows")
     ap.add_argument("--awaits", type=int, default=51_200, help="awaits per repetition of an awaits/s row (all tasks)")
@@ -371,9 +455,6 @@ def main(argv: list[str] | None = None) -> int:
     ours = trio.run(_trio_part, args)
     _progress("peers")
     peers = {r["name"]: r for r in _peers.run_all(n=args.n, reps=args.reps)}
-    _progress("torch decode step")
-    torch_res, torch_error = bench_decode.torch_modes(args.hidden, args.layers, args.tokens)
-    torch_eager = torch_res.get("torch eager")
 
     dev = trio_cuda.current_device()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -386,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         f"one stream; awaits/s: {args.awaits} awaits per repetition over all tasks, 3 repetitions, "
         f"default policy ({ours['policy']}).\n"
     )
-    table, checks = build_rows(args, ours, peers, torch_eager)
+    table, checks = build_rows(args, ours, peers)
+    torch_error = (ours.get("decode") or {}).get("torch_error")
     notes = []
     if rt.get("chain_build_us_per_op") is not None:
         notes.append(f"- trio-cuda chain build cost (not in the chain figure): {rt['chain_build_us_per_op']:.2f} us/op")
@@ -427,8 +509,6 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "trio": ours,
         "peers": list(peers.values()),
-        "torch_decode": torch_res,
-        "torch_decode_error": torch_error,
     }
     (out / f"host-{day}.json").write_text(json.dumps(record, indent=2, default=str))
     return 1 if ours["errors"] else 0

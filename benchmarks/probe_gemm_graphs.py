@@ -37,35 +37,21 @@ from trio_cuda import api, ops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_ops, per_kernel_step_figure  # this folder and examples/ (run as a script)
+from bench_decode import per_kernel_ops, per_kernel_step_figure, torch_steps  # this folder and examples/ (run as a script)
 from cuda_graphs_deviceop import EPS, build
 
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
 
+_torch_steps: dict[tuple[int, int], Any] = {}
 
-def torch_eager_ms(hidden: int, layers: int) -> float | None:
-    """PyTorch eager's decode step (rms_norm as 5 ops, two mv, an add per layer), ms."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    g = torch.ones(hidden, device="cuda")
-    w = torch.ones(hidden, hidden, device="cuda") / hidden
-    x = torch.ones(hidden, device="cuda")
 
-    def step(h: Any) -> Any:
-        for _ in range(layers):
-            hn = h * torch.rsqrt(h.pow(2).mean() + EPS) * g
-            h = h + torch.mv(w, torch.mv(w, hn))
-        return h
-
-    step(x)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter_ns()
-    for _ in range(10):
-        step(x)
-    torch.cuda.synchronize()
-    return (time.perf_counter_ns() - t0) / 10 / 1e6
+def torch_eager_ms(hidden: int, layers: int, sync_each: bool = False) -> float | None:
+    """PyTorch eager's decode step (bench_decode.TorchSteps, built once per shape), ms per
+    token over 10 tokens; ``sync_each``: with a ``torch.cuda.synchronize()`` after every op."""
+    if (hidden, layers) not in _torch_steps:
+        _torch_steps[hidden, layers] = torch_steps(hidden, layers)[0]
+    steps = _torch_steps[hidden, layers]
+    return None if steps is None else steps.ms_per_token(10, sync_each)
 
 
 async def part_ab(hidden: int, layers: int, rounds: int) -> None:
