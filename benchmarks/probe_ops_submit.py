@@ -4,7 +4,10 @@ submission of replayed ``ops`` calls, and the spin after an await's first poll.
 ``--switch submit`` (default): ``trio_cuda/_hotpath.c``'s ``TensorOp._submit_now`` (a
 replayed op whose recipe is one prepared launch or one prepared GEMM) against the Python
 method, switched with ``_ops._core._switch_hot_submit`` (the rest of the compiled path
-stays on). ``--switch spin``: the spin time after an await's first poll found its work
+stays on). ``--switch gemm_replay``: the compiled replay of a kept GEMM graph
+(``gemm_replay``) against the backend's Python branch (``CudaDevice.matmul``), the latter
+by a wrapper of the backend's method set on the driver object, which the compiled path
+hands to the Python. ``--switch spin``: the spin time after an await's first poll found its work
 pending (``_notifier._spin_ns``, what ``TRIO_CUDA_SPIN_US`` sets), each of
 ``--spins`` (us; 0 is no spin). Rounds in alternating order: ``ops.add``,
 ``ops.rms_norm`` and a GEMV (``ops.matmul``, ``--hidden`` square, fp32) each awaited
@@ -12,7 +15,7 @@ pending (``_notifier._spin_ns``, what ``TRIO_CUDA_SPIN_US`` sets), each of
 tokens); PyTorch eager's step on the same shapes each round, where installed. Medians
 per variant at the end, against the first variant.
 
-    python benchmarks/probe_ops_submit.py [--switch submit|spin] [--spins 0,10,20,50]
+    python benchmarks/probe_ops_submit.py [--switch submit|spin|gemm_replay] [--spins 0,10,20,50]
         [--hidden 2048] [--layers 22] [--rounds 6] [--n 2000]
 
 On the simulated device use small sizes (``--hidden 64 --layers 2 --n 200``): the
@@ -54,7 +57,13 @@ async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds
     for make in cases.values():
         for _ in range(3):
             await make()
-    if switch == "submit":
+    drv = dev._driver
+    own_matmul = type(drv).matmul
+
+    def python_matmul(*args: object) -> None:
+        own_matmul(drv, *args)
+
+    if switch in ("submit", "gemm_replay"):
         variants = ["compiled", "python"]
     else:
         variants = [f"spin {us:g} us" for us in spins]
@@ -63,6 +72,11 @@ async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds
     def use(i: int) -> None:
         if switch == "submit":
             _core._switch_hot_submit(i == 0)
+        elif switch == "gemm_replay":
+            if i == 0:
+                vars(drv).pop("matmul", None)
+            else:
+                drv.matmul = python_matmul
         else:
             _notifier._spin_ns = int(spins[i] * 1000)
 
@@ -87,7 +101,8 @@ async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds
             c1 = _hotpath.counters()
             line.append(f"decode {d:.3f} ms/token")
             line.append(
-                f"(rest {c1['awaits_rest'] - c0['awaits_rest']}, spins {c1['spins'] - c0['spins']}, done {c1['spins_done'] - c0['spins_done']})"
+                f"(rest {c1['awaits_rest'] - c0['awaits_rest']}, spins {c1['spins'] - c0['spins']}, done {c1['spins_done'] - c0['spins_done']}, "
+                f"GEMM replays in C {c1['gemm_replays'] - c0['gemm_replays']})"
             )
             print(" | ".join(line), flush=True)
         e = torch_eager_ms(hidden, layers) if trio_cuda.backend_name() == "cuda" else None
@@ -96,6 +111,7 @@ async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds
             print(f"round {r}: torch eager {e:.3f} ms/token", flush=True)
     _core._switch_hot_submit(True)
     _notifier._spin_ns = spin_was
+    vars(drv).pop("matmul", None)
     print(f"\n{'median':22s}" + "".join(f" {v:>16s}" for v in variants) + f"  (ratio to {variants[0]})")
     for name in [*cases, "decode, ms/token"]:
         med = [statistics.median(res[(name, v)]) for v in variants]
@@ -110,7 +126,7 @@ async def main(switch: str, spins: list[float], hidden: int, layers: int, rounds
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--switch", choices=["submit", "spin"], default="submit")
+    ap.add_argument("--switch", choices=["submit", "spin", "gemm_replay"], default="submit")
     ap.add_argument("--spins", default="0,10,20,50", help="spin times to compare, us (--switch spin)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)

@@ -122,6 +122,48 @@ async def test_a_replayed_gemm_reads_the_operands_each_time(dev: trio_cuda.Devic
         assert captures == 1 and replays == 6
 
 
+async def test_the_compiled_submission_replays_the_graph_unless_matmul_is_replaced(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ops GEMM's direct submission replays its kept graph in C (the hot path's
+    gemm_replay) where the Python would (the same counts, the same results); a matmul
+    replaced on the driver object (fault injection, a tool's wrapper) is called for every
+    submission instead, and replays through the Python branch."""
+    from trio_cuda import _kernel
+
+    mv = await Gemv.new(40, 24)
+    hot = _kernel.hotpath_active()
+    if hot:
+        from trio_cuda import _hotpath
+
+        r0 = _hotpath.counters()["gemm_replays"]
+    c0 = counts(dev)
+    await mv.run(8)
+    captures, replays = (a - b for a, b in zip(counts(dev), c0, strict=True))
+    if ON_CUDA:
+        assert captures == 1 and replays == 6
+        if hot:
+            # the capture's own launch is the Python's; every later replay is made in C
+            assert _hotpath.counters()["gemm_replays"] - r0 == 5
+    calls: list[Any] = []
+    real = dev._driver.matmul
+
+    def wrapper(*args: Any) -> Any:
+        calls.append(args[1:4])
+        return real(*args)
+
+    monkeypatch.setattr(dev._driver, "matmul", wrapper)
+    if hot:
+        r0 = _hotpath.counters()["gemm_replays"]
+    c0 = counts(dev)
+    await mv.run(5)
+    assert calls == [(mv.w.ptr, mv.x.ptr, mv.y.ptr)] * 5
+    if ON_CUDA:
+        assert counts(dev)[1] - c0[1] == 5  # replayed by the Python branch
+        if hot:
+            assert _hotpath.counters()["gemm_replays"] == r0
+
+
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu"])
 async def test_linear_with_bias_replays_its_epilogue(dev: trio_cuda.Device, activation: str) -> None:
     hx, hw, hb = f32(5, 32), f32(24, 32), f32(24)

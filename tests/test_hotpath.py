@@ -614,6 +614,87 @@ def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.
         assert _hotpath.direct_call("query", sim, object()) is None
 
 
+def _gemm_driver(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[int, int]], list[int]]:
+    """A fake CUDA driver (see _cuda_driver) with a Gemms state and a stand-in for
+    cuGraphLaunch that records (exec, stream) and returns answer[0]."""
+    from trio_cuda._backends._cublaslt import Gemms
+
+    from .test_fastpath import GRAPH_LAUNCH, address
+
+    d = _cuda_driver(_FakeDriver(), monkeypatch)
+    seen: list[tuple[int, int]] = []
+    answer = [0]
+    cb = GRAPH_LAUNCH(lambda g, st: seen.append((g, st)) or answer[0])
+    d._keep_cb = cb  # (alive as long as the driver)
+    d._graph_pfn = address(cb)
+    d._gemms = Gemms()
+    d._gemms.replay = True
+    return d, seen, answer
+
+
+def test_a_kept_gemm_graph_is_replayed_as_the_python_replays_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled replay of a kept GEMM graph (gemm_replay, what an ops GEMM's direct
+    submission makes) against CudaDevice.matmul's replay branch, with a stand-in for
+    cuGraphLaunch (no GPU needed): the same graph launched on the same stream, the same
+    least-recently-used order afterwards, Gemms.replays counted alike; and every case it
+    leaves to the Python (no such graph, replays off, matmul replaced, no entry point,
+    another context current, a launch the driver refuses) changes nothing."""
+    from cuda.bindings import driver as cu
+
+    from trio_cuda._backends import _cuda
+    from trio_cuda._backends._boundary import GemmDesc, GemmOperand
+
+    d, seen, answer = _gemm_driver(monkeypatch)
+    desc = GemmDesc(8, 4, 16, 1, GemmOperand(8, 16, 16, False, 0), GemmOperand(16, 4, 4, False, 0), "float32")
+    other = GemmDesc(8, 4, 16, 1, GemmOperand(8, 16, 16, False, 0), GemmOperand(16, 4, 4, False, 0), "float32")
+    st = cu.CUstream(0x200)
+    k1, k2, k3 = (desc, 1, 2, 3, 0, 0x200), (other, 4, 5, 6, 0, 0x200), (desc, 1, 2, 3, 0, 0x300)
+    graphs = d._gemms.graphs
+    graphs.update({k1: (0x901, "exec 1"), k2: (0x902, "exec 2"), k3: (0x903, "exec 3")})
+    c0 = counters()
+    assert _hotpath.direct_call("gemm_replay", d, (desc, 1, 2, 3, 0), st) == 1
+    assert seen == [(0x901, 0x200)]
+    assert list(graphs) == [k2, k3, k1] and d._gemms.replays == 1
+    assert delta(c0, counters())["gemm_replays"] == 1
+    # the Python branch, on the same state: an equal desc (another object) finds k2
+    d.matmul(desc, 4, 5, 6, 0, st, False, False, True)
+    assert seen[-1] == (0x902, 0x200)
+    assert list(graphs) == [k3, k1, k2] and d._gemms.replays == 2
+    assert _hotpath.direct_call("gemm_replay", d, (other, 1, 2, 3, 0), cu.CUstream(0x300)) == 1
+    assert seen[-1] == (0x903, 0x300) and list(graphs) == [k1, k2, k3] and d._gemms.replays == 3
+
+    def unchanged(*args: Any) -> None:
+        before = (list(graphs), d._gemms.replays, len(seen), counters()["gemm_replays"])
+        assert _hotpath.direct_call("gemm_replay", d, *args) in (0, None)
+        assert (list(graphs), d._gemms.replays, len(seen), counters()["gemm_replays"]) == before
+
+    unchanged((desc, 1, 2, 4, 0), st)  # no graph kept for these pointers
+    unchanged((desc, 1, 2, 3, 0), cu.CUstream(0x400))  # nor for this stream
+    unchanged((desc, 1, 2, 3), st)  # not the step's 5-tuple
+    d._gemms.replay = False
+    unchanged((desc, 1, 2, 3, 0), st)
+    d._gemms.replay = True
+    monkeypatch.setattr(d, "_graph_pfn", 0)  # no entry point: the Python goes through cuda.bindings
+    unchanged((desc, 1, 2, 3, 0), st)
+    monkeypatch.undo()
+    d, seen, answer = _gemm_driver(monkeypatch)
+    d._gemms.graphs.update({k1: (0x901, "exec 1"), k2: (0x902, "exec 2")})
+    graphs = d._gemms.graphs
+    monkeypatch.setattr(d, "matmul", lambda *a: None)  # a tool's wrapper, fault injection: called
+    unchanged((desc, 1, 2, 3, 0), st)
+    monkeypatch.delattr(d, "matmul")
+    monkeypatch.setattr(_cuda._tls, "token", object())  # another context current on this thread
+    unchanged((desc, 1, 2, 3, 0), st)
+    monkeypatch.setattr(_cuda._tls, "token", d._token)
+    # refused by the driver: not counted, nothing else changed but the order (the Python
+    # then launches again, and drops the graph or raises)
+    answer[0] = int(cu.CUresult.CUDA_ERROR_INVALID_VALUE)
+    assert _hotpath.direct_call("gemm_replay", d, (desc, 1, 2, 3, 0), st) == 0
+    assert seen == [(0x901, 0x200)] and d._gemms.replays == 0 and list(graphs) == [k2, k1]
+    answer[0] = 0
+    assert _hotpath.direct_call("gemm_replay", d, (desc, 1, 2, 3, 0), st) == 1 and d._gemms.replays == 1
+
+
 def test_setup_refuses_classes_it_does_not_know() -> None:
     """A class whose attribute is not a plain slot makes setup fail (the runtime then
     keeps the Python methods)."""

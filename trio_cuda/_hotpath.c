@@ -3,7 +3,9 @@
  * - ``_Launch._submit_now`` (trio_cuda/_kernel.py): the direct submission of a prepared
  *   kernel launch;
  * - ``enqueue_direct``: the same enqueue for a replayed op whose recipe is one prepared
- *   launch (_ops/_core.py, _Recipe.submit_now);
+ *   launch (_ops/_core.py, _Recipe.submit_now); ``TensorOp._submit_now`` for such a
+ *   recipe or one prepared GEMM, and the CUDA backend's replay of a kept GEMM graph
+ *   (gemm_replay);
  * - ``Device.poll`` (trio_cuda/_device.py) for an event without a completion word;
  * - for the general path (trio_cuda/_submit.py, Plan): ``_Launch._plan`` of a prepared
  *   launch, the walk's loop over launches and selects, and the loop over a plan's steps;
@@ -20,7 +22,8 @@
  * which stays the reference and is tested both ways). Objects of exactly the expected
  * classes only. On a backend that offers them (DeviceDriver.hot_calls: CUDA with its
  * fast path) the launch, record and query are made straight through the driver's entry
- * points, while the driver's methods are the backend's own.
+ * points (and a kept GEMM graph's cuGraphLaunch), while the driver's methods are the
+ * backend's own.
  *
  * The contract: each either does exactly what the Python does, or, before any effect,
  * hands the call to it (any case this file does not handle: op inputs, arguments not
@@ -1430,12 +1433,102 @@ static int gemm_step_own(PyObject *fn) {
            global_is(matmul_globals, "note_accesses", py_note_accesses);
 }
 
+static PyObject *s__gemms, *s_replay, *s_graphs, *s__graph_pfn, *s_replays;
+static unsigned long long n_gemm_replays;
+typedef int (*graph_launch_fn)(void *exec, void *stream);
+
+/* The replay branch of the CUDA backend's matmul (CudaDevice.matmul with reuse, not
+ * capturing, not foreign; trio_cuda/_backends/_cuda.py) for a call whose graph is kept:
+ * the key (desc, a, b, d, bias, int(stream)) looked up in the backend's Gemms.graphs,
+ * moved to the most recently used end, its graph launched straight through the driver's
+ * cuGraphLaunch, Gemms.replays counted. 1 launched; 0 not here (direct calls off, the
+ * backend's matmul replaced, replays off, no such graph, a launch the driver refused:
+ * the Python method then makes the call, which captures, launches or raises; a refused
+ * launch enqueued nothing); -1 an error raised. Under the runtime lock. */
+static int gemm_replay(PyObject *driver, Direct *direct, PyObject *stat, PyObject *handle) {
+    if (direct == NULL || !PyTuple_CheckExact(stat) || PyTuple_GET_SIZE(stat) != 5) return 0;
+    PyObject *dict = PyObject_GenericGetDict(driver, NULL);
+    if (dict == NULL) PyErr_Clear();
+    int rep = replaced(driver, dict, s_matmul, PyTuple_GET_ITEM(direct->hot, 3));
+    Py_XDECREF(dict);
+    if (rep) return 0;
+    int result = -1;
+    PyObject *gemms = NULL, *graphs = NULL, *pfn = NULL, *hi = NULL, *key = NULL, *g = NULL;
+    if ((gemms = PyObject_GetAttr(driver, s__gemms)) == NULL) goto out;
+    int on = attr_true(gemms, s_replay);
+    if (on <= 0) {
+        result = on < 0 ? -1 : 0;
+        goto out;
+    }
+    if ((graphs = PyObject_GetAttr(gemms, s_graphs)) == NULL || (pfn = PyObject_GetAttr(driver, s__graph_pfn)) == NULL)
+        goto out;
+    result = 0;
+    if (!PyDict_CheckExact(graphs) || !PyLong_CheckExact(pfn)) goto out;
+    void *launch = PyLong_AsVoidPtr(pfn);
+    if (launch == NULL) { /* (0: no entry point; the Python launches through cuda.bindings) */
+        PyErr_Clear();
+        goto out;
+    }
+    result = -1;
+    if ((hi = PyNumber_Long(handle)) == NULL) goto out;
+    key = PyTuple_Pack(6, PyTuple_GET_ITEM(stat, 0), PyTuple_GET_ITEM(stat, 1), PyTuple_GET_ITEM(stat, 2),
+                       PyTuple_GET_ITEM(stat, 3), PyTuple_GET_ITEM(stat, 4), hi);
+    if (key == NULL) goto out;
+    g = Py_XNewRef(PyDict_GetItemWithError(graphs, key));
+    if (g == NULL) {
+        result = PyErr_Occurred() ? -1 : 0; /* not kept: the Python captures it (or calls the library) */
+        goto out;
+    }
+    result = 0;
+    if (!PyTuple_CheckExact(g) || PyTuple_GET_SIZE(g) != 2 || !PyLong_CheckExact(PyTuple_GET_ITEM(g, 0))) goto out;
+    void *exec = PyLong_AsVoidPtr(PyTuple_GET_ITEM(g, 0)), *stream = PyLong_AsVoidPtr(hi);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        goto out;
+    }
+    result = -1;
+    /* the most recently used last: eviction takes the first (as graphs.pop + insert) */
+    if (PyDict_DelItem(graphs, key) < 0 || PyDict_SetItem(graphs, key, g) < 0) goto out;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ((graph_launch_fn)launch)(exec, stream);
+    Py_END_ALLOW_THREADS
+    if (err) { /* refused: the Python launches again and says what it means */
+        result = 0;
+        goto out;
+    }
+    PyObject *r = PyObject_GetAttr(gemms, s_replays), *r1 = r == NULL ? NULL : PyNumber_Add(r, one);
+    Py_XDECREF(r);
+    if (r1 == NULL) goto out;
+    int set = PyObject_SetAttr(gemms, s_replays, r1);
+    Py_DECREF(r1);
+    if (set < 0) goto out;
+    n_gemm_replays++;
+    result = 1;
+out:
+    Py_XDECREF(gemms);
+    Py_XDECREF(graphs);
+    Py_XDECREF(pfn);
+    Py_XDECREF(hi);
+    Py_XDECREF(key);
+    Py_XDECREF(g);
+    return result;
+}
+
 /* _gemm_direct's call: desc, a, b, d, bias = static; capturing None if another
  * library's stream was ever wrapped, else False; replayed as a graph unless so. */
 static int gemm_step(PyObject *s, PyObject *device, PyObject *driver, Direct *direct, void *arg) {
     PyObject *stat = (PyObject *)arg;
     int foreign = attr_true(device, s__foreign_streams);
     if (foreign < 0) return -1;
+    if (!foreign) { /* reuse, not capturing: the kept graph, launched here if it may be */
+        int sf = attr_true(s, s__foreign);
+        if (sf < 0) return -1;
+        PyObject *handle = Py_XNewRef(SLOT(s, O.s_handle));
+        int r = sf || handle == NULL ? 0 : gemm_replay(driver, direct, stat, handle);
+        Py_XDECREF(handle);
+        if (r != 0) return r < 0 ? -1 : 0;
+    }
     PyObject *mm = PyObject_GetAttr(driver, s_matmul);
     if (mm == NULL) return -1;
     PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
@@ -3426,13 +3519,14 @@ static PyObject *setup_ops(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
                          n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
-                         "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms);
+                         "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms,
+                         "gemm_replays", n_gemm_replays);
 }
 
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
@@ -3453,9 +3547,12 @@ static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t
         r = record_direct(argv[1], &d, argv[2], argv[3]);
     } else if (PyUnicode_CompareWithASCIIString(argv[0], "query") == 0 && argc == 3) {
         r = query_direct(&d, argv[2]);
+    } else if (PyUnicode_CompareWithASCIIString(argv[0], "gemm_replay") == 0 && argc == 4) {
+        r = gemm_replay(argv[1], &d, argv[2], argv[3]);
     } else {
         Py_DECREF(d.hot);
-        PyErr_SetString(PyExc_ValueError, "direct_call: launch(driver, prepared, stream), record(driver, event, stream) or query(driver, event)");
+        PyErr_SetString(PyExc_ValueError, "direct_call: launch(driver, prepared, stream), record(driver, event, stream), "
+                                          "query(driver, event) or gemm_replay(driver, (desc, a, b, d, bias), stream)");
         return NULL;
     }
     Py_DECREF(d.hot);
@@ -3562,6 +3659,11 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s__foreign_streams, "_foreign_streams");
     NAME(s__foreign, "_foreign");
     NAME(s_matmul, "matmul");
+    NAME(s__gemms, "_gemms");
+    NAME(s_replay, "replay");
+    NAME(s_graphs, "graphs");
+    NAME(s__graph_pfn, "_graph_pfn");
+    NAME(s_replays, "replays");
 #undef NAME
     if ((empty_tuple = PyTuple_New(0)) == NULL) return NULL;
     if ((one = PyLong_FromLong(1)) == NULL || (zero = PyLong_FromLong(0)) == NULL) return NULL;

@@ -727,7 +727,9 @@ class CudaDevice(DeviceDriver):
             # two built the recipe and prepared it): cuBLASLt's call is captured once
             # and replayed as a graph (measured on an H200, a 2048^2 fp32 GEMV: 7.0 us
             # of host time per cublasLtMatmul, 3.9 per cuGraphLaunch of the same
-            # kernel; with a sync after each, 17.3 against 12.1 us).
+            # kernel; with a sync after each, 17.3 against 12.1 us). (trio_cuda/_hotpath.c
+            # makes this branch's replay of a kept graph itself, gemm_replay, for the
+            # ops' direct submissions: a change here must be made there too.)
             key = (desc, a, b, d, bias, int(stream))
             graphs = gemms.graphs
             g = graphs.pop(key, None)
@@ -992,8 +994,9 @@ def _nccl() -> tuple[Any, Any]:
 
 
 # The driver calls the runtime's compiled hot path may make itself (DeviceDriver.hot_calls):
-# only while these are the methods of the driver object in use.
-_OWN_CALLS = {name: CudaDevice.__dict__[name] for name in ("launch", "record", "query")}
+# only while these are the methods of the driver object in use (matmul: the replay of a
+# kept GEMM graph, its branch with reuse).
+_OWN_CALLS = {name: CudaDevice.__dict__[name] for name in ("launch", "record", "query", "matmul")}
 
 
 class CudaBackend(Backend):
