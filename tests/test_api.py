@@ -175,6 +175,14 @@ async def test_bad_partitions() -> None:
     with pytest.raises(ValueError, match="positive"):
         t.partition((0, 3))
     assert (await api.zeros((5,)).partition((2,))).grid == (3,)
+    # one dimension (its own path): ragged, exact, larger than the tensor, zero, empty
+    v = await api.zeros((7,))
+    assert [v.partition(n).grid for n in (2, 7, 1, 9)] == [(4,), (1,), (7,), (1,)]
+    assert (await api.zeros((0,))).partition((3,)).grid == (0,)
+    with pytest.raises(ValueError, match="positive"):
+        v.partition((0,))
+    with pytest.raises(ValueError, match="dims"):
+        v.partition((1, 1))
     with pytest.raises(TypeError, match="tensor or partition"):
         await trio_cuda.value(3).partition((1,))
 

