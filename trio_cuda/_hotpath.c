@@ -1521,19 +1521,21 @@ static int gemm_step(PyObject *s, PyObject *device, PyObject *driver, Direct *di
     PyObject *stat = (PyObject *)arg;
     int foreign = attr_true(device, s__foreign_streams);
     if (foreign < 0) return -1;
+    PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
+    if (sforeign == NULL) return -1;
     if (!foreign) { /* reuse, not capturing: the kept graph, launched here if it may be */
-        int sf = attr_true(s, s__foreign);
-        if (sf < 0) return -1;
-        PyObject *handle = Py_XNewRef(SLOT(s, O.s_handle));
-        int r = sf || handle == NULL ? 0 : gemm_replay(driver, direct, stat, handle);
+        int sf = PyObject_IsTrue(sforeign);
+        PyObject *handle = sf ? NULL : Py_XNewRef(SLOT(s, O.s_handle));
+        int r = sf < 0 ? -1 : (handle == NULL ? 0 : gemm_replay(driver, direct, stat, handle));
         Py_XDECREF(handle);
-        if (r != 0) return r < 0 ? -1 : 0;
+        if (r != 0) {
+            Py_DECREF(sforeign);
+            return r < 0 ? -1 : 0;
+        }
     }
     PyObject *mm = PyObject_GetAttr(driver, s_matmul);
-    if (mm == NULL) return -1;
-    PyObject *sforeign = PyObject_GetAttr(s, s__foreign);
-    if (sforeign == NULL) {
-        Py_DECREF(mm);
+    if (mm == NULL) {
+        Py_DECREF(sforeign);
         return -1;
     }
     PyObject *argv[9] = {PyTuple_GET_ITEM(stat, 0), PyTuple_GET_ITEM(stat, 1), PyTuple_GET_ITEM(stat, 2),
