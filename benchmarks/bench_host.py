@@ -7,16 +7,28 @@ the peers of ``_peers.py``, then PyTorch's decode step):
 
 * ``dependent chain awaited once, us/op``: N tiny kernels (one block of 32 threads,
   ``x[i] += 1`` on one 32-element float32 array) that depend on each other, submitted
-  and waited for once; wall time per kernel. trio-cuda: ``bench_runtime._trio_figures``
-  (the chain ``op = inc(op.first())`` built beforehand, then one ``await``; the build
-  cost is reported apart); peers: ``_peers.run_all`` (``chain_us_per_op``: N launches on
-  one stream, one stream synchronize).
+  and waited for once; wall time per kernel. trio-cuda: the chain ``op =
+  inc(op.first())`` built beforehand, then one ``await`` (the build cost is reported
+  apart); peers: N launches on one stream, one stream synchronize (``_peers``'
+  ``chain_us_per_op``).
 * ``sync after every op, us/op``: the same kernel with a wait after every launch
-  (trio-cuda: one ``await inc(p)`` per op, on one stream; peers: their stream
-  synchronize, ``sync_each_us_per_op``).
+  (trio-cuda: one ``await inc(p)`` per op, the op made each time, on one stream; peers:
+  their stream synchronize, ``sync_each_us_per_op``), max(N/4, 100) launches.
 * ``one tiny op round trip in trio, us``: one tiny op submitted and waited for;
   trio-cuda: ``await op`` of a prebuilt op inside ``trio.run``; peers: launch, record an
-  event, busy-query it (``roundtrip_us``).
+  event, busy-query it (``roundtrip_us``); median over the round trips.
+
+  trio-cuda and the raw cuda.bindings peer (the floor the targets are ratios to) are
+  measured in the same ``--tiny-rounds`` interleaved rounds (one chain, one sync loop
+  and ``--roundtrips`` round trips each per round, the order reversed every other
+  round), in the same process and trio task: a lent machine's host speed drifts by
+  tens of percent within one process (run 91: the first 20 s of a process ran this
+  Python 1.6x slower than its later figures), and figures measured minutes apart
+  compared the drift, not the code. Each figure is the median over the rounds of the
+  round's value (a round's round trip: the median of its round trips); the verdict
+  line also gives the median and range of the per-round ratios. cuda.core, CuPy and
+  PyTorch are measured after trio-cuda's part by ``_peers.run_all`` (the raw peer
+  again too); their "x raw" is against that later raw figure.
 * ``decode step, 88 kernels, await per kernel, ms/token``: the decode step of
   ``examples/cuda_graphs_deviceop.py`` (hidden 2048, 22 layers of rms_norm, two GEMVs
   and a residual add: 4 kernels per layer) with one ``await`` per kernel, on one stream
@@ -52,7 +64,7 @@ After the table come the notifier's counters (``lowlevel.notifier_statistics()``
 path vs parked waits, helper wake-ups) spent by each of trio-cuda's figures, and the
 device's ``notifier_fast_path`` / ``notifier_slow_path`` totals.
 
-Usage: ``python benchmarks/bench_host.py [--n 2000] [--reps 5] [--tokens 30]
+Usage: ``python benchmarks/bench_host.py [--n 2000] [--tiny-rounds 7] [--tokens 30]
 [--tasks 256] [--out DIR]``; ``--smoke`` runs tiny sizes (for the simulated device,
 ``TRIO_CUDA_BACKEND=sim``, where the figures mean nothing). Writes ``host-<date>.md``
 and ``.json`` under ``--out`` (default benchmarks/results). Exits 1 if a trio-cuda
@@ -91,6 +103,8 @@ SMOKE = {
     "layers": 2,
     "tokens": 2,
     "rounds": 2,
+    "tiny_rounds": 2,
+    "roundtrips": 10,
     "tasks": 8,
     "tasks_extra": "1,2,4",
     "awaits": 32,
@@ -215,6 +229,123 @@ async def _idle_figure(idle_s: float) -> dict[str, Any]:
     }
 
 
+TINY = ("chain_us_per_op", "sync_each_us_per_op", "roundtrip_us")
+
+
+def _open_raw_peer() -> tuple[Any, str | None]:
+    """The raw cuda.bindings peer, opened and warm, or (None, why not)."""
+    if trio_cuda.backend_name() != "cuda":
+        return None, "not on the CUDA backend"
+    peer = _peers._RawBindingsPeer()
+    try:
+        peer.open()
+        peer.chain(200)
+        peer.sync()
+        peer.sync_each(20)
+        peer.roundtrip_ns(20)
+    except Exception as exc:  # reported; trio-cuda's figures are still measured
+        try:
+            peer.close()
+        except Exception:
+            pass
+        return None, _describe(exc)
+    return peer, None
+
+
+async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
+    """The chain, sync-after-every-op and round-trip figures of trio-cuda and the raw
+    peer in ``--tiny-rounds`` interleaved rounds (see the module's docstring); both
+    results are checked (every element of each array equals its launches)."""
+    inc = bench_runtime.inc
+    n, m, k = args.n, max(args.n // 4, 100), args.roundtrips
+    x = await api.zeros((32,))
+    p = x.partition((32,))
+    for _ in range(20):  # warm-up: compile and load the kernel, fill the pools
+        await inc(p)
+    ours_launches = 20
+    raw, raw_error = _open_raw_peer()
+    raw_launches = 200 + 20 + 20
+
+    async def ours() -> dict[str, float]:
+        nonlocal ours_launches
+        t0 = time.perf_counter_ns()
+        op = inc(p)
+        for _ in range(n - 1):
+            op = inc(op.first())
+        t1 = time.perf_counter_ns()
+        await op
+        t2 = time.perf_counter_ns()
+        for _ in range(m):
+            await inc(p)
+        t3 = time.perf_counter_ns()
+        rt = []
+        for _ in range(k):
+            op = inc(p)
+            t4 = time.perf_counter_ns()
+            await op
+            rt.append(time.perf_counter_ns() - t4)
+        ours_launches += n + m + k
+        return {
+            "chain_build_us_per_op": (t1 - t0) / n / 1e3,
+            "chain_us_per_op": (t2 - t1) / n / 1e3,
+            "sync_each_us_per_op": (t3 - t2) / m / 1e3,
+            "roundtrip_us": statistics.median(rt) / 1e3,
+        }
+
+    def raw_round() -> dict[str, float]:
+        nonlocal raw_launches
+        t0 = time.perf_counter_ns()
+        raw.chain(n)
+        raw.sync()
+        t1 = time.perf_counter_ns()
+        raw.sync_each(m)
+        t2 = time.perf_counter_ns()
+        rt = raw.roundtrip_ns(k)
+        raw_launches += n + m + k
+        return {
+            "chain_us_per_op": (t1 - t0) / n / 1e3,
+            "sync_each_us_per_op": (t2 - t1) / m / 1e3,
+            "roundtrip_us": statistics.median(rt) / 1e3,
+        }
+
+    rounds: dict[str, list[dict[str, float]]] = {"trio": [], "raw": []}
+    try:
+        for r in range(args.tiny_rounds):
+            order = ["trio", "raw"] if r % 2 == 0 else ["raw", "trio"]
+            for who in order:
+                if who == "trio":
+                    rounds["trio"].append(await ours())
+                elif raw is not None:
+                    rounds["raw"].append(raw_round())
+        got = await x.to_host()
+        if not np.all(got == ours_launches):
+            raise AssertionError(f"trio-cuda's inc computed {got[0]}, expected {ours_launches}")
+        if raw is not None:
+            values = raw.read_x()
+            if any(v != float(raw_launches) for v in values):
+                raw_error = f"check: the raw peer's array holds {values[:2]!r}..., expected {raw_launches}"
+    finally:
+        if raw is not None:
+            raw.close()
+
+    def medians(rs: list[dict[str, float]]) -> dict[str, float]:
+        return {key: statistics.median(r[key] for r in rs) for key in rs[0]} if rs else {}
+
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        "trio": medians(rounds["trio"]),
+        "raw": medians(rounds["raw"]),
+        "raw_error": raw_error,
+    }
+    if rounds["raw"] and raw_error is None:
+        out["ratio_per_round"] = {
+            key: [t[key] / w[key] for t, w in zip(rounds["trio"], rounds["raw"], strict=True)] for key in TINY
+        }
+    else:
+        out["raw"] = {}
+    return out
+
+
 async def _decode_figure(args: argparse.Namespace) -> dict[str, Any]:
     """The decode step awaited kernel by kernel, PyTorch's step (eager, and with a sync
     after every op) and the step's floor without trio-cuda's host code, in ``--rounds``
@@ -293,7 +424,7 @@ async def _trio_part(args: argparse.Namespace) -> dict[str, Any]:
             out["errors"].append(f"{name}: {res['error']}")
         return res
 
-    out["runtime"] = await section("chain, sync each, round trip", bench_runtime._trio_figures, args.n, args.reps)
+    out["runtime"] = await section("chain, sync each, round trip", _tiny_figures, args)
 
     out["tasks"] = {}
     for t in [args.tasks, *args.tasks_extra]:
@@ -323,8 +454,10 @@ def _verdict(ok: bool | None) -> str:
 
 def build_rows(args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, dict[str, Any]]) -> tuple[list[str], list[str]]:
     """The table's lines and the verdict lines under it."""
-    rt = ours.get("runtime") or {}
-    raw = peers.get("raw_cuda_bindings", {})
+    tiny = ours.get("runtime") or {}
+    rt, raw = tiny.get("trio") or {}, tiny.get("raw") or {}
+    later_raw = peers.get("raw_cuda_bindings", {})
+    per_round = tiny.get("ratio_per_round") or {}
     lines = [
         "| figure | " + " | ".join(h for _, h in COLUMNS) + " | target |",
         "|---" * (len(COLUMNS) + 2) + "|",
@@ -338,18 +471,34 @@ def build_rows(args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, 
         cells = []
         base = raw.get(key)
         for col, _ in COLUMNS:
-            v = rt.get(key) if col == "trio" else peers.get(col, {}).get(key)
+            if col == "trio":
+                v, against = rt.get(key), base
+            elif col == "raw_cuda_bindings":
+                v, against = base, None
+            else:  # measured later, against the raw figure of that later pass
+                v, against = peers.get(col, {}).get(key), later_raw.get(key)
             if v is None:
                 cells.append("n/a")
-            elif base and col != "raw_cuda_bindings":
-                cells.append(f"{_fmt(v)} ({v / base:.2f}x raw)")
+            elif against:
+                cells.append(f"{_fmt(v)} ({v / against:.2f}x raw)")
             else:
                 cells.append(_fmt(v))
         lines.append(f"| {label} | " + " | ".join(cells) + f" | <= {limit}x raw |")
         v = rt.get(key)
         ok = None if v is None or not base else v / base <= limit
         ratio = f"{v / base:.2f}x raw" if v is not None and base else "no raw figure"
-        checks.append(f"- {label}: {ratio} (target <= {limit}x): {_verdict(ok)}")
+        ratios = per_round.get(key) or []
+        spread = (
+            f"; per round {statistics.median(ratios):.2f}x median, {min(ratios):.2f}x-{max(ratios):.2f}x over {len(ratios)} rounds"
+            if ratios
+            else ""
+        )
+        checks.append(f"- {label}: {ratio} (target <= {limit}x){spread}: {_verdict(ok)}")
+    if later_raw.get("roundtrip_us") is not None:
+        checks.append(
+            "- the raw peer measured again after trio-cuda's part (_peers.run_all, the other peers' base): "
+            + ", ".join(f"{k} {later_raw[k]:.2f}" for k in TINY if later_raw.get(k) is not None)
+        )
 
     kernels = 4 * args.layers
     dec = ours.get("decode") or {}
@@ -435,11 +584,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the simulated device")
     ap.add_argument("--n", type=int, default=2000, help="tiny kernels in the chain figure")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions of the chain and sync figures")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of the peers' later chain and sync figures (_peers.run_all)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--tokens", type=int, default=30, help="tokens per variant per round of the decode figure")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the decode figure")
+    ap.add_argument("--tiny-rounds", type=int, default=7, help="interleaved rounds of the chain, sync and round-trip figures")
+    ap.add_argument("--roundtrips", type=int, default=300, help="round trips per round of the round-trip figure")
     ap.add_argument("--tasks", type=int, default=256, help="concurrent tasks of the awaits/s figure")
     ap.add_argument("--tasks-extra", default="1,16,64", help="task counts of the extra awaits/s rows")
     ap.add_argument("--awaits", type=int, default=51_200, help="awaits per repetition of an awaits/s row (all tasks)")
@@ -458,12 +609,14 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = trio_cuda.current_device()
     stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rt = ours.get("runtime") or {}
+    tiny = ours.get("runtime") or {}
+    rt = tiny.get("trio") or {}
     header = (
         f"# The host path of one await ({stamp})\n\n"
         f"GPU: {dev.name} (cc {dev.compute_capability[0]}.{dev.compute_capability[1]}), backend {trio_cuda.backend_name()}, "
         f"python {sys.version.split()[0]}, trio {trio.__version__}, trio-cuda {trio_cuda.__version__}; medians. "
-        f"Chain N={args.n}, reps={args.reps}; decode hidden {args.hidden}, {args.layers} layers, {args.tokens} tokens, "
+        f"Chain N={args.n}, sync max(N/4, 100), {args.roundtrips} round trips, in {args.tiny_rounds} rounds interleaved "
+        f"with the raw peer; decode hidden {args.hidden}, {args.layers} layers, {args.tokens} tokens, "
         f"one stream; awaits/s: {args.awaits} awaits per repetition over all tasks, 3 repetitions, "
         f"default policy ({ours['policy']}).\n"
     )
@@ -472,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = []
     if rt.get("chain_build_us_per_op") is not None:
         notes.append(f"- trio-cuda chain build cost (not in the chain figure): {rt['chain_build_us_per_op']:.2f} us/op")
+    if tiny.get("raw_error"):
+        notes.append(f"- raw peer interleaved with trio-cuda: {tiny['raw_error']}")
     for e in ours["errors"]:
         notes.append(f"- ERROR trio-cuda {e}")
     for name, r in peers.items():

@@ -108,6 +108,35 @@ static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetti
 static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues,
     n_plans, n_plans_python, n_handbacks, n_steps, n_steps_python;
 
+/* ---- section timing (probes only) --------------------------------------------------- */
+/* Built with -DHOTPATH_TIMING (benchmarks/probe_sections.py builds such a copy), the
+ * submission, the await and the poll add the time stamp counter's ticks of each of
+ * their sections to tick_sum[] (read by timing()); a normal build compiles none of it. */
+#define N_TIMED 40
+#ifdef HOTPATH_TIMING
+#include <x86intrin.h>
+static unsigned long long tick_sum[N_TIMED], tick_n[N_TIMED];
+#define T_START unsigned long long t_last_ = __rdtsc()
+#define T_MARK(i)                                                                                                   \
+    do {                                                                                                            \
+        unsigned long long t_ = __rdtsc();                                                                          \
+        tick_sum[i] += t_ - t_last_;                                                                                \
+        tick_n[i]++;                                                                                                \
+        t_last_ = t_;                                                                                               \
+    } while (0)
+#define T_AROUND(i, stmt)                                                                                           \
+    do {                                                                                                            \
+        unsigned long long t0_ = __rdtsc();                                                                         \
+        stmt;                                                                                                       \
+        tick_sum[i] += __rdtsc() - t0_;                                                                             \
+        tick_n[i]++;                                                                                                \
+    } while (0)
+#else
+#define T_START ((void)0)
+#define T_MARK(i) ((void)0)
+#define T_AROUND(i, stmt) stmt
+#endif
+
 /* ---- helpers ---------------------------------------------------------------------- */
 
 static int add_one(PyObject *obj, Py_ssize_t off) { /* obj.<slot> += 1 */
@@ -165,8 +194,24 @@ static int attr_true(PyObject *o, PyObject *name) {
     return r;
 }
 
+/* lock.acquire() / lock.release() (name: s_acquire or s_release) through the lock's
+ * bound methods, taken once per lock object (an RLock's methods cannot be replaced on
+ * the instance; the reference held to the lock keeps the comparison sound). */
+static PyObject *lock_bound_for, *lock_acquire_m, *lock_release_m;
+
 static int lock_call(PyObject *name) {
-    PyObject *r = PyObject_CallMethodNoArgs(lock_obj, name);
+    if (lock_bound_for != lock_obj) {
+        PyObject *a = PyObject_GetAttr(lock_obj, s_acquire);
+        PyObject *r = a == NULL ? NULL : PyObject_GetAttr(lock_obj, s_release);
+        if (r == NULL) {
+            Py_XDECREF(a);
+            return -1;
+        }
+        Py_XSETREF(lock_acquire_m, a);
+        Py_XSETREF(lock_release_m, r);
+        Py_XSETREF(lock_bound_for, Py_NewRef(lock_obj));
+    }
+    PyObject *r = PyObject_CallNoArgs(name == s_acquire ? lock_acquire_m : lock_release_m);
     if (r == NULL) return -1;
     Py_DECREF(r);
     return 0;
@@ -444,10 +489,10 @@ static int launch_direct(PyObject *driver, Direct *d, PyObject *p, PyObject *str
     }
     int err;
     launch_fn call = (launch_fn)d->launch;
-    Py_BEGIN_ALLOW_THREADS
-    err = call(f, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2], (unsigned)dims[3], (unsigned)dims[4],
-               (unsigned)dims[5], 0, st, (void **)pp, NULL);
-    Py_END_ALLOW_THREADS
+    T_AROUND(20, Py_BEGIN_ALLOW_THREADS err = call(f, (unsigned)dims[0], (unsigned)dims[1], (unsigned)dims[2],
+                                                (unsigned)dims[3], (unsigned)dims[4], (unsigned)dims[5], 0, st,
+                                                (void **)pp, NULL);
+             Py_END_ALLOW_THREADS);
     n_launches++;
     if (err) {
         PyObject *el = PyLong_FromLong(err);
@@ -473,9 +518,7 @@ static int record_direct(PyObject *driver, Direct *d, PyObject *event, PyObject 
     }
     int err;
     record_fn call = (record_fn)d->record;
-    Py_BEGIN_ALLOW_THREADS
-    err = call(e, st);
-    Py_END_ALLOW_THREADS
+    T_AROUND(21, Py_BEGIN_ALLOW_THREADS err = call(e, st); Py_END_ALLOW_THREADS);
     n_records++;
     if (err) {
         PyObject *el = PyLong_FromLong(err);
@@ -502,9 +545,7 @@ static int query_direct(Direct *d, PyObject *event) {
     }
     int err;
     query_fn call = (query_fn)d->query;
-    Py_BEGIN_ALLOW_THREADS
-    err = call(e);
-    Py_END_ALLOW_THREADS
+    T_AROUND(22, Py_BEGIN_ALLOW_THREADS err = call(e); Py_END_ALLOW_THREADS);
     n_queries++;
     if (err == 0) return 1;
     return err == d->not_ready ? 0 : 2;
@@ -1062,6 +1103,7 @@ static PyObject *submit_now(PyObject *op, PyObject *s) {
 }
 
 static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject *k, PyObject *device) {
+    T_START;
     {
         PyObject *sub = PyObject_GetAttr(tls, s_submitting);
         if (sub == NULL) return NULL;
@@ -1069,8 +1111,10 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         Py_DECREF(sub);
         if (nested) return nested < 0 ? NULL : delegate(op, s);
     }
+    T_MARK(0);
     PyObject *hit = prepared_entry(k, device, args); /* (its generation is compared under the lock) */
     if (hit == NULL) return PyErr_Occurred() ? NULL : delegate(op, s);
+    T_MARK(1);
     PyObject *generation = PyTuple_GET_ITEM(hit, 1), *cfg = PyTuple_GET_ITEM(hit, 2),
              *prepared = PyTuple_GET_ITEM(hit, 3);
     PyObject *result = NULL, *ev = NULL, *names = NULL, *name = NULL;
@@ -1080,6 +1124,7 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
 
     if (lock_call(s_acquire) < 0) goto error;
     locked = 1;
+    T_MARK(2);
     /* direct_ready(s, generation), inlined as in the Python */
     {
         PyObject *state = SLOT(op, O.op_state);
@@ -1118,8 +1163,10 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         Py_DECREF(stats);
         if (!r) goto python;
     }
+    T_MARK(3);
     use_direct = direct_calls(driver, &direct);
     if (use_direct < 0) goto error;
+    T_MARK(4);
     /* the submission: nothing above had an effect */
     Py_INCREF(executing);
     Py_XSETREF(SLOT(op, O.op_state), executing);
@@ -1131,9 +1178,11 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         goto error;
     }
     flagged = 1;
+    T_MARK(5);
     {
         PyObject *seq = enqueue_launch(s, device, driver, use_direct ? &direct : NULL, cfg, args, prepared);
         if (seq == NULL) goto start_failed;
+        T_MARK(6);
         /* ev = s.event_at(seq) if seq > start and seq > s.done_seq else None */
         int later = PyObject_RichCompareBool(seq, start, Py_GT);
         if (later > 0) later = PyObject_RichCompareBool(seq, SLOT(s, O.s_done_seq), Py_GT);
@@ -1146,6 +1195,7 @@ static PyObject *submit_held(PyObject *op, PyObject *s, PyObject *args, PyObject
         }
         Py_DECREF(seq);
         Py_DECREF(start);
+        T_MARK(7);
         goto enqueued;
     seq_failed:
         Py_DECREF(seq);
@@ -1163,8 +1213,10 @@ enqueued:
         Py_DECREF(stats);
         if (e < 0 || count(s_planned) < 0 || count(s_enqueued) < 0 || count(s_direct) < 0) goto error;
     }
+    T_MARK(8);
     locked = 0;
     if (lock_call(s_release) < 0) goto error;
+    T_MARK(9);
     name = PyObject_GetAttr(k, s_name);
     if (name == NULL) goto error;
     names = PyList_New(1);
@@ -1178,6 +1230,7 @@ enqueued:
     Py_DECREF(names);
     Py_DECREF(ev);
     Py_DECREF(hit);
+    T_MARK(10);
     return result;
 
 failed: { /* direct_failed(), as the Python does on any error of the enqueue */
@@ -2254,7 +2307,9 @@ static PyObject *poll_held(PyObject *dev, PyObject *ev, PyObject *flag, PyObject
     long f = PyLong_AsLong(flag);
     if (f == -1 && PyErr_Occurred()) return NULL;
     if (f >= 0) return poll_delegate(dev, ev); /* a completion word: the Python reads it */
+    T_START;
     if (lock_call(s_acquire) < 0) return NULL;
+    T_MARK(32);
     PyObject *result = NULL;
     PyObject *s = NULL, *driver = NULL;
     {
@@ -2326,11 +2381,14 @@ static PyObject *poll_held(PyObject *dev, PyObject *ev, PyObject *flag, PyObject
         /* The query: straight through the driver's entry point, or (no direct calls
          * here) the Python method does it, with everything around it. */
         Direct direct;
+        T_MARK(33);
         int dc = direct_calls(driver, &direct);
         if (dc < 0) goto error;
         if (dc == 0) goto python;
+        T_MARK(34);
         int isdone = query_direct(&direct, handle);
         Py_DECREF(direct.hot);
+        T_MARK(35);
         /* An answer other than done or pending (a fault, a refused query): the Python
          * asks again and says what it means (a query changes nothing on the device). */
         if (isdone == 2) goto python;
@@ -2371,10 +2429,12 @@ out:
     n_polls++;
     Py_XDECREF(s);
     Py_XDECREF(driver);
+    T_MARK(36);
     if (lock_call(s_release) < 0) {
         Py_DECREF(result);
         return NULL;
     }
+    T_MARK(37);
     return result;
 }
 
@@ -2762,17 +2822,20 @@ static PyMethodDef kernel_call_def = {
     "trio_cuda/_hotpath.c; TRIO_CUDA_HOTPATH=0 runs the Python method)."};
 
 static PySendResult await_start(Await *a, PyObject **result) {
+    T_START;
     int on = global_true(traps_globals, s_on);
     if (on < 0) return await_fail(a);
     if (!on) return to_python(a, result);
     int c = cancel_check();
     if (c < 0) return await_fail(a);
     if (c) return to_python(a, result); /* it raises Cancelled, or decides */
+    T_MARK(23);
     if (a->stream == Py_None) {
         PyObject *s = submission_stream();
         if (s == NULL) return await_fail(a);
         Py_SETREF(a->stream, s);
     }
+    T_MARK(24);
     PyObject *sn = PyObject_GetAttr(a->op, s__submit_now);
     if (sn == NULL) return await_fail(a);
     int direct = global_true(submit_globals, s_direct_on);
@@ -2785,6 +2848,7 @@ static PySendResult await_start(Await *a, PyObject **result) {
         Py_DECREF(sn);
         return to_planned(a, result);
     }
+    T_MARK(25);
     PyObject *done = PyObject_CallOneArg(sn, a->stream);
     Py_DECREF(sn);
     if (done == NULL) return await_fail(a);
@@ -2792,6 +2856,7 @@ static PySendResult await_start(Await *a, PyObject **result) {
         Py_DECREF(done);
         return to_planned(a, result);
     }
+    T_MARK(26);
     n_awaits++;
     PyObject *t = PyTuple_CheckExact(done) ? Py_NewRef(done) : PySequence_Tuple(done);
     if (t == NULL && PyErr_ExceptionMatches(PyExc_TypeError) && !PyIter_Check(done) &&
@@ -2833,6 +2898,7 @@ static PySendResult await_start(Await *a, PyObject **result) {
         }
     }
     if (known < 0) return await_fail(a);
+    T_MARK(27);
     if (!known) return yield_trap(a, A_PASSED, result); /* the first poll after trio's pass */
     int p = poll_counted(ev); /* known complete: the first poll now */
     if (p < 0) return await_fail(a);
@@ -2953,14 +3019,21 @@ static int spin_held(PyObject *ev, PyObject *dev, long long end) {
 }
 
 static PySendResult await_passed(Await *a, PyObject *arg, PyObject **result) {
+    T_START;
     if (unwrap(arg) < 0) return await_fail(a);
     int c = cancel_check();
     if (c < 0) return await_fail(a);
     if (c) return to_rest(a, a->started, 2, result); /* the Python counts, checks and raises */
+    T_MARK(28);
     int p = poll_counted(a->ev);
+    T_MARK(29);
     if (p == 0) p = spin_counted(a);
     if (p < 0) return await_fail(a);
-    if (p) return give_value(a, result);
+    if (p) {
+        PySendResult r_ = give_value(a, result);
+        T_MARK(30);
+        return r_;
+    }
     return to_rest(a, a->started, 0, result);
 }
 
@@ -3531,6 +3604,36 @@ static PyObject *counters(PyObject *module, PyObject *unused) {
                          "gemm_replays", n_gemm_replays);
 }
 
+/* timing(reset=False): {section: (ticks, count)} of a -DHOTPATH_TIMING build (None in
+ * a normal one), and the time stamp counter now, for the probe's calibration. */
+static PyObject *timing(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
+#ifdef HOTPATH_TIMING
+    PyObject *d = PyDict_New();
+    if (d == NULL) return NULL;
+    for (int i = 0; i < N_TIMED; i++) {
+        if (tick_n[i] == 0) continue;
+        PyObject *k = PyLong_FromLong(i), *v = Py_BuildValue("(KK)", tick_sum[i], tick_n[i]);
+        int e = k == NULL || v == NULL || PyDict_SetItem(d, k, v) < 0;
+        Py_XDECREF(k);
+        Py_XDECREF(v);
+        if (e) {
+            Py_DECREF(d);
+            return NULL;
+        }
+    }
+    if (argc > 0 && PyObject_IsTrue(argv[0]) == 1) {
+        memset(tick_sum, 0, sizeof(tick_sum));
+        memset(tick_n, 0, sizeof(tick_n));
+    }
+    PyObject *r = Py_BuildValue("(NK)", d, (unsigned long long)__rdtsc());
+    return r;
+#else
+    (void)argv;
+    (void)argc;
+    Py_RETURN_NONE;
+#endif
+}
+
 /* Test hooks (no GPU needed: a test gives a driver fake entry points): each direct call
  * as the hot path makes it. None: not made here (the Python method would be used). */
 static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
@@ -3568,6 +3671,7 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(plan, work, values): _submit.Plan._walk's loop for launches and selects; False: the top frame is the Python's."},
     {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
+    {"timing", (PyCFunction)(void (*)(void))timing, METH_FASTCALL, "timing(reset=False): section ticks of a -DHOTPATH_TIMING build (benchmarks/probe_sections.py), else None."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup_calls", (PyCFunction)setup_calls, METH_O,
