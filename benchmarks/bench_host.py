@@ -29,6 +29,13 @@ the peers of ``_peers.py``, then PyTorch's decode step):
   line also gives the median and range of the per-round ratios. cuda.core, CuPy and
   PyTorch are measured after trio-cuda's part by ``_peers.run_all`` (the raw peer
   again too); their "x raw" is against that later raw figure.
+
+  In the same rounds, the round trip's floor without trio-cuda's host code: the same
+  prepared kernel launched through the backend's compiled calls (``cuLaunchKernel``,
+  ``cuEventRecord``, then ``cuEventQuery`` until done, on a stream of its own), alone
+  and with one trio schedule point between the record and the first query (the
+  checkpoint every await makes). What trio-cuda's round trip costs above "floor + trio
+  pass" is its own host code.
 * ``decode step, 88 kernels, await per kernel, ms/token``: the decode step of
   ``examples/cuda_graphs_deviceop.py`` (hidden 2048, 22 layers of rms_norm, two GEMVs
   and a residual add: 4 kernels per layer) with one ``await`` per kernel, on one stream
@@ -252,6 +259,47 @@ def _open_raw_peer() -> tuple[Any, str | None]:
     return peer, None
 
 
+def _tiny_floor(kernel: Any) -> Any:
+    """The round trip's floor: ``kernel``'s prepared launch (the one trio-cuda's direct
+    submissions made; the probe's final check says it wrote the same array) through the
+    backend's compiled calls on a stream and event of its own. Returns an async function
+    ``floor(k, trio_pass)`` giving each of ``k`` round trips' nanoseconds, or None where
+    there is no such path (the simulated device, no compiled calls)."""
+    dev = trio_cuda.current_device()
+    drv = dev._driver  # type: ignore[attr-defined]
+    fast = getattr(drv, "_fast", None)
+    if trio_cuda.backend_name() != "cuda" or fast is None:
+        return None
+    from trio_cuda._backends import _cudafast
+
+    preps = [hit[3] for hit in kernel._fast.values() if hit[0] is dev and hasattr(hit[3], "params")]
+    if len(preps) != 1:
+        return None
+    p = preps[0]
+    stream, event = drv.create_stream(), drv.create_event()
+    sh, eh = int(stream), int(event)
+    launch, record, query = _cudafast.launch, _cudafast.record, _cudafast.query
+    checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+    now = time.perf_counter_ns
+
+    async def floor(k: int, trio_pass: bool) -> list[int]:
+        ns = []
+        for _ in range(k):
+            t0 = now()
+            if launch(fast[0], p.fn, p.gx, p.gy, p.gz, p.bx, p.by, p.bz, 0, sh, p.params) or record(fast[1], eh, sh):
+                raise RuntimeError("the round trip's floor: a launch or record failed")
+            if trio_pass:
+                await checkpoint()
+            while (r := query(fast[2], eh)) != 0:
+                if r != 600:  # CUDA_ERROR_NOT_READY
+                    raise RuntimeError(f"the round trip's floor: cuEventQuery returned {r}")
+            ns.append(now() - t0)
+        return ns
+
+    floor.keep = (stream, event, p)  # type: ignore[attr-defined]  # (alive with the function)
+    return floor
+
+
 async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
     """The chain, sync-after-every-op and round-trip figures of trio-cuda and the raw
     peer in ``--tiny-rounds`` interleaved rounds (see the module's docstring); both
@@ -265,6 +313,7 @@ async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
     ours_launches = 20
     raw, raw_error = _open_raw_peer()
     raw_launches = 200 + 20 + 20
+    floor = _tiny_floor(bench_runtime.inc)
 
     async def ours() -> dict[str, float]:
         nonlocal ours_launches
@@ -308,15 +357,22 @@ async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
             "roundtrip_us": statistics.median(rt) / 1e3,
         }
 
-    rounds: dict[str, list[dict[str, float]]] = {"trio": [], "raw": []}
+    async def floor_round(trio_pass: bool) -> dict[str, float]:
+        nonlocal ours_launches
+        ns = await floor(k, trio_pass)
+        ours_launches += k
+        return {"roundtrip_us": statistics.median(ns) / 1e3}
+
+    rounds: dict[str, list[dict[str, float]]] = {"trio": [], "raw": [], "floor": [], "floor + trio pass": []}
     try:
         for r in range(args.tiny_rounds):
-            order = ["trio", "raw"] if r % 2 == 0 else ["raw", "trio"]
-            for who in order:
+            for who in list(rounds) if r % 2 == 0 else reversed(list(rounds)):
                 if who == "trio":
                     rounds["trio"].append(await ours())
-                elif raw is not None:
+                elif who == "raw" and raw is not None:
                     rounds["raw"].append(raw_round())
+                elif who.startswith("floor") and floor is not None:
+                    rounds[who].append(await floor_round(who != "floor"))
         got = await x.to_host()
         if not np.all(got == ours_launches):
             raise AssertionError(f"trio-cuda's inc computed {got[0]}, expected {ours_launches}")
@@ -335,6 +391,8 @@ async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rounds,
         "trio": medians(rounds["trio"]),
         "raw": medians(rounds["raw"]),
+        "floor": medians(rounds["floor"]),
+        "floor + trio pass": medians(rounds["floor + trio pass"]),
         "raw_error": raw_error,
     }
     if rounds["raw"] and raw_error is None:
@@ -494,6 +552,14 @@ def build_rows(args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, 
             else ""
         )
         checks.append(f"- {label}: {ratio} (target <= {limit}x){spread}: {_verdict(ok)}")
+    for key, what in (
+        ("floor", "round trip's floor: the same prepared launch, record, query until done (compiled calls), us"),
+        ("floor + trio pass", "the round trip's floor with one trio schedule point, us"),
+    ):
+        f = (tiny.get(key) or {}).get("roundtrip_us")
+        if f is not None:
+            cell = _fmt(f) + (f" ({f / raw['roundtrip_us']:.2f}x raw)" if raw.get("roundtrip_us") else "")
+            lines.append(f"| {what} |  | {cell} |  |  |  |  |")
     if later_raw.get("roundtrip_us") is not None:
         checks.append(
             "- the raw peer measured again after trio-cuda's part (_peers.run_all, the other peers' base): "
