@@ -687,13 +687,15 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyOb
     } else {
         ticket = Py_NewRef(zero);
     }
-    PyObject *eh = event_handle(device);
+    PyObject *eh;
+    T_AROUND(11, eh = event_handle(device));
     if (eh == NULL) {
         Py_DECREF(ticket);
         return NULL;
     }
     PyTypeObject *et = (PyTypeObject *)Event_T;
-    PyObject *ev = et->tp_alloc(et, 0);
+    PyObject *ev;
+    T_AROUND(12, ev = et->tp_alloc(et, 0));
     if (ev == NULL) { /* (out of memory: the handle is dropped, as the Python's would be) */
         Py_DECREF(eh);
         Py_DECREF(ticket);
@@ -725,7 +727,7 @@ static PyObject *event_new(PyObject *s, PyObject *device, PyObject *driver, PyOb
         return NULL;
     }
     Py_INCREF(ev);
-    Py_XSETREF(SLOT(s, O.s_last_event), ev);
+    T_AROUND(13, Py_XSETREF(SLOT(s, O.s_last_event), ev)); /* (the old event's __del__ may run) */
     return ev;
 }
 
