@@ -1979,3 +1979,60 @@ def test_a_named_fault_has_the_original_as_context_the_same() -> None:
 
     r = compiled_and_python(main)
     assert r["C"] == r["P"], r  # P: ('add', True, 'DeviceFault'); C: ('add', False, 'KeyError')
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+async def test_the_submission_stream_is_the_pools_pick(compiled: bool) -> None:
+    """The compiled await takes the default pool's last stream itself while it is known
+    idle (counted: pool_picks) and calls the policy for every other case: a busy last
+    stream, a pool subclass (with or without its own submission_stream), another
+    policy. The streams chosen are the Python's in each case."""
+    dev = trio_cuda.current_device()
+    old = dev.policy
+    x, y, z = await api.arange(64), await api.zeros((64,)), await api.zeros((64,))
+    c = await api.zeros((1,), np.int32)
+    p = z.partition((32,))
+    calls: list[str] = []
+
+    class Mine(trio_cuda.StreamPoolRoundRobin):
+        def submission_stream(self) -> trio_cuda.Stream:
+            calls.append("mine")
+            return super().submission_stream()
+
+    class Plain(trio_cuda.StreamPoolRoundRobin):
+        pass
+
+    try:
+        with mode(compiled):
+            pool = trio_cuda.StreamPoolRoundRobin(dev)
+            dev.policy = pool
+            await add(p, x, y)  # prepared; the pool's first pick
+            s1 = pool._last
+            assert s1 is not None and s1.seq <= s1.done_seq
+            before, seq1 = counters()["pool_picks"], s1.seq
+            await add(p, x, y)  # the last stream is idle: the same one
+            assert pool._last is s1 and s1.seq == seq1 + 1
+            assert counters()["pool_picks"] - before == (1 if compiled else 0)
+            h = await lowlevel.submit(sleep(c.partition((1,)), 20_000_000))  # on s1, which stays busy
+            assert pool._last is s1 and s1.seq > s1.done_seq
+            before = counters()["pool_picks"]
+            await add(p, x, y)  # a busy last stream: the pool's next one
+            s2 = pool._last
+            assert s2 is not s1 and s2 in pool.streams and s2.seq <= s2.done_seq
+            assert counters()["pool_picks"] == before
+            await h.wait()
+            for cls in (Mine, Plain):
+                dev.policy = cls(dev)
+                before = counters()["pool_picks"]
+                await add(p, x, y)
+                await add(p, x, y)
+                assert counters()["pool_picks"] == before  # the policy's own method each time
+                assert dev.policy._last is not None and dev.policy._last.seq <= dev.policy._last.done_seq
+            assert calls == ["mine", "mine"]
+            dev.policy = trio_cuda.SingleStream(dev)
+            before = counters()["pool_picks"]
+            await add(p, x, y)
+            assert counters()["pool_picks"] == before
+    finally:
+        dev.policy = old
+    np.testing.assert_array_equal(await z.to_host(), np.arange(64))

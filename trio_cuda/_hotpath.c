@@ -2671,6 +2671,41 @@ static int poll_counted(PyObject *ev) {
     return p;
 }
 
+/* StreamPoolRoundRobin.submission_stream() (_scheduling) where ``pick`` is that method
+ * bound to a pool of exactly that class and the pool's last stream is known idle
+ * (``last.seq <= last.done_seq``): that stream, borrowed. NULL (no error) for every
+ * other case, which calls ``pick``. */
+static PyObject *py_pool_submission, *Pool_T, *s__last;
+static unsigned long long n_pool_picks;
+
+static PyObject *pool_last(PyObject *pick) {
+    if (py_pool_submission == NULL || Pool_T == NULL || !PyMethod_Check(pick) ||
+        PyMethod_GET_FUNCTION(pick) != py_pool_submission)
+        return NULL;
+    PyObject *self = PyMethod_GET_SELF(pick);
+    if (!IS(self, Pool_T) || _PyType_Lookup((PyTypeObject *)Pool_T, s__last) != NULL) return NULL;
+    PyObject *d = PyObject_GenericGetDict(self, NULL);
+    if (d == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *last = PyDict_GetItemWithError(d, s__last); /* (the pool's dict keeps it) */
+    Py_DECREF(d);
+    if (last == NULL || !IS(last, Stream_T)) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *seq = SLOT(last, O.s_seq), *done = SLOT(last, O.s_done_seq);
+    if (seq == NULL || done == NULL || !PyLong_CheckExact(seq) || !PyLong_CheckExact(done)) return NULL;
+    int le = PyObject_RichCompareBool(seq, done, Py_LE);
+    if (le <= 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    n_pool_picks++;
+    return last;
+}
+
 /* current_device()._submission_stream() (_registry.current_device, _device.Device.
  * _submission_stream): the task's device from the context variable, else device 0; the
  * policy's pick. The Python functions where there is no pick yet, or where
@@ -2708,8 +2743,12 @@ static PyObject *submission_stream(void) {
             return NULL;
         }
     }
-    if (pick != NULL && pick != Py_None) s = PyObject_CallNoArgs(pick);
-    else s = PyObject_CallMethodNoArgs(dev, s__submission_stream);
+    if (pick != NULL && pick != Py_None) {
+        PyObject *last = pool_last(pick);
+        s = last != NULL ? Py_NewRef(last) : PyObject_CallNoArgs(pick);
+    } else {
+        s = PyObject_CallMethodNoArgs(dev, s__submission_stream);
+    }
     Py_XDECREF(pick);
     Py_DECREF(dev);
     return s;
@@ -3327,6 +3366,9 @@ static PyObject *setup_calls(PyObject *module, PyObject *kw) {
     }
     for (int i = 0; i < N; i++) Py_XSETREF(*vars[i], Py_NewRef(got[i]));
     Py_XSETREF(py_spin_poll, Py_XNewRef(PyDict_GetItemString(notifier_globals, "spin_poll")));
+    /* (optional: without them every pick is called) */
+    Py_XSETREF(py_pool_submission, Py_XNewRef(PyDict_GetItemString(kw, "pool_submission")));
+    Py_XSETREF(Pool_T, Py_XNewRef(PyDict_GetItemString(kw, "Pool")));
     task_status_off = offs[0];
     task_runner_off = offs[1];
     task_points_off = offs[2];
@@ -3596,14 +3638,14 @@ static PyObject *setup_ops(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
                          n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
                          "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms,
-                         "gemm_replays", n_gemm_replays);
+                         "gemm_replays", n_gemm_replays, "pool_picks", n_pool_picks);
 }
 
 /* timing(reset=False): {section: (ticks, count)} of a -DHOTPATH_TIMING build (None in
@@ -3759,6 +3801,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s__paths, "_paths");
     NAME(s__submit_now, "_submit_now");
     NAME(s__submission_stream, "_submission_stream");
+    NAME(s__last, "_last");
     NAME(s_reached, "reached");
     NAME(s_poll, "poll");
     NAME(s_throw, "throw");

@@ -742,6 +742,7 @@ def _hot_calls_objects() -> dict[str, Any] | None:
     from ._device import Device
     from ._errors import DeviceError
     from ._registry import current_device
+    from ._scheduling import StreamPoolRoundRobin
 
     internals = _traps.trio_classes()
     if internals is None:
@@ -767,6 +768,8 @@ def _hot_calls_objects() -> dict[str, Any] | None:
         "event_handle": Device._event_handle,
         "recycle_event": Device._recycle_event,
         "submission_stream": Device._submission_stream,
+        "pool_submission": StreamPoolRoundRobin.submission_stream,
+        "Pool": StreamPoolRoundRobin,
         "Kernel": Kernel,
         "kernel_call": _kernel_call_py,
         "launch_init": _Launch.__init__,
