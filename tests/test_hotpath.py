@@ -1732,9 +1732,12 @@ async def test_event_handles_come_from_the_pool_and_go_back_to_it(monkeypatch: p
                 h = dev._event_handle()  # (the Python: a new one)
                 dev._event_pool.append((dev.generation, h))
                 dev._event_pool.append((dev.generation - 1, stale))
+            held = s._last_event  # (held: a done last event no one holds is recorded again)
             await on(add(p, x, x), s)  # its event takes h (the stale entry on top is dropped)
             took = s._last_event.handle is h
+            held = s._last_event
             await on(add(p, x, x), s)  # a new event (the pool has only a stale one) replaces it
+            del held
             gc.collect()
             pool = list(dev._event_pool)
             seen[compiled] = (took, (dev.generation, h) in pool, all(g == dev.generation for g, _ in pool))
@@ -2036,3 +2039,110 @@ async def test_the_submission_stream_is_the_pools_pick(compiled: bool) -> None:
     finally:
         dev.policy = old
     np.testing.assert_array_equal(await z.to_host(), np.arange(64))
+
+
+async def test_awaits_on_one_stream_record_its_done_last_event_again() -> None:
+    """On CUDA, an await on a stream whose last event is done and held by nothing else
+    records that event again (counter event_reuses) instead of dropping it and taking a
+    pooled handle; an event someone holds is never recorded again. (The simulated
+    device makes no direct records: it always takes a new event.)"""
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    x = await api.full((32,), 1.0)
+    p = x.partition((32,))
+    await on(add(p, x, x), s)
+    first, before = id(s._last_event), counters()["event_reuses"]
+    for _ in range(5):
+        await on(add(p, x, x), s)
+    reuses = counters()["event_reuses"] - before
+    assert (reuses, id(s._last_event) == first) == ((5, True) if ON_CUDA else (0, False))
+    held = s._last_event
+    seq = held.seq
+    await on(add(p, x, x), s)
+    assert s._last_event is not held and held.seq == seq and held.done and s._last_event.seq == seq + 1
+    np.testing.assert_array_equal(await x.to_host(), np.full(32, 128.0))  # doubled 7 times
+
+
+def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled submission's reuse of a stream's last event (test hook
+    ``direct_call("event_reuse", driver, stream, seq)`` with fake entry points): made
+    for a done event without an error that only the stream holds, record first and
+    fields after; not made (None, nothing recorded) for an event held elsewhere or by
+    a weak reference, pending, failed, of another generation or with a completion
+    word, for a stream with a completion word, or where the handle's return to the pool
+    is not the compiled one (Event.__del__ or the device's _recycle_event replaced), or
+    the driver's record replaced; a refused record raises and leaves the event as it
+    was."""
+    from cuda.bindings import driver as cu
+
+    fake = _FakeDriver()
+    d = _cuda_driver(fake, monkeypatch)
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    real = s.handle
+
+    def fresh(**fields: Any) -> Event:
+        ev = Event(s, 5, cu.CUevent(0x100))
+        ev.done = True
+        for k, v in fields.items():
+            setattr(ev, k, v)
+        s._last_event = ev
+        return ev
+
+    def reuse() -> Any:
+        n = len(fake.calls)
+        got = _hotpath.direct_call("event_reuse", d, s, 7)
+        if got is None:
+            assert len(fake.calls) == n, "recorded although not recorded again"
+        return got
+
+    try:
+        with LOCK:
+            s.handle = cu.CUstream(0x200)
+            ev = fresh()
+            i = id(ev)
+            del ev
+            before = counters()["event_reuses"]
+            got = reuse()
+            assert got is s._last_event and id(got) == i
+            assert (got.seq, got.done, got.error, got.ticket, int(got.stream_handle)) == (7, False, None, 0, 0x200)
+            assert fake.calls[-1] == ("record", 0x100, 0x200) and counters()["event_reuses"] == before + 1
+            del got
+            held = fresh()
+            assert reuse() is None and held.seq == 5
+            del held
+            w = weakref.ref(fresh())
+            assert reuse() is None and w() is s._last_event
+            for fields in ({"done": False}, {"error": RuntimeError("x")}, {"generation": dev.generation - 1}, {"flag": 0}):
+                fresh(**fields)
+                assert reuse() is None, fields
+                assert s._last_event.seq == 5
+            fresh()
+            s._flag = 0
+            assert reuse() is None
+            s._flag = -1
+            for target, name, value in (
+                (Event, "__del__", lambda self: None),
+                (dev, "_recycle_event", lambda g, h: None),
+                (d, "record", lambda *a: None),
+            ):
+                with monkeypatch.context() as m:
+                    m.setattr(target, name, value)
+                    fresh()
+                    assert reuse() is None, name
+            fresh()
+            assert reuse() is not None  # (each case above undone)
+            fresh()
+            fake.answer["record"] = int(cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
+            with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord"):
+                reuse()
+            fake.answer["record"] = 0
+            last = s._last_event
+            assert (last.seq, last.done, last.ticket) == (5, True, 0)
+            del last
+    finally:
+        with LOCK:
+            s._last_event = None
+            s.handle = real
+            gc.collect()
+            dev._event_pool.clear()  # (the fake handles the test's events gave back)

@@ -632,6 +632,80 @@ static PyObject *event_handle(PyObject *device) {
 
 static PyObject *py_event_at; /* Stream.event_at as bound at setup */
 
+/* The stream's last event ``last`` recorded again for point ``seq``, when nothing but
+ * the stream holds it: done without an error, no weak reference, the stream's
+ * generation, no completion word, and its handle would go back to the device's pool
+ * through the compiled Event.__del__ (the device's _recycle_event and _event_handle
+ * its own). Then dropping it and taking a pooled handle for a new Event (which
+ * event_new does) differs from recording it again only in which handle stays in the
+ * pool; nothing else can tell the two apart. The record is made first, straight
+ * through the driver's entry point, and the event's fields change only once it is.
+ * Returns the event (a new reference), NULL without an error: not here (event_new
+ * then), NULL with an error: the record failed (the event as it was). */
+static PyObject *s___del__;
+static unsigned long long n_event_reuses;
+static PyMethodDef event_del_def;
+
+static int own_recycling(PyObject *device) {
+    PyObject *del = _PyType_Lookup((PyTypeObject *)Event_T, s___del__);
+    if (del == NULL || !Py_IS_TYPE(del, &PyMethodDescr_Type) || ((PyMethodDescrObject *)del)->d_method != &event_del_def)
+        return 0;
+    if (py_recycle_event == NULL || py_event_handle == NULL || !IS(device, Device_T) ||
+        _PyType_Lookup(Py_TYPE(device), s__recycle_event) != py_recycle_event ||
+        _PyType_Lookup(Py_TYPE(device), s_event_handle) != py_event_handle)
+        return 0;
+    PyObject *d = device_dict(device);
+    if (d == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int own = PyDict_GetItemWithError(d, s__recycle_event) == NULL && PyDict_GetItemWithError(d, s_event_handle) == NULL;
+    Py_DECREF(d);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return own;
+}
+
+static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
+                             PyObject *last) {
+    if (direct == NULL || direct->record == NULL || !IS(last, Event_T) || Py_REFCNT(last) != 1) return NULL;
+    Py_ssize_t wo = Py_TYPE(last)->tp_weaklistoffset;
+    if (wo <= 0 || *(PyObject **)((char *)last + wo) != NULL) return NULL;
+    PyObject *flag = SLOT(s, O.s_flag), *wref = SLOT(s, O.s_wref), *handle = SLOT(s, O.s_handle),
+             *gen = SLOT(s, O.s_generation);
+    PyObject *lflag = SLOT(last, O.ev_flag), *lgen = SLOT(last, O.ev_generation), *lh = SLOT(last, O.ev_handle);
+    if (flag == NULL || wref == NULL || handle == NULL || gen == NULL || lflag == NULL || lgen == NULL || lh == NULL ||
+        !PyLong_CheckExact(flag) || !PyLong_CheckExact(lflag) || SLOT(last, O.ev_done) != Py_True ||
+        SLOT(last, O.ev_error) != Py_None || SLOT(last, O.ev_device) != device || SLOT(last, O.ev_stream) != wref)
+        return NULL;
+    if (PyLong_AsLong(flag) >= 0 || PyLong_AsLong(lflag) >= 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    int same = PyObject_RichCompareBool(lgen, gen, Py_EQ);
+    if (same <= 0) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (!own_recycling(device)) return NULL;
+    Py_INCREF(last); /* (held across the record) */
+    int made = record_direct(driver, direct, lh, handle);
+    if (made <= 0) {
+        Py_DECREF(last);
+        return NULL; /* 0: not made here, no error (event_new); -1: the record's error */
+    }
+#define SET(off, v) Py_XSETREF(SLOT(last, O.off), Py_NewRef(v))
+    SET(ev_seq, seq);
+    SET(ev_done, Py_False);
+    SET(ev_stream_handle, handle);
+    SET(ev_ticket, zero);
+#undef SET
+    n_event_reuses++;
+    return last;
+}
+
 static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct) {
     PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
     PyObject *own = PyObject_GetAttr(Stream_T, s_event_at);
@@ -649,6 +723,8 @@ static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObj
         int covers = PyObject_RichCompareBool(SLOT(last, O.ev_seq), seq, Py_GE);
         if (covers < 0) return NULL;
         if (covers) return Py_NewRef(last);
+        PyObject *again = event_reuse(s, device, driver, seq, direct, last);
+        if (again != NULL || PyErr_Occurred()) return again;
     }
     PyObject *flag = SLOT(s, O.s_flag), *wref = SLOT(s, O.s_wref), *handle = SLOT(s, O.s_handle),
              *gen = SLOT(s, O.s_generation);
@@ -3638,14 +3714,14 @@ static PyObject *setup_ops(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
                          n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
                          "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms,
-                         "gemm_replays", n_gemm_replays, "pool_picks", n_pool_picks);
+                         "gemm_replays", n_gemm_replays, "pool_picks", n_pool_picks, "event_reuses", n_event_reuses);
 }
 
 /* timing(reset=False): {section: (ticks, count)} of a -DHOTPATH_TIMING build (None in
@@ -3698,10 +3774,18 @@ static PyObject *direct_call(PyObject *module, PyObject *const *argv, Py_ssize_t
         r = query_direct(&d, argv[2]);
     } else if (PyUnicode_CompareWithASCIIString(argv[0], "gemm_replay") == 0 && argc == 4) {
         r = gemm_replay(argv[1], &d, argv[2], argv[3]);
+    } else if (PyUnicode_CompareWithASCIIString(argv[0], "event_reuse") == 0 && argc == 4 && IS(argv[2], Stream_T)) {
+        /* event_reuse(driver, stream, seq): the stream's last event recorded again, or None */
+        PyObject *s = argv[2], *last = SLOT(s, O.s_last_event), *dev = SLOT(s, O.s_device);
+        PyObject *ev = last == NULL || last == Py_None || dev == NULL ? NULL : event_reuse(s, dev, argv[1], argv[3], &d, last);
+        Py_DECREF(d.hot);
+        if (ev == NULL && PyErr_Occurred()) return NULL;
+        return ev == NULL ? Py_NewRef(Py_None) : ev;
     } else {
         Py_DECREF(d.hot);
         PyErr_SetString(PyExc_ValueError, "direct_call: launch(driver, prepared, stream), record(driver, event, stream), "
-                                          "query(driver, event) or gemm_replay(driver, (desc, a, b, d, bias), stream)");
+                                          "query(driver, event), gemm_replay(driver, (desc, a, b, d, bias), stream) or "
+                                          "event_reuse(driver, stream, seq)");
         return NULL;
     }
     Py_DECREF(d.hot);
@@ -3789,6 +3873,7 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s__recycle_event, "_recycle_event");
     NAME(s_nparams, "nparams");
     NAME(s___init__, "__init__");
+    NAME(s___del__, "__del__");
     NAME(s_task, "task");
     NAME(s_unwrap, "unwrap");
     NAME(s_on, "on");
