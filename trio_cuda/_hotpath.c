@@ -671,8 +671,10 @@ static int own_recycling(PyObject *device) {
 static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
                              PyObject *last) {
     if (direct == NULL || direct->record == NULL || !IS(last, Event_T) || Py_REFCNT(last) != 1) return NULL;
+    /* (the list of its weak references: at tp_weaklistoffset, which is negative where
+     * Python 3.12+ keeps it before the object, as _PyObject_GET_WEAKREFS_LISTPTR reads it) */
     Py_ssize_t wo = Py_TYPE(last)->tp_weaklistoffset;
-    if (wo <= 0 || *(PyObject **)((char *)last + wo) != NULL) return NULL;
+    if (wo != 0 && *(PyObject **)((char *)last + wo) != NULL) return NULL;
     PyObject *flag = SLOT(s, O.s_flag), *wref = SLOT(s, O.s_wref), *handle = SLOT(s, O.s_handle),
              *gen = SLOT(s, O.s_generation);
     PyObject *lflag = SLOT(last, O.ev_flag), *lgen = SLOT(last, O.ev_generation), *lh = SLOT(last, O.ev_handle);
