@@ -85,6 +85,7 @@ async def scenario(hp: object, name: str, n: int, rate: float) -> None:
     for _ in range(200):
         await inc(p)
     hp.timing(True)  # type: ignore[attr-defined]
+    c0 = hp.counters()  # type: ignore[attr-defined]
     if name == "round trip":
         whole = []
         for _ in range(n):
@@ -100,7 +101,9 @@ async def scenario(hp: object, name: str, n: int, rate: float) -> None:
             await inc(p)
         total = f"mean {(time.perf_counter_ns() - t0) / n:.0f} ns (the op's build included)"
     got, _ = hp.timing(True)  # type: ignore[attr-defined]
-    print(f"\n## {name}: {n} awaits, whole await {total}")
+    c1 = hp.counters()  # type: ignore[attr-defined]
+    extra = ", ".join(f"{k} {c1[k] - c0[k]}" for k in ("pool_picks", "event_reuses", "spins") if k in c1)
+    print(f"\n## {name}: {n} awaits, whole await {total}; {extra}")
     print(f"{'section':80s} {'ns':>7s} {'count':>7s}")
     for key, label in SECTIONS.items():
         if key in got:
