@@ -2075,10 +2075,10 @@ def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pyt
     was."""
     from cuda.bindings import driver as cu
 
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)  # (first: on CUDA, making a stream makes the real context current on this thread)
     fake = _FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
-    dev = trio_cuda.current_device()
-    s = wordless_stream(dev)
     real, real_generation = s.handle, s.generation
     # The test's events carry a fake handle, which each gives back to the device's pool
     # when it dies, maybe after the test: of a generation no device ever has, a pooled
