@@ -2136,6 +2136,28 @@ def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pyt
                     assert reuse() is None, name
             fresh()
             assert reuse() is not None  # (each case above undone)
+            # a reference or a weak reference taken while the GIL is released around the
+            # record (here by the fake record itself): recorded, then left as it was
+            real_call = fake._call
+            for take in (lambda ev: ev, weakref.ref):
+                grabbed: list[Any] = []
+
+                def grab(name: str, args: tuple[Any, ...], take: Any = take, grabbed: list[Any] = grabbed) -> int:
+                    if name == "record":
+                        grabbed.append(take(s._last_event))
+                    return real_call(name, args)
+
+                fresh()
+                n = len(fake.calls)
+                fake._call = grab  # type: ignore[method-assign]
+                try:
+                    assert _hotpath.direct_call("event_reuse", d, s, 7) is None
+                finally:
+                    fake._call = real_call  # type: ignore[method-assign]
+                assert len(fake.calls) == n + 1 and len(grabbed) == 1
+                last = s._last_event
+                assert (last.seq, last.done) == (5, True)
+                del last, grabbed
             fresh()
             fake.answer["record"] = int(cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
             with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord"):

@@ -698,6 +698,14 @@ static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, Py
         Py_DECREF(last);
         return NULL; /* 0: not made here, no error (event_new); -1: the record's error */
     }
+    /* The GIL was released around the record: if another thread took a reference or a
+     * weak reference meanwhile, the event stays as it was (done: nothing asks the driver
+     * about its handle again, which goes back to the pool when it dies) and event_new
+     * makes the new point's event. */
+    if (Py_REFCNT(last) != 2 || (wo != 0 && *(PyObject **)((char *)last + wo) != NULL)) {
+        Py_DECREF(last);
+        return NULL;
+    }
 #define SET(off, v) Py_XSETREF(SLOT(last, O.off), Py_NewRef(v))
     SET(ev_seq, seq);
     SET(ev_done, Py_False);
