@@ -668,41 +668,55 @@ static int own_recycling(PyObject *device) {
     return own;
 }
 
-static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
-                             PyObject *last) {
-    if (direct == NULL || direct->record == NULL || !IS(last, Event_T) || Py_REFCNT(last) != 1) return NULL;
-    /* (the list of its weak references: at tp_weaklistoffset, which is negative where
-     * Python 3.12+ keeps it before the object, as _PyObject_GET_WEAKREFS_LISTPTR reads it) */
-    Py_ssize_t wo = Py_TYPE(last)->tp_weaklistoffset;
-    if (wo != 0 && *(PyObject **)((char *)last + wo) != NULL) return NULL;
+static int reuse_ok(PyObject *s, PyObject *device, PyObject *last, Py_ssize_t wo) {
     PyObject *flag = SLOT(s, O.s_flag), *wref = SLOT(s, O.s_wref), *handle = SLOT(s, O.s_handle),
              *gen = SLOT(s, O.s_generation);
     PyObject *lflag = SLOT(last, O.ev_flag), *lgen = SLOT(last, O.ev_generation), *lh = SLOT(last, O.ev_handle);
     if (flag == NULL || wref == NULL || handle == NULL || gen == NULL || lflag == NULL || lgen == NULL || lh == NULL ||
         !PyLong_CheckExact(flag) || !PyLong_CheckExact(lflag) || SLOT(last, O.ev_done) != Py_True ||
         SLOT(last, O.ev_error) != Py_None || SLOT(last, O.ev_device) != device || SLOT(last, O.ev_stream) != wref)
-        return NULL;
+        return 0;
     if (PyLong_AsLong(flag) >= 0 || PyLong_AsLong(lflag) >= 0) {
         PyErr_Clear();
-        return NULL;
+        return 0;
     }
     int same = PyObject_RichCompareBool(lgen, gen, Py_EQ);
     if (same <= 0) {
         PyErr_Clear();
+        return 0;
+    }
+    /* (no reference, weak reference or other last event came while this ran) */
+    return own_recycling(device) && Py_REFCNT(last) == 2 && (wo == 0 || *(PyObject **)((char *)last + wo) == NULL) &&
+           SLOT(s, O.s_last_event) == last;
+}
+
+static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct,
+                             PyObject *last) {
+    /* only the stream holds it, and its __del__ has not run (a finalizer may have
+     * resurrected an event whose handle is in the pool already) */
+    if (direct == NULL || direct->record == NULL || !IS(last, Event_T) || Py_REFCNT(last) != 1 ||
+        PyObject_GC_IsFinalized(last))
+        return NULL;
+    /* (the list of its weak references: at tp_weaklistoffset, which is negative where
+     * Python 3.12+ keeps it before the object, as _PyObject_GET_WEAKREFS_LISTPTR reads it) */
+    Py_ssize_t wo = Py_TYPE(last)->tp_weaklistoffset;
+    if (wo != 0 && *(PyObject **)((char *)last + wo) != NULL) return NULL;
+    Py_INCREF(last); /* (held from here: the checks below may run a collection) */
+    if (!reuse_ok(s, device, last, wo)) {
+        Py_DECREF(last);
         return NULL;
     }
-    if (!own_recycling(device)) return NULL;
-    Py_INCREF(last); /* (held across the record) */
+    PyObject *handle = Py_NewRef(SLOT(s, O.s_handle)), *lh = Py_NewRef(SLOT(last, O.ev_handle));
     int made = record_direct(driver, direct, lh, handle);
-    if (made <= 0) {
-        Py_DECREF(last);
-        return NULL; /* 0: not made here, no error (event_new); -1: the record's error */
-    }
-    /* The GIL was released around the record: if another thread took a reference or a
-     * weak reference meanwhile, the event stays as it was (done: nothing asks the driver
-     * about its handle again, which goes back to the pool when it dies) and event_new
-     * makes the new point's event. */
-    if (Py_REFCNT(last) != 2 || (wo != 0 && *(PyObject **)((char *)last + wo) != NULL)) {
+    Py_DECREF(lh);
+    /* 0: not made here, no error (event_new then); -1: the record's error. The GIL was
+     * released around the record: if another thread took a reference or a weak
+     * reference meanwhile, or the stream has another last event, the event stays as it
+     * was (done: nothing asks the driver about its handle again, which goes back to the
+     * pool when it dies) and event_new makes the new point's event. */
+    if (made <= 0 || Py_REFCNT(last) != 2 || (wo != 0 && *(PyObject **)((char *)last + wo) != NULL) ||
+        SLOT(s, O.s_last_event) != last) {
+        Py_DECREF(handle);
         Py_DECREF(last);
         return NULL;
     }
@@ -712,6 +726,7 @@ static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, Py
     SET(ev_stream_handle, handle);
     SET(ev_ticket, zero);
 #undef SET
+    Py_DECREF(handle);
     n_event_reuses++;
     return last;
 }
