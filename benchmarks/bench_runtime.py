@@ -54,6 +54,19 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+async def chain_us(p: Any, n: int) -> tuple[float, float]:
+    """A chain of ``n`` dependent ``inc`` launches on partition ``p``, built (``op =
+    inc(op.first())``) and then awaited once: (build, await) in us per op."""
+    t0 = time.perf_counter_ns()
+    op = inc(p)
+    for _ in range(n - 1):
+        op = inc(op.first())
+    t1 = time.perf_counter_ns()
+    await op
+    t2 = time.perf_counter_ns()
+    return (t1 - t0) / n / 1e3, (t2 - t1) / n / 1e3
+
+
 async def _trio_figures(n: int, reps: int) -> dict[str, Any]:
     dev = trio_cuda.current_device()
     x = await api.zeros((32,))
@@ -65,15 +78,9 @@ async def _trio_figures(n: int, reps: int) -> dict[str, Any]:
 
     build, chain = [], []
     for _ in range(reps):
-        t0 = time.perf_counter_ns()
-        op = inc(p)
-        for _ in range(n - 1):
-            op = inc(op.first())
-        t1 = time.perf_counter_ns()
-        await op
-        t2 = time.perf_counter_ns()
-        build.append((t1 - t0) / n / 1e3)
-        chain.append((t2 - t1) / n / 1e3)
+        b, c = await chain_us(p, n)
+        build.append(b)
+        chain.append(c)
 
     sync_each = []
     m = max(n // 4, 100)

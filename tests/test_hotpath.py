@@ -2064,28 +2064,52 @@ async def test_awaits_on_one_stream_record_its_done_last_event_again() -> None:
     np.testing.assert_array_equal(await x.to_host(), np.full(32, 128.0))  # doubled 7 times
 
 
+@contextlib.contextmanager
+def fake_handled_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any, Any, int]]:
+    """(stream, fake entry points, fake CUDA driver, generation) for tests that make
+    Events with a fake handle (0x100) on a stream with a fake handle (0x200), under the
+    runtime lock. The stream is made first: on CUDA, making a stream makes the real
+    context current on this thread, which would replace the fake driver's token. Its
+    generation is one no device ever has, so a fake handle that an Event gives back to
+    the device's pool when it dies (maybe after the test) is dropped there, never
+    recorded (on CUDA, a record of it would crash); the pool is cleaned after."""
+    from cuda.bindings import driver as cu
+
+    dev = trio_cuda.current_device()
+    s = wordless_stream(dev)
+    fake = _FakeDriver()
+    d = _cuda_driver(fake, monkeypatch)
+    real, real_generation = s.handle, s.generation
+    never = -(1 << 40)
+    try:
+        with LOCK:
+            s.handle, s.generation = cu.CUstream(0x200), never
+            yield s, fake, d, never
+    finally:
+        with LOCK:
+            s._last_event = None
+            s.handle, s.generation = real, real_generation
+            gc.collect()
+            pool = list(dev._event_pool)
+            dev._event_pool.clear()
+            dev._event_pool.extend(e for e in pool if e[0] > never)
+
+
 def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled submission's reuse of a stream's last event (test hook
     ``direct_call("event_reuse", driver, stream, seq)`` with fake entry points): made
     for a done event without an error that only the stream holds, record first and
     fields after; not made (None, nothing recorded) for an event held elsewhere or by
-    a weak reference, pending, failed, of another generation or with a completion
-    word, for a stream with a completion word, or where the handle's return to the pool
-    is not the compiled one (Event.__del__ or the device's _recycle_event replaced), or
-    the driver's record replaced; a refused record raises and leaves the event as it
-    was."""
+    a weak reference, pending, failed, of another generation, device or stream, or with
+    a completion word, for a stream with a completion word, where the handle's return to
+    the pool is not the compiled one (Event.__del__, the device's _recycle_event or
+    _event_handle replaced on the class or the instance, a Device subclass), or the
+    driver's record replaced; a reference or weak reference taken during the record
+    leaves the event as it was; a refused record raises and leaves it as it was."""
     from cuda.bindings import driver as cu
 
     dev = trio_cuda.current_device()
-    s = wordless_stream(dev)  # (first: on CUDA, making a stream makes the real context current on this thread)
-    other = dev.create_stream()
-    fake = _FakeDriver()
-    d = _cuda_driver(fake, monkeypatch)
-    real, real_generation = s.handle, s.generation
-    # The test's events carry a fake handle, which each gives back to the device's pool
-    # when it dies, maybe after the test: of a generation no device ever has, a pooled
-    # handle that is dropped, never recorded (on CUDA, a record of it would crash).
-    never = -(1 << 40)
+    other = dev.create_stream()  # (before the fake driver's token: see fake_handled_stream)
 
     def fresh(**fields: Any) -> Event:
         ev = Event(s, 5, cu.CUevent(0x100))
@@ -2102,97 +2126,87 @@ def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pyt
             assert len(fake.calls) == n, "recorded although not recorded again"
         return got
 
-    try:
-        with LOCK:
-            s.handle, s.generation = cu.CUstream(0x200), never
-            ev = fresh()
-            i = id(ev)
-            del ev
-            before = counters()["event_reuses"]
-            got = reuse()
-            assert got is s._last_event and id(got) == i
-            assert (got.seq, got.done, got.error, got.ticket, int(got.stream_handle)) == (7, False, None, 0, 0x200)
-            assert fake.calls[-1] == ("record", 0x100, 0x200) and counters()["event_reuses"] == before + 1
-            del got
-            held = fresh()
-            assert reuse() is None and held.seq == 5
-            del held
-            w = weakref.ref(fresh())
-            assert reuse() is None and w() is s._last_event
+    with fake_handled_stream(monkeypatch) as (s, fake, d, never):
+        ev = fresh()
+        i = id(ev)
+        del ev
+        before = counters()["event_reuses"]
+        got = reuse()
+        assert got is s._last_event and id(got) == i
+        assert (got.seq, got.done, got.error, got.ticket, int(got.stream_handle)) == (7, False, None, 0, 0x200)
+        assert fake.calls[-1] == ("record", 0x100, 0x200) and counters()["event_reuses"] == before + 1
+        del got
+        held = fresh()
+        assert reuse() is None and held.seq == 5
+        del held
+        w = weakref.ref(fresh())
+        assert reuse() is None and w() is s._last_event
 
-            class Elsewhere:  # (another device, as far as the event is concerned)
-                def _recycle_event(self, generation: int, handle: Any) -> None:
-                    pass
+        class Elsewhere:  # (another device, as far as the event is concerned)
+            def _recycle_event(self, generation: int, handle: Any) -> None:
+                pass
 
-            for fields in (
-                {"done": False},
-                {"error": RuntimeError("x")},
-                {"generation": never - 1},
-                {"flag": 0},
-                {"device": Elsewhere()},
-                {"_stream": other._wref},
-            ):
-                fresh(**fields)
-                assert reuse() is None, fields
-                assert s._last_event.seq == 5
-            fresh()
-            s._flag = 0
-            assert reuse() is None
-            s._flag = -1
-            orig_recycle, orig_handle = trio_cuda.Device._recycle_event, trio_cuda.Device._event_handle
-            for target, name, value in (
-                (Event, "__del__", lambda self: None),
-                (dev, "_recycle_event", lambda g, h: None),
-                (trio_cuda.Device, "_recycle_event", lambda self, g, h: orig_recycle(self, g, h)),
-                (dev, "_event_handle", lambda: orig_handle(dev)),
-                (trio_cuda.Device, "_event_handle", lambda self: orig_handle(self)),
-                (dev, "__class__", type("SubDevice", (trio_cuda.Device,), {})),
-                (d, "record", lambda *a: None),
-            ):
-                with monkeypatch.context() as m:
-                    m.setattr(target, name, value)
-                    fresh()
-                    assert reuse() is None, name
-            fresh()
-            assert reuse() is not None  # (each case above undone)
-            # a reference or a weak reference taken while the GIL is released around the
-            # record (here by the fake record itself): recorded, then left as it was
-            real_call = fake._call
-            for take in (lambda ev: ev, weakref.ref):
-                grabbed: list[Any] = []
-
-                def grab(name: str, args: tuple[Any, ...], take: Any = take, grabbed: list[Any] = grabbed) -> int:
-                    if name == "record":
-                        grabbed.append(take(s._last_event))
-                    return real_call(name, args)
-
+        for fields in (
+            {"done": False},
+            {"error": RuntimeError("x")},
+            {"generation": never - 1},
+            {"flag": 0},
+            {"device": Elsewhere()},
+            {"_stream": other._wref},
+        ):
+            fresh(**fields)
+            assert reuse() is None, fields
+            assert s._last_event.seq == 5
+        fresh()
+        s._flag = 0
+        assert reuse() is None
+        s._flag = -1
+        orig_recycle, orig_handle = trio_cuda.Device._recycle_event, trio_cuda.Device._event_handle
+        for target, name, value in (
+            (Event, "__del__", lambda self: None),
+            (dev, "_recycle_event", lambda g, h: None),
+            (trio_cuda.Device, "_recycle_event", lambda self, g, h: orig_recycle(self, g, h)),
+            (dev, "_event_handle", lambda: orig_handle(dev)),
+            (trio_cuda.Device, "_event_handle", lambda self: orig_handle(self)),
+            (dev, "__class__", type("SubDevice", (trio_cuda.Device,), {})),
+            (d, "record", lambda *a: None),
+        ):
+            with monkeypatch.context() as m:
+                m.setattr(target, name, value)
                 fresh()
-                n = len(fake.calls)
-                fake._call = grab  # type: ignore[method-assign]
-                try:
-                    assert _hotpath.direct_call("event_reuse", d, s, 7) is None
-                finally:
-                    fake._call = real_call  # type: ignore[method-assign]
-                assert len(fake.calls) == n + 1 and len(grabbed) == 1
-                last = s._last_event
-                assert (last.seq, last.done) == (5, True)
-                del last, grabbed
+                assert reuse() is None, name
+        fresh()
+        assert reuse() is not None  # (each case above undone)
+        # a reference or a weak reference taken while the GIL is released around the
+        # record (here by the fake record itself): recorded, then left as it was
+        real_call = fake._call
+        for take in (lambda ev: ev, weakref.ref):
+            grabbed: list[Any] = []
+
+            def grab(name: str, args: tuple[Any, ...], take: Any = take, grabbed: list[Any] = grabbed) -> int:
+                if name == "record":
+                    grabbed.append(take(s._last_event))
+                return real_call(name, args)
+
             fresh()
-            fake.answer["record"] = int(cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
-            with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord"):
-                reuse()
-            fake.answer["record"] = 0
+            n = len(fake.calls)
+            fake._call = grab  # type: ignore[method-assign]
+            try:
+                assert _hotpath.direct_call("event_reuse", d, s, 7) is None
+            finally:
+                fake._call = real_call  # type: ignore[method-assign]
+            assert len(fake.calls) == n + 1 and len(grabbed) == 1
             last = s._last_event
-            assert (last.seq, last.done, last.ticket) == (5, True, 0)
-            del last
-    finally:
-        with LOCK:
-            s._last_event = None
-            s.handle, s.generation = real, real_generation
-            gc.collect()
-            pool = list(dev._event_pool)
-            dev._event_pool.clear()
-            dev._event_pool.extend(e for e in pool if e[0] > never)  # (the fake handles given back)
+            assert (last.seq, last.done) == (5, True)
+            del last, grabbed
+        fresh()
+        fake.answer["record"] = int(cu.CUresult.CUDA_ERROR_INVALID_HANDLE)
+        with pytest.raises(trio_cuda.DeviceError, match="cuEventRecord"):
+            reuse()
+        fake.answer["record"] = 0
+        last = s._last_event
+        assert (last.seq, last.done, last.ticket) == (5, True, 0)
+        del last
 
 
 def test_an_event_finalized_and_resurrected_is_not_recorded_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -2203,38 +2217,23 @@ def test_an_event_finalized_and_resurrected_is_not_recorded_again(monkeypatch: p
     from cuda.bindings import driver as cu
 
     dev = trio_cuda.current_device()
-    s = wordless_stream(dev)
-    fake = _FakeDriver()
-    d = _cuda_driver(fake, monkeypatch)
-    real, real_generation = s.handle, s.generation
-    never = -(1 << 40)  # (a fake handle that reaches the pool is dropped, never recorded)
+    with fake_handled_stream(monkeypatch) as (s, fake, d, never):
 
-    class Holder:
-        def __del__(self) -> None:
-            s._last_event = self.__dict__.pop("ev")
+        class Holder:
+            def __del__(self) -> None:
+                s._last_event = self.__dict__.pop("ev")
 
-    try:
-        with LOCK:
-            s.handle, s.generation = cu.CUstream(0x200), never
-            h = Holder()
-            h.me = h  # type: ignore[attr-defined]
-            h.ev = Event(s, 5, cu.CUevent(0x100))  # type: ignore[attr-defined]
-            h.ev.done = True  # type: ignore[attr-defined]
-            s._last_event = None
-            del h
-            gc.collect()
-            assert s._last_event is not None and gc.is_finalized(s._last_event)
-            assert any(g == never for g, _ in dev._event_pool)  # its __del__ gave the handle back
-            n = len(fake.calls)
-            assert _hotpath.direct_call("event_reuse", d, s, 7) is None and len(fake.calls) == n
-    finally:
-        with LOCK:
-            s._last_event = None
-            s.handle, s.generation = real, real_generation
-            gc.collect()
-            pool = list(dev._event_pool)
-            dev._event_pool.clear()
-            dev._event_pool.extend(e for e in pool if e[0] > never)
+        h = Holder()
+        h.me = h  # type: ignore[attr-defined]
+        h.ev = Event(s, 5, cu.CUevent(0x100))  # type: ignore[attr-defined]
+        h.ev.done = True  # type: ignore[attr-defined]
+        s._last_event = None
+        del h
+        gc.collect()
+        assert s._last_event is not None and gc.is_finalized(s._last_event)
+        assert any(g == never for g, _ in dev._event_pool)  # its __del__ gave the handle back
+        n = len(fake.calls)
+        assert _hotpath.direct_call("event_reuse", d, s, 7) is None and len(fake.calls) == n
 
 
 @pytest.mark.parametrize("compiled", [True, False])
