@@ -322,12 +322,7 @@ async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(m):
             await inc(p)
         t3 = time.perf_counter_ns()
-        rt = []
-        for _ in range(k):
-            op = inc(p)
-            t4 = time.perf_counter_ns()
-            await op
-            rt.append(time.perf_counter_ns() - t4)
+        rt = await bench_runtime.roundtrips_ns(p, k)
         ours_launches += n + m + k
         return {
             "chain_build_us_per_op": build,

@@ -67,6 +67,18 @@ async def chain_us(p: Any, n: int) -> tuple[float, float]:
     return (t1 - t0) / n / 1e3, (t2 - t1) / n / 1e3
 
 
+async def roundtrips_ns(p: Any, k: int) -> list[int]:
+    """``k`` round trips: ``await op`` of one ``inc`` launch on ``p``, made before the
+    clock starts; each one's nanoseconds."""
+    ns = []
+    for _ in range(k):
+        op = inc(p)
+        t0 = time.perf_counter_ns()
+        await op
+        ns.append(time.perf_counter_ns() - t0)
+    return ns
+
+
 async def _trio_figures(n: int, reps: int) -> dict[str, Any]:
     dev = trio_cuda.current_device()
     x = await api.zeros((32,))
@@ -90,12 +102,7 @@ async def _trio_figures(n: int, reps: int) -> dict[str, Any]:
             await inc(p)
         sync_each.append((time.perf_counter_ns() - t0) / m / 1e3)
 
-    rt = []
-    for _ in range(2000):
-        op = inc(p)
-        t0 = time.perf_counter_ns()
-        await op
-        rt.append((time.perf_counter_ns() - t0) / 1e3)
+    rt = [ns / 1e3 for ns in await roundtrips_ns(p, 2000)]
 
     counters = [await api.zeros((1,), np.int32) for _ in range(16)]
 

@@ -34,7 +34,7 @@ import trio_cuda
 from trio_cuda import api
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_runtime import inc  # this folder (run as a script)
+from bench_runtime import inc, roundtrips_ns  # this folder (run as a script)
 
 SECTIONS = {
     23: "await: traps on?, cancel check",
@@ -87,13 +87,7 @@ async def scenario(hp: object, name: str, n: int, rate: float) -> None:
     hp.timing(True)  # type: ignore[attr-defined]
     c0 = hp.counters()  # type: ignore[attr-defined]
     if name == "round trip":
-        whole = []
-        for _ in range(n):
-            op = inc(p)
-            t0 = time.perf_counter_ns()
-            await op
-            whole.append(time.perf_counter_ns() - t0)
-        whole.sort()
+        whole = sorted(await roundtrips_ns(p, n))
         total = f"median {whole[n // 2]} ns, mean {sum(whole) / n:.0f} ns"
     else:
         t0 = time.perf_counter_ns()
