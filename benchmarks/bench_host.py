@@ -313,7 +313,7 @@ async def _tiny_figures(args: argparse.Namespace) -> dict[str, Any]:
     ours_launches = 20
     raw, raw_error = _open_raw_peer()
     raw_launches = 200 + 20 + 20
-    floor = _tiny_floor(bench_runtime.inc)
+    floor = _tiny_floor(inc)
 
     async def ours() -> dict[str, float]:
         nonlocal ours_launches
