@@ -2177,6 +2177,15 @@ def test_a_done_unshared_last_event_is_recorded_again_only_then(monkeypatch: pyt
                 assert reuse() is None, name
         fresh()
         assert reuse() is not None  # (each case above undone)
+        # the device's own methods bound to it in its instance dict (what some pytest
+        # versions' monkeypatch leaves when it undoes a method set on the instance):
+        # the same methods, so still recorded again
+        for name in ("_recycle_event", "_event_handle"):
+            with monkeypatch.context() as m:
+                m.setattr(dev, name, getattr(dev, name))
+                assert name in vars(dev)
+                fresh()
+                assert reuse() is not None, name
         # a reference or a weak reference taken while the GIL is released around the
         # record (here by the fake record itself): recorded, then left as it was
         real_call = fake._call

@@ -352,6 +352,14 @@ typedef struct {
  * subclass's override, a method patched on the class, or one in the instance dict
  * (except the backend's own function bound to ``obj``, which is what pytest's
  * monkeypatch leaves behind when it restores a method it replaced on an instance). */
+/* Is ``v`` (an entry of ``obj``'s instance dict, or NULL: none) nothing or ``own`` bound
+ * to ``obj``? Both call the class's own method; the second is what some versions of
+ * pytest's monkeypatch leave in the instance dict when they undo a method set there
+ * (the H200 image's did: every reuse was refused after such a test). */
+static int own_bound(PyObject *v, PyObject *obj, PyObject *own) {
+    return v == NULL || (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj && PyMethod_GET_FUNCTION(v) == own);
+}
+
 static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *originals) {
     /* the class's method (a subclass's override, a method patched on the class) */
     PyObject *own = PyDict_GetItemWithError(originals, name);
@@ -360,12 +368,8 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
         return 1;
     }
     PyObject *v = dict == NULL ? NULL : PyDict_GetItemWithError(dict, name);
-    if (v == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    if (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj && PyMethod_GET_FUNCTION(v) == own) return 0;
-    return 1;
+    if (v == NULL) PyErr_Clear();
+    return !own_bound(v, obj, own);
 }
 
 /* Fill *d: 1 if direct calls may be made on this thread now, 0 if not (the Python
@@ -586,10 +590,10 @@ static PyObject *event_handle(PyObject *device) {
         return PyObject_CallMethodNoArgs(device, s_event_handle);
     PyObject *d = device_dict(device);
     if (d == NULL) return NULL;
-    PyObject *own = PyDict_GetItemWithError(d, s_event_handle);
-    PyObject *pool = own == NULL ? PyDict_GetItemWithError(d, s__event_pool) : NULL;
+    int own = own_bound(PyDict_GetItemWithError(d, s_event_handle), device, py_event_handle);
+    PyObject *pool = own && !PyErr_Occurred() ? PyDict_GetItemWithError(d, s__event_pool) : NULL;
     PyObject *gen = pool == NULL ? NULL : PyDict_GetItemWithError(d, s_generation);
-    if (own != NULL || pool == NULL || gen == NULL) {
+    if (!own || pool == NULL || gen == NULL) {
         Py_DECREF(d);
         if (PyErr_Occurred()) return NULL;
         return PyObject_CallMethodNoArgs(device, s_event_handle); /* set on the instance, or unusual */
@@ -659,7 +663,8 @@ static int own_recycling(PyObject *device) {
         PyErr_Clear();
         return 0;
     }
-    int own = PyDict_GetItemWithError(d, s__recycle_event) == NULL && PyDict_GetItemWithError(d, s_event_handle) == NULL;
+    int own = own_bound(PyDict_GetItemWithError(d, s__recycle_event), device, py_recycle_event) &&
+              !PyErr_Occurred() && own_bound(PyDict_GetItemWithError(d, s_event_handle), device, py_event_handle);
     Py_DECREF(d);
     if (PyErr_Occurred()) {
         PyErr_Clear();
@@ -2867,7 +2872,8 @@ static PyObject *event_del(PyObject *ev, PyObject *unused) {
         _PyType_Lookup(Py_TYPE(dev), s__recycle_event) == py_recycle_event) {
         PyObject *d = device_dict(dev);
         PyObject *pool = NULL;
-        if (d != NULL && PyDict_GetItemWithError(d, s__recycle_event) == NULL && !PyErr_Occurred())
+        if (d != NULL && own_bound(PyDict_GetItemWithError(d, s__recycle_event), dev, py_recycle_event) &&
+            !PyErr_Occurred())
             pool = Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool));
         Py_XDECREF(d);
         if (pool != NULL) {
