@@ -554,6 +554,74 @@ def test_direct_calls_pass_handles_and_map_results(monkeypatch: pytest.MonkeyPat
     assert type(c_rec.value) is type(py_rec.value) and str(c_rec.value) == str(py_rec.value)
 
 
+def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled answer to "may direct calls be made for this driver" is kept between
+    calls (counter direct_cached) only while nothing it read changed: after each change
+    below, made once with the answer cached, the next call follows the change: another
+    token on the thread, a method set on the instance or patched on the class (and
+    undone), the backend's own-method table changed, other entry points, hot_calls
+    gone, another driver in between, a class whose _fast is a property."""
+    from cuda.bindings import driver as cu
+
+    from trio_cuda._backends import _cuda
+
+    fake, fake2 = _FakeDriver(), _FakeDriver()
+    d = _cuda_driver(fake, monkeypatch)
+    ev = cu.CUevent(0x100)
+
+    def query(drv: Any = d) -> Any:
+        _hotpath.direct_call("query", drv, ev)  # (the answer kept, if it can be)
+        return _hotpath.direct_call("query", drv, ev)
+
+    before = counters()["direct_cached"]
+    assert query() == 1 and fake.calls[-1] == ("query", 0x100)
+    if sys.version_info < (3, 14):  # (no dict versions to keep it by after 3.13)
+        assert counters()["direct_cached"] > before
+    with monkeypatch.context() as m:
+        m.setattr(_cuda._tls, "token", object())
+        assert query() is None
+    assert query() == 1
+    for target in (d, _cuda.CudaDevice):
+        n = len(fake.calls)
+        with monkeypatch.context() as m:
+            m.setattr(target, "query", (lambda *a: True) if target is d else (lambda self, *a: True))
+            assert callable(d.launch)  # (a lookup on the class since: its version tag is valid again)
+            assert query() == 2 and len(fake.calls) == n  # (the Python query's to make)
+        assert query() == 1 and len(fake.calls) == n + 2
+    with monkeypatch.context() as m:
+        m.setitem(_cuda._OWN_CALLS, "query", lambda self, *a: True)
+        assert query() == 2
+    assert query() == 1
+    n = len(fake.calls)
+    d._fast = fake2.entry_points
+    assert query() == 1 and len(fake.calls) == n and fake2.calls[-1] == ("query", 0x100)
+    d._fast = fake.entry_points
+    d.hot_calls = None
+    assert query() is None
+    d.hot_calls = (_cuda._tls, _Prepared, _cuda._NOT_READY, _cuda._OWN_CALLS)
+    d2 = fake_cuda_driver(fake2, monkeypatch)  # (its own token, now the thread's)
+    d2.hot_calls = d.hot_calls
+    assert query(d2) == 1 and query() is None
+    monkeypatch.setattr(_cuda._tls, "token", d._token)
+    assert query() == 1 and query(d2) is None
+
+    box = [fake.entry_points]
+
+    class Moving(_cuda.CudaDevice):
+        @property
+        def _fast(self) -> Any:
+            return box[0]
+
+    m3 = Moving.__new__(Moving)
+    vars(m3).update(vars(d))
+    del vars(m3)["_fast"]
+    m3.hot_calls = d.hot_calls
+    assert query(m3) == 1 and fake.calls[-1] == ("query", 0x100)
+    box[0] = fake2.entry_points  # (nothing the driver's class or dict holds changed)
+    n2 = len(fake2.calls)
+    assert query(m3) == 1 and len(fake2.calls) == n2 + 2
+
+
 def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not made (the Python methods then): another context current on this thread, no
     fast path, a prepared launch of another type, dimensions that do not fit, no

@@ -372,10 +372,96 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
     return !own_bound(v, obj, own);
 }
 
+/* The answer of direct_calls for the driver it last said yes to, kept while nothing it
+ * read can have changed: the driver's instance dict is the same dict at the same
+ * version (hot_calls, _fast, _token and any method set on the instance are there), the
+ * dict of the backend's own methods (hot_calls[3]) is at the same version, and the
+ * driver's class has the same valid version tag (a method patched on it or on a base
+ * changes that). Dict versions are unique in the interpreter's life, so a dict freed
+ * and another made at its address is never taken for it; only the thread's token is
+ * read on every call. Python 3.14 keeps no dict versions: no cache there. */
+#if PY_VERSION_HEX < 0x030E0000
+#define DIRECT_CACHE 1
+static struct {
+    PyObject *driver, *dict, *own, *token; /* (compared, not held) */
+    PyObject *hot;                         /* the hot_calls tuple (held) */
+    uint64_t dict_version, own_version;
+    unsigned int type_version;
+    Direct d;
+} dc;
+static unsigned long long n_direct_cached;
+
+static uint64_t dict_version(PyObject *dict) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return ((PyDictObject *)dict)->ma_version_tag;
+#pragma GCC diagnostic pop
+}
+
+static unsigned int type_version(PyTypeObject *t) {
+    return PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG) ? t->tp_version_tag : 0;
+}
+
+/* 1: the cached answer holds for ``driver`` (filled in *d), 0: ask in full */
+static int direct_cached(PyObject *driver, Direct *d) {
+    if (dc.hot == NULL || driver != dc.driver) return 0;
+    unsigned int tv = type_version(Py_TYPE(driver));
+    if (tv == 0 || tv != dc.type_version || dict_version(dc.own) != dc.own_version) return 0;
+    PyObject *dict = PyObject_GenericGetDict(driver, NULL);
+    if (dict == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int same = dict == dc.dict && dict_version(dict) == dc.dict_version;
+    Py_DECREF(dict);
+    if (!same) return 0;
+    PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(dc.hot, 0), s_token);
+    if (tok == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(tok); /* (compared by identity: the driver's dict holds its own) */
+    if (tok != dc.token) return 0;
+    *d = dc.d;
+    d->hot = Py_NewRef(dc.hot);
+    n_direct_cached++;
+    return 1;
+}
+
+/* Keep the full answer ``d`` (a yes) for ``driver``, whose instance dict ``dict`` was
+ * read for it, where every attribute it read came from that dict. */
+static void direct_keep(PyObject *driver, PyObject *dict, PyObject *hc, PyObject *fast, PyObject *mine, const Direct *d) {
+    PyTypeObject *t = Py_TYPE(driver);
+    unsigned int tv = type_version(t);
+    PyObject *names[3] = {s_hot_calls, s__fast, s__token}, *values[3] = {hc, fast, mine};
+    if (dict == NULL || !PyDict_CheckExact(dict) || tv == 0) return;
+    for (int i = 0; i < 3; i++) {
+        PyObject *c = _PyType_Lookup(t, names[i]);
+        if ((c != NULL && Py_TYPE(c)->tp_descr_set != NULL) || PyDict_GetItemWithError(dict, names[i]) != values[i]) {
+            PyErr_Clear();
+            return;
+        }
+    }
+    Py_XSETREF(dc.hot, Py_NewRef(hc));
+    dc.driver = driver;
+    dc.dict = dict;
+    dc.own = PyTuple_GET_ITEM(hc, 3);
+    dc.token = mine;
+    dc.dict_version = dict_version(dict);
+    dc.own_version = dict_version(dc.own);
+    dc.type_version = tv;
+    dc.d = *d;
+    dc.d.hot = NULL;
+}
+#endif
+
 /* Fill *d: 1 if direct calls may be made on this thread now, 0 if not (the Python
  * methods then), -1 on error. */
 static int direct_calls(PyObject *driver, Direct *d) {
     d->hot = NULL;
+#ifdef DIRECT_CACHE
+    if (direct_cached(driver, d)) return 1;
+#endif
     PyObject *hc = PyObject_GetAttr(driver, s_hot_calls);
     if (hc == NULL) { /* (a driver without it: the Python methods, as they would be called) */
         PyErr_Clear();
@@ -393,12 +479,12 @@ static int direct_calls(PyObject *driver, Direct *d) {
         return 0;
     }
     int ok = PyTuple_CheckExact(fast) && PyTuple_GET_SIZE(fast) == 3;
+    PyObject *mine = NULL;
     if (ok) {
         PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(hc, 0), s_token);
-        PyObject *mine = tok == NULL ? NULL : PyObject_GetAttr(driver, s__token);
+        mine = tok == NULL ? NULL : PyObject_GetAttr(driver, s__token);
         ok = tok != NULL && mine != NULL && tok == mine; /* this device's context is current here */
         Py_XDECREF(tok);
-        Py_XDECREF(mine);
         if (PyErr_Occurred()) PyErr_Clear(); /* (no token yet on this thread: the Python makes it current) */
     }
     if (ok) {
@@ -420,8 +506,12 @@ static int direct_calls(PyObject *driver, Direct *d) {
         if (replaced(driver, dict, s_launch, own)) d->launch = NULL;
         if (replaced(driver, dict, s_record, own)) d->record = NULL;
         if (replaced(driver, dict, s_query, own)) d->query = NULL;
+#ifdef DIRECT_CACHE
+        direct_keep(driver, dict, hc, fast, mine, d);
+#endif
         Py_XDECREF(dict);
     }
+    Py_XDECREF(mine);
     Py_DECREF(fast);
     if (!ok) {
         Py_DECREF(hc);
@@ -3745,14 +3835,18 @@ static PyObject *setup_ops(PyObject *module, PyObject *kw) {
 }
 
 static PyObject *counters(PyObject *module, PyObject *unused) {
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
+#ifndef DIRECT_CACHE
+    unsigned long long n_direct_cached = 0;
+#endif
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "submits", n_submits, "submits_python", n_submits_python,
                          "polls", n_polls, "polls_python", n_polls_python, "launches", n_launches, "records", n_records,
                          "queries", n_queries, "enqueues", n_enqueues, "plans", n_plans, "plans_python",
                          n_plans_python, "walk_handbacks", n_handbacks, "steps", n_steps, "steps_python",
                          n_steps_python, "awaits", n_awaits, "awaits_python", n_awaits_python, "awaits_rest",
                          n_awaits_rest, "calls", n_calls, "calls_python", n_calls_python, "op_submits", n_op_submits,
                          "op_submits_python", n_op_submits_python, "spins", n_spins, "spins_done", n_spins_done, "gemms", n_gemms,
-                         "gemm_replays", n_gemm_replays, "pool_picks", n_pool_picks, "event_reuses", n_event_reuses);
+                         "gemm_replays", n_gemm_replays, "pool_picks", n_pool_picks, "event_reuses", n_event_reuses,
+                         "direct_cached", n_direct_cached);
 }
 
 /* timing(reset=False): {section: (ticks, count)} of a -DHOTPATH_TIMING build (None in
