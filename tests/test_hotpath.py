@@ -575,7 +575,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
 
     before = counters()["direct_cached"]
     assert query() == 1 and fake.calls[-1] == ("query", 0x100)
-    if sys.version_info < (3, 14):  # (no dict versions to keep it by after 3.13)
+    if sys.version_info < (3, 13):  # (kept on the versions it is tested with)
         assert counters()["direct_cached"] > before
     with monkeypatch.context() as m:
         m.setattr(_cuda._tls, "token", object())
@@ -620,6 +620,45 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
     box[0] = fake2.entry_points  # (nothing the driver's class or dict holds changed)
     n2 = len(fake2.calls)
     assert query(m3) == 1 and len(fake2.calls) == n2 + 2
+
+    # a class that reads its attributes its own way: nothing kept for it
+    gone = [False]
+
+    class Own(_cuda.CudaDevice):
+        def __getattribute__(self, name: str) -> Any:
+            return None if gone[0] and name == "hot_calls" else object.__getattribute__(self, name)
+
+    g = Own.__new__(Own)
+    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
+        setattr(g, name, getattr(d, name))
+    assert query(g) == 1
+    gone[0] = True
+    assert query(g) is None
+
+    # something changed while the full check reads (here by a key of the driver's dict
+    # whose second comparison, after the methods were looked at, sets a method on the
+    # instance): not kept with the answer read before it
+    class Collides:
+        armed, seen = False, 0
+
+        def __hash__(self) -> int:
+            return hash("_token")
+
+        def __eq__(self, other: object) -> bool:
+            if Collides.armed:
+                Collides.seen += 1
+                if Collides.seen == 2:
+                    Collides.armed = False
+                    c.query = lambda *a: True
+            return False
+
+    c = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
+    vars(c)[Collides()] = 1  # (before "_token": every lookup of it compares with this key)
+    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
+        setattr(c, name, getattr(d, name))
+    Collides.armed = True
+    got = [_hotpath.direct_call("query", c, ev) for _ in range(3)]
+    assert not Collides.armed and "query" in vars(c) and got == [1, 2, 2]
 
 
 def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -380,13 +380,18 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
  * changes that). Dict versions are unique in the interpreter's life, so a dict freed
  * and another made at its address is never taken for it; only the thread's token is
  * read on every call. Python 3.14 keeps no dict versions: no cache there. */
-#if PY_VERSION_HEX < 0x030E0000
+#if PY_VERSION_HEX < 0x030D0000 /* (3.11, 3.12: the versions read below are tested there) */
 #define DIRECT_CACHE 1
-static struct {
-    PyObject *driver, *dict, *own, *token; /* (compared, not held) */
-    PyObject *hot;                         /* the hot_calls tuple (held) */
-    uint64_t dict_version, own_version;
+typedef struct {
+    PyObject *dict; /* (compared, not held) */
+    uint64_t dict_version;
     unsigned int type_version;
+} DriverState;
+static struct {
+    PyObject *driver, *own, *token; /* (compared, not held) */
+    PyObject *hot;                  /* the hot_calls tuple (held) */
+    DriverState state;
+    uint64_t own_version;
     Direct d;
 } dc;
 static unsigned long long n_direct_cached;
@@ -398,60 +403,90 @@ static uint64_t dict_version(PyObject *dict) {
 #pragma GCC diagnostic pop
 }
 
-static unsigned int type_version(PyTypeObject *t) {
-    return PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG) ? t->tp_version_tag : 0;
-}
-
-/* 1: the cached answer holds for ``driver`` (filled in *d), 0: ask in full */
-static int direct_cached(PyObject *driver, Direct *d) {
-    if (dc.hot == NULL || driver != dc.driver) return 0;
-    unsigned int tv = type_version(Py_TYPE(driver));
-    if (tv == 0 || tv != dc.type_version || dict_version(dc.own) != dc.own_version) return 0;
+/* The driver's class's version tag and instance dict's version, for a driver whose
+ * attributes are read the generic way (else 0: nothing kept for it). */
+static int driver_state(PyObject *driver, DriverState *st) {
+    PyTypeObject *t = Py_TYPE(driver);
+    if (t->tp_getattro != PyObject_GenericGetAttr || !PyType_HasFeature(t, Py_TPFLAGS_VALID_VERSION_TAG) ||
+        t->tp_version_tag == 0)
+        return 0;
     PyObject *dict = PyObject_GenericGetDict(driver, NULL);
     if (dict == NULL) {
         PyErr_Clear();
         return 0;
     }
-    int same = dict == dc.dict && dict_version(dict) == dc.dict_version;
-    Py_DECREF(dict);
-    if (!same) return 0;
+    int ok = PyDict_CheckExact(dict);
+    st->dict = dict;
+    st->dict_version = ok ? dict_version(dict) : 0;
+    st->type_version = t->tp_version_tag;
+    Py_DECREF(dict); /* (compared by version: unique for the interpreter's life) */
+    return ok;
+}
+
+static int same_state(const DriverState *a, const DriverState *b) {
+    return a->dict == b->dict && a->dict_version == b->dict_version && a->type_version == b->type_version;
+}
+
+/* 1: the kept answer holds for ``driver`` (filled in *d), 0: ask in full. The token is
+ * read first: reading it may run code (a threading.local's __init__ on a new thread). */
+static int direct_cached(PyObject *driver, Direct *d) {
+    if (dc.hot == NULL || driver != dc.driver) return 0;
     PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(dc.hot, 0), s_token);
     if (tok == NULL) {
         PyErr_Clear();
         return 0;
     }
     Py_DECREF(tok); /* (compared by identity: the driver's dict holds its own) */
-    if (tok != dc.token) return 0;
+    DriverState now;
+    if (dc.hot == NULL || driver != dc.driver || tok != dc.token || !driver_state(driver, &now) ||
+        !same_state(&now, &dc.state) || dict_version(dc.own) != dc.own_version)
+        return 0;
     *d = dc.d;
     d->hot = Py_NewRef(dc.hot);
     n_direct_cached++;
     return 1;
 }
 
-/* Keep the full answer ``d`` (a yes) for ``driver``, whose instance dict ``dict`` was
- * read for it, where every attribute it read came from that dict. */
-static void direct_keep(PyObject *driver, PyObject *dict, PyObject *hc, PyObject *fast, PyObject *mine, const Direct *d) {
+/* Keep the full answer ``d`` (a yes) for ``driver``, whose state was ``before`` when
+ * the full check began and whose own-method table was at ``own_version`` when read:
+ * only if nothing changed while the check ran (its reads may run code), each
+ * attribute it read is a plain entry of the instance dict, and the numbers it read
+ * are exact ints (no __index__ to give another answer next time). */
+static void direct_keep(PyObject *driver, const DriverState *before, uint64_t own_version, PyObject *hc, PyObject *fast,
+                        PyObject *mine, const Direct *d) {
     PyTypeObject *t = Py_TYPE(driver);
-    unsigned int tv = type_version(t);
     PyObject *names[3] = {s_hot_calls, s__fast, s__token}, *values[3] = {hc, fast, mine};
-    if (dict == NULL || !PyDict_CheckExact(dict) || tv == 0) return;
-    for (int i = 0; i < 3; i++) {
-        PyObject *c = _PyType_Lookup(t, names[i]);
-        if ((c != NULL && Py_TYPE(c)->tp_descr_set != NULL) || PyDict_GetItemWithError(dict, names[i]) != values[i]) {
-            PyErr_Clear();
-            return;
-        }
+    if (!PyLong_CheckExact(PyTuple_GET_ITEM(hc, 2)))
+        return;
+    for (int i = 0; i < 3; i++)
+        if (!PyLong_CheckExact(PyTuple_GET_ITEM(fast, i))) return;
+    PyObject *dict = PyObject_GenericGetDict(driver, NULL); /* (held across the lookups) */
+    if (dict == NULL) {
+        PyErr_Clear();
+        return;
     }
-    Py_XSETREF(dc.hot, Py_NewRef(hc));
+    int plain = dict == before->dict;
+    for (int i = 0; plain && i < 3; i++) {
+        PyObject *c = _PyType_Lookup(t, names[i]);
+        plain = (c == NULL || Py_TYPE(c)->tp_descr_set == NULL) && PyDict_GetItemWithError(dict, names[i]) == values[i];
+    }
+    PyErr_Clear();
+    Py_DECREF(dict);
+    if (!plain) return;
+    DriverState after;
+    PyObject *own = PyTuple_GET_ITEM(hc, 3);
+    if (!driver_state(driver, &after) || !same_state(before, &after) || dict_version(own) != own_version) return;
+    /* every field first, the old tuple released last (its release may run code) */
+    PyObject *old = dc.hot;
+    dc.hot = Py_NewRef(hc);
     dc.driver = driver;
-    dc.dict = dict;
-    dc.own = PyTuple_GET_ITEM(hc, 3);
+    dc.own = own;
     dc.token = mine;
-    dc.dict_version = dict_version(dict);
-    dc.own_version = dict_version(dc.own);
-    dc.type_version = tv;
+    dc.state = after;
+    dc.own_version = own_version;
     dc.d = *d;
     dc.d.hot = NULL;
+    Py_XDECREF(old);
 }
 #endif
 
@@ -461,6 +496,8 @@ static int direct_calls(PyObject *driver, Direct *d) {
     d->hot = NULL;
 #ifdef DIRECT_CACHE
     if (direct_cached(driver, d)) return 1;
+    DriverState before; /* (the state the answer below is read from; 0: not kept) */
+    int keep = driver_state(driver, &before);
 #endif
     PyObject *hc = PyObject_GetAttr(driver, s_hot_calls);
     if (hc == NULL) { /* (a driver without it: the Python methods, as they would be called) */
@@ -472,6 +509,9 @@ static int direct_calls(PyObject *driver, Direct *d) {
         Py_DECREF(hc);
         return 0;
     }
+#ifdef DIRECT_CACHE
+    uint64_t own_version = dict_version(PyTuple_GET_ITEM(hc, 3));
+#endif
     PyObject *fast = PyObject_GetAttr(driver, s__fast);
     if (fast == NULL) {
         PyErr_Clear();
@@ -507,7 +547,7 @@ static int direct_calls(PyObject *driver, Direct *d) {
         if (replaced(driver, dict, s_record, own)) d->record = NULL;
         if (replaced(driver, dict, s_query, own)) d->query = NULL;
 #ifdef DIRECT_CACHE
-        direct_keep(driver, dict, hc, fast, mine, d);
+        if (keep) direct_keep(driver, &before, own_version, hc, fast, mine, d);
 #endif
         Py_XDECREF(dict);
     }
