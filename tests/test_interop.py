@@ -108,7 +108,9 @@ async def test_a_torch_tensor_is_adopted_and_ordered_after_its_stream() -> None:
         x = torch.full((1 << 20,), 2.0, device="cuda")
         torch.cuda._sleep(10_000_000)  # a long kernel on the producer's stream
         x.mul_(3.0)
-    t = api.from_dlpack(x)
+        # (DLPack orders the consumer after the producer's current stream: s here; after
+        # the block PyTorch's current stream is its default one, which s does not order)
+        t = api.from_dlpack(x)
     assert t.ptr == x.data_ptr()
     got = await (t + 1).to_host()  # ordered after the producer's work on its stream
     assert (got == 7.0).all()
