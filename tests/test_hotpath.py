@@ -660,6 +660,23 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
     got = [_hotpath.direct_call("query", c, ev) for _ in range(3)]
     assert not Collides.armed and "query" in vars(c) and got == [1, 2, 2]
 
+    # a look for a replaced method that raises (a key of the dict whose comparison
+    # fails): not taken as "not replaced", the Python method is called
+    class Fails:
+        def __hash__(self) -> int:
+            return hash("query")
+
+        def __eq__(self, other: object) -> bool:
+            raise RuntimeError("no comparing")
+
+    r = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
+    vars(r)[Fails()] = 1
+    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
+        setattr(r, name, getattr(d, name))
+    n = len(fake.calls)
+    assert _hotpath.direct_call("query", r, ev) == 2 and len(fake.calls) == n
+    assert _hotpath.direct_call("record", r, ev, cu.CUstream(0x200)) == 1  # (its own, not looked up as raising)
+
 
 def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not made (the Python methods then): another context current on this thread, no

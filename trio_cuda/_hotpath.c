@@ -368,7 +368,10 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
         return 1;
     }
     PyObject *v = dict == NULL ? NULL : PyDict_GetItemWithError(dict, name);
-    if (v == NULL) PyErr_Clear();
+    if (v == NULL && PyErr_Occurred()) { /* (a lookup that raised: the Python method, which says) */
+        PyErr_Clear();
+        return 1;
+    }
     return !own_bound(v, obj, own);
 }
 
