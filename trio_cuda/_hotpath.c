@@ -724,16 +724,15 @@ static PyObject *event_handle(PyObject *device) {
     PyObject *d = device_dict(device);
     if (d == NULL) return NULL;
     int own = own_bound(PyDict_GetItemWithError(d, s_event_handle), device, py_event_handle);
-    PyObject *pool = own && !PyErr_Occurred() ? PyDict_GetItemWithError(d, s__event_pool) : NULL;
-    PyObject *gen = pool == NULL ? NULL : PyDict_GetItemWithError(d, s_generation);
+    /* (each held as soon as it is read: the next lookup may run code that changes the dict) */
+    PyObject *pool = own && !PyErr_Occurred() ? Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool)) : NULL;
+    PyObject *gen = pool == NULL ? NULL : Py_XNewRef(PyDict_GetItemWithError(d, s_generation));
+    Py_DECREF(d);
     if (!own || pool == NULL || gen == NULL) {
-        Py_DECREF(d);
+        Py_XDECREF(pool);
         if (PyErr_Occurred()) return NULL;
         return PyObject_CallMethodNoArgs(device, s_event_handle); /* set on the instance, or unusual */
     }
-    Py_INCREF(pool);
-    Py_INCREF(gen);
-    Py_DECREF(d);
     PyObject *h = NULL;
     for (;;) {
         Py_ssize_t n = PyObject_Length(pool);
