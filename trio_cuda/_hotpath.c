@@ -434,18 +434,23 @@ static int same_state(const DriverState *a, const DriverState *b) {
  * read first: reading it may run code (a threading.local's __init__ on a new thread). */
 static int direct_cached(PyObject *driver, Direct *d) {
     if (dc.hot == NULL || driver != dc.driver) return 0;
-    PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(dc.hot, 0), s_token);
+    /* (held until the end: the entry the token is read from must still be the entry) */
+    PyObject *hot = Py_NewRef(dc.hot);
+    PyObject *tok = PyObject_GetAttr(PyTuple_GET_ITEM(hot, 0), s_token);
     if (tok == NULL) {
         PyErr_Clear();
+        Py_DECREF(hot);
         return 0;
     }
     Py_DECREF(tok); /* (compared by identity: the driver's dict holds its own) */
     DriverState now;
-    if (dc.hot == NULL || driver != dc.driver || tok != dc.token || !driver_state(driver, &now) ||
-        !same_state(&now, &dc.state) || dict_version(dc.own) != dc.own_version)
+    if (dc.hot != hot || driver != dc.driver || tok != dc.token || !driver_state(driver, &now) ||
+        !same_state(&now, &dc.state) || dict_version(dc.own) != dc.own_version) {
+        Py_DECREF(hot);
         return 0;
+    }
     *d = dc.d;
-    d->hot = Py_NewRef(dc.hot);
+    d->hot = hot; /* (the reference taken above) */
     n_direct_cached++;
     return 1;
 }
