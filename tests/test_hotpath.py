@@ -581,6 +581,11 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
         m.setattr(_cuda._tls, "token", object())
         assert query() is None
     assert query() == 1
+    elsewhere: list[Any] = []  # another thread, where the device's context was never made current
+    t = threading.Thread(target=lambda: elsewhere.append(query()))
+    t.start()
+    t.join()
+    assert elsewhere == [None] and query() == 1
     for target in (d, _cuda.CudaDevice):
         n = len(fake.calls)
         with monkeypatch.context() as m:
