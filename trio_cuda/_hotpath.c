@@ -348,10 +348,6 @@ typedef struct {
     long not_ready;
 } Direct;
 
-/* Is method ``name`` of ``obj`` other than the backend's own (``originals[name]``)? A
- * subclass's override, a method patched on the class, or one in the instance dict
- * (except the backend's own function bound to ``obj``, which is what pytest's
- * monkeypatch leaves behind when it restores a method it replaced on an instance). */
 /* Is ``v`` (an entry of ``obj``'s instance dict, or NULL: none) nothing or ``own`` bound
  * to ``obj``? Both call the class's own method; the second is what some versions of
  * pytest's monkeypatch leave in the instance dict when they undo a method set there
@@ -360,6 +356,10 @@ static int own_bound(PyObject *v, PyObject *obj, PyObject *own) {
     return v == NULL || (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj && PyMethod_GET_FUNCTION(v) == own);
 }
 
+/* Is method ``name`` of ``obj`` other than the backend's own (``originals[name]``)? A
+ * subclass's override, a method patched on the class, or one in the instance dict
+ * (except the backend's own function bound to ``obj``, which is what pytest's
+ * monkeypatch leaves behind when it restores a method it replaced on an instance). */
 static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *originals) {
     /* the class's method (a subclass's override, a method patched on the class) */
     PyObject *own = PyDict_GetItemWithError(originals, name);
@@ -382,7 +382,9 @@ static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *ori
  * driver's class has the same valid version tag (a method patched on it or on a base
  * changes that). Dict versions are unique in the interpreter's life, so a dict freed
  * and another made at its address is never taken for it; only the thread's token is
- * read on every call. Python 3.14 keeps no dict versions: no cache there. */
+ * read on every call. Kept on Python 3.11 and 3.12 only, where it is tested: a 3.13
+ * build kept nothing (the valid-tag flag read below was never set) and 3.14 keeps no
+ * dict versions; the full check runs there. */
 #if PY_VERSION_HEX < 0x030D0000 /* (3.11, 3.12: the versions read below are tested there) */
 #define DIRECT_CACHE 1
 typedef struct {
