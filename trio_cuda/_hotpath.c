@@ -356,23 +356,26 @@ static int own_bound(PyObject *v, PyObject *obj, PyObject *own) {
     return v == NULL || (PyMethod_Check(v) && PyMethod_GET_SELF(v) == obj && PyMethod_GET_FUNCTION(v) == own);
 }
 
-/* Is method ``name`` of ``obj`` other than the backend's own (``originals[name]``)? A
- * subclass's override, a method patched on the class, or one in the instance dict
- * (except the backend's own function bound to ``obj``, which is what pytest's
- * monkeypatch leaves behind when it restores a method it replaced on an instance). */
-static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *originals) {
-    /* the class's method (a subclass's override, a method patched on the class) */
-    PyObject *own = PyDict_GetItemWithError(originals, name);
-    if (own == NULL || _PyType_Lookup(Py_TYPE(obj), name) != own) {
-        PyErr_Clear();
-        return 1;
-    }
+/* Is method ``name`` of ``obj`` other than ``own`` (NULL: unknown)? A subclass's
+ * override, a method patched on the class, or one in ``obj``'s instance dict ``dict``
+ * (except ``own`` bound to ``obj``: see own_bound). 1 replaced, 0 not, -1 an error (a
+ * lookup in the dict raised; set). */
+static int method_replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *own) {
+    if (own == NULL || _PyType_Lookup(Py_TYPE(obj), name) != own) return 1;
     PyObject *v = dict == NULL ? NULL : PyDict_GetItemWithError(dict, name);
-    if (v == NULL && PyErr_Occurred()) { /* (a lookup that raised: the Python method, which says) */
+    if (v == NULL && PyErr_Occurred()) return -1;
+    return !own_bound(v, obj, own);
+}
+
+/* Is driver method ``name`` of ``obj`` other than the backend's own (``originals[name]``)?
+ * A lookup that raises counts as replaced: the Python method is called, which says. */
+static int replaced(PyObject *obj, PyObject *dict, PyObject *name, PyObject *originals) {
+    int r = method_replaced(obj, dict, name, PyDict_GetItemWithError(originals, name));
+    if (PyErr_Occurred()) {
         PyErr_Clear();
         return 1;
     }
-    return !own_bound(v, obj, own);
+    return r;
 }
 
 /* The answer of direct_calls for the driver it last said yes to, kept while nothing it
@@ -725,14 +728,12 @@ static PyObject *device_dict(PyObject *device) { /* new reference */
 /* device._event_handle() (_device.Device._event_handle, under the lock): a pooled handle
  * of the device's generation, else a new one; the Python method where it is replaced. */
 static PyObject *event_handle(PyObject *device) {
-    if (py_event_handle == NULL || !IS(device, Device_T) ||
-        _PyType_Lookup(Py_TYPE(device), s_event_handle) != py_event_handle)
-        return PyObject_CallMethodNoArgs(device, s_event_handle);
+    if (!IS(device, Device_T)) return PyObject_CallMethodNoArgs(device, s_event_handle);
     PyObject *d = device_dict(device);
     if (d == NULL) return NULL;
-    int own = own_bound(PyDict_GetItemWithError(d, s_event_handle), device, py_event_handle);
+    int own = method_replaced(device, d, s_event_handle, py_event_handle) == 0;
     /* (each held as soon as it is read: the next lookup may run code that changes the dict) */
-    PyObject *pool = own && !PyErr_Occurred() ? Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool)) : NULL;
+    PyObject *pool = own ? Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool)) : NULL;
     PyObject *gen = pool == NULL ? NULL : Py_XNewRef(PyDict_GetItemWithError(d, s_generation));
     Py_DECREF(d);
     if (!own || pool == NULL || gen == NULL) {
@@ -793,17 +794,14 @@ static int own_recycling(PyObject *device) {
     PyObject *del = _PyType_Lookup((PyTypeObject *)Event_T, s___del__);
     if (del == NULL || !Py_IS_TYPE(del, &PyMethodDescr_Type) || ((PyMethodDescrObject *)del)->d_method != &event_del_def)
         return 0;
-    if (py_recycle_event == NULL || py_event_handle == NULL || !IS(device, Device_T) ||
-        _PyType_Lookup(Py_TYPE(device), s__recycle_event) != py_recycle_event ||
-        _PyType_Lookup(Py_TYPE(device), s_event_handle) != py_event_handle)
-        return 0;
+    if (!IS(device, Device_T)) return 0;
     PyObject *d = device_dict(device);
     if (d == NULL) {
         PyErr_Clear();
         return 0;
     }
-    int own = own_bound(PyDict_GetItemWithError(d, s__recycle_event), device, py_recycle_event) &&
-              !PyErr_Occurred() && own_bound(PyDict_GetItemWithError(d, s_event_handle), device, py_event_handle);
+    int own = method_replaced(device, d, s__recycle_event, py_recycle_event) == 0 &&
+              method_replaced(device, d, s_event_handle, py_event_handle) == 0;
     Py_DECREF(d);
     if (PyErr_Occurred()) {
         PyErr_Clear();
@@ -3007,12 +3005,10 @@ static PyObject *event_del(PyObject *ev, PyObject *unused) {
     if (dev == NULL || gen == NULL || h == NULL) Py_RETURN_NONE; /* (an AttributeError there) */
     Py_INCREF(dev);
     PyObject *r = NULL;
-    if (IS(dev, Device_T) && py_recycle_event != NULL &&
-        _PyType_Lookup(Py_TYPE(dev), s__recycle_event) == py_recycle_event) {
+    if (IS(dev, Device_T)) {
         PyObject *d = device_dict(dev);
         PyObject *pool = NULL;
-        if (d != NULL && own_bound(PyDict_GetItemWithError(d, s__recycle_event), dev, py_recycle_event) &&
-            !PyErr_Occurred())
+        if (d != NULL && method_replaced(dev, d, s__recycle_event, py_recycle_event) == 0)
             pool = Py_XNewRef(PyDict_GetItemWithError(d, s__event_pool));
         Py_XDECREF(d);
         if (pool != NULL) {
