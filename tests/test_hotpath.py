@@ -573,6 +573,16 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
         _hotpath.direct_call("query", drv, ev)  # (the answer kept, if it can be)
         return _hotpath.direct_call("query", drv, ev)
 
+    def like_d(cls: type, first: Any = None, fast: bool = True) -> Any:
+        """A driver of class ``cls`` with d's attributes (not the methods an older
+        monkeypatch may leave in d's dict), ``first`` the first key of its dict."""
+        drv = cls.__new__(cls)
+        if first is not None:
+            vars(drv)[first] = 1
+        for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "hot_calls") + (("_fast",) if fast else ()):
+            setattr(drv, name, getattr(d, name))
+        return drv
+
     before = counters()["direct_cached"]
     assert query() == 1 and fake.calls[-1] == ("query", 0x100)
     if sys.version_info < (3, 13):  # (kept on the versions it is tested with)
@@ -617,10 +627,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
         def _fast(self) -> Any:
             return box[0]
 
-    m3 = Moving.__new__(Moving)
-    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev"):  # (not d's methods: see above)
-        setattr(m3, name, getattr(d, name))
-    m3.hot_calls = d.hot_calls
+    m3 = like_d(Moving, fast=False)
     assert query(m3) == 1 and fake.calls[-1] == ("query", 0x100)
     box[0] = fake2.entry_points  # (nothing the driver's class or dict holds changed)
     n2 = len(fake2.calls)
@@ -633,9 +640,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
         def __getattribute__(self, name: str) -> Any:
             return None if gone[0] and name == "hot_calls" else object.__getattribute__(self, name)
 
-    g = Own.__new__(Own)
-    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
-        setattr(g, name, getattr(d, name))
+    g = like_d(Own)
     assert query(g) == 1
     gone[0] = True
     assert query(g) is None
@@ -657,10 +662,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
                     c.query = lambda *a: True
             return False
 
-    c = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
-    vars(c)[Collides()] = 1  # (before "_token": every lookup of it compares with this key)
-    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
-        setattr(c, name, getattr(d, name))
+    c = like_d(_cuda.CudaDevice, Collides())  # (before "_token": every lookup of it compares with this key)
     Collides.armed = True
     got = [_hotpath.direct_call("query", c, ev) for _ in range(3)]
     assert not Collides.armed and "query" in vars(c) and got == [1, 2, 2]
@@ -674,10 +676,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
         def __eq__(self, other: object) -> bool:
             raise RuntimeError("no comparing")
 
-    r = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
-    vars(r)[Fails()] = 1
-    for name in ("ordinal", "_fault", "_lock", "_token", "_flag_dev", "_fast", "hot_calls"):
-        setattr(r, name, getattr(d, name))
+    r = like_d(_cuda.CudaDevice, Fails())
     n = len(fake.calls)
     assert _hotpath.direct_call("query", r, ev) == 2 and len(fake.calls) == n
     assert _hotpath.direct_call("record", r, ev, cu.CUstream(0x200)) == 1  # (its own, not looked up as raising)
