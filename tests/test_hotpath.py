@@ -930,6 +930,47 @@ def test_the_compiled_op_submission_is_installed_with_the_rest() -> None:
     assert _core.TensorOp._submit_now is _core._hot_submit
 
 
+def _copy_into(cls: type, op: Any) -> Any:
+    """An instance of ``cls`` (a subclass of ``type(op)`` with an instance dict) with
+    every slot of ``op``."""
+    mine = cls.__new__(cls)
+    for c in type(op).__mro__:
+        for name in getattr(c, "__slots__", ()):
+            if hasattr(op, name):
+                setattr(mine, name, getattr(op, name))
+    return mine
+
+
+async def test_an_own_submit_now_on_the_instance_is_the_one_called() -> None:
+    """The compiled await calls the class's compiled ``_submit_now`` as a plain function
+    only where no instance dict can hold another: an op (a kernel launch, a tensor op) of
+    a subclass with a dict whose instance has its own ``_submit_now`` gets that one
+    called, with the same result, as the Python await does."""
+    x, y = await api.arange(64), await api.zeros((64,))
+    hx, ref = np.arange(64, dtype=np.float32), np.zeros(64, np.float32)
+    makers = (  # (the op, what it does to y)
+        (lambda: saxpy(2.0, x, y.partition((64,))), lambda r: r + 2 * hx),  # y += 2 x
+        (lambda: ops.add(y, x, out=y), lambda r: r + hx),  # y = y + x
+    )
+    for compiled in (True, False, True):
+        with mode(compiled):
+            for make, effect in makers:
+                op = make()
+                cls = type(op)
+                own = _copy_into(type("Own", (cls,), {}), op)
+                calls: list[Any] = []
+
+                def submit_now(stream: Any, own: Any = own, cls: Any = cls, calls: list[Any] = calls) -> Any:
+                    calls.append(stream)
+                    return cls._submit_now(own, stream)
+
+                own._submit_now = submit_now
+                await own
+                ref = effect(ref)
+                assert len(calls) == 1, (compiled, type(op).__name__, calls)
+                np.testing.assert_array_equal(await y.to_host(), ref)
+
+
 async def test_the_compiled_op_key_is_the_pythons() -> None:
     """The constructors' key, compiled: equal to _op_key's for every kind of argument
     (or the Python's own answer for the kinds it hands over), so recipes are shared by

@@ -457,9 +457,9 @@ async def test_inlined_first_poll_counts_and_parks_like_wait_event(
     policy, c, p = await counter_on_a_wordless_stream(dev)
     await sleep(p, 50_000_000).schedule(policy)  # the direct path knows it now
     before = lowlevel.notifier_statistics()
-    q = _submit._counts["direct"]
+    q = _submit.statistics().direct
     await sleep(p, 50_000_000).schedule(policy)  # pending at the first poll
-    assert _submit._counts["direct"] == q + 1, "not the direct path"
+    assert _submit.statistics().direct == q + 1, "not the direct path"
     assert peek(dev, c) == 2
     after = lowlevel.notifier_statistics()
     fast = after.fast_path - before.fast_path
@@ -475,15 +475,15 @@ async def test_inlined_first_poll_cancelled_leaves_work_running(
     dev = fresh_device
     policy, c, p = await counter_on_a_wordless_stream(dev)
     await sleep(p, 200_000_000).schedule(policy)
-    q = _submit._counts["direct"]
+    q = _submit.statistics().direct
     with trio.CancelScope() as cs:
         cs.cancel()  # cancelled before: the op does not happen (checkpoint_if_cancelled)
         await sleep(p, 200_000_000).schedule(policy)
-    assert _submit._counts["direct"] == q
+    assert _submit.statistics().direct == q
     with trio.move_on_after(0.02) as mv:
         await sleep(p, 200_000_000).schedule(policy)
     assert mv.cancelled_caught
-    assert _submit._counts["direct"] == q + 1
+    assert _submit.statistics().direct == q + 1
     assert peek(dev, c) == 1
     await sleep(p, 200_000_000).schedule(policy)
     assert peek(dev, c) == 3
@@ -499,10 +499,10 @@ async def test_inlined_first_poll_fault_names_the_op(fresh_device: trio_cuda.Dev
     zp = z.partition((32,))
     await maybe_scribble(zp, flag).schedule(policy)
     await api.memcpy(flag, np.array([1 << 40], np.int64))
-    q = _submit._counts["direct"]
+    q = _submit.statistics().direct
     with pytest.raises(trio_cuda.DeviceFault) as info:
         await maybe_scribble(zp, flag).schedule(policy)
-    assert _submit._counts["direct"] == q + 1
+    assert _submit.statistics().direct == q + 1
     assert info.value.op is not None and "maybe_scribble" in info.value.op, info.value
 
 

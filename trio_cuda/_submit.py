@@ -244,7 +244,14 @@ def note_accesses(s: Stream, seq: int, writes: Iterable[tuple[Buffer, bool]], re
             b.lifetime[s] = seq
 
 
+# Counts kept elsewhere until read (the compiled path's direct submissions: _kernel adds
+# its _hotpath.flush_counts); each adds them to _counts.
+count_flushes: list[Callable[[], None]] = []
+
+
 def statistics() -> SubmissionStatistics:
+    for flush in count_flushes:
+        flush()
     c = _counts
     return SubmissionStatistics(
         c["planned"], c["enqueued"], c["abandoned"], c["failed"], c["kernels"], c["staging"], c["plan"], c["memory"], c["direct"]
