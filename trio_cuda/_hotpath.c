@@ -894,9 +894,9 @@ static PyObject *event_reuse(PyObject *s, PyObject *device, PyObject *driver, Py
 
 static PyObject *event_at(PyObject *s, PyObject *device, PyObject *driver, PyObject *seq, Direct *direct) {
     PyObject *h = SLOT(s, O.s_handle), *cap = SLOT(s, O.s_capture);
-    PyObject *own = PyObject_GetAttr(Stream_T, s_event_at);
-    if (own == NULL) return NULL;
-    Py_DECREF(own); /* (the class keeps it) */
+    /* (Stream.event_at as the class has it now: with type as its metaclass, what the
+     * class's MRO holds, as a function is given as it is) */
+    PyObject *own = Py_IS_TYPE(Stream_T, &PyType_Type) ? _PyType_Lookup((PyTypeObject *)Stream_T, s_event_at) : NULL;
     /* a destroyed or capturing stream, or the method replaced on the class: the Python says */
     if (h == NULL || h == Py_None || cap != Py_None || own != py_event_at)
         return PyObject_CallMethodOneArg(s, s_event_at, seq);
