@@ -664,8 +664,14 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
 
     c = like_d(_cuda.CudaDevice, Collides())  # (before "_token": every lookup of it compares with this key)
     Collides.armed = True
-    got = [_hotpath.direct_call("query", c, ev) for _ in range(3)]
-    assert not Collides.armed and "query" in vars(c) and got == [1, 2, 2]
+    got = [_hotpath.direct_call("query", c, ev)]
+    assert not Collides.armed and "query" in vars(c)  # (changed during the first call)
+    got += [_hotpath.direct_call("query", c, ev) for _ in range(2)]
+    # The calls after it follow the change. The first answers 1 where the change came
+    # after the methods were looked at (here, Python 3.11 and 3.12.1), 2 where it came
+    # before (the H200 image's 3.12.3 and pytest 9.1.1, run 104): either is what the
+    # full check reads at that moment; a kept answer would give 1 again.
+    assert got[1:] == [2, 2] and got[0] in (1, 2), got
 
     # a look for a replaced method that raises (a key of the dict whose comparison
     # fails): not taken as "not replaced", the Python method is called
