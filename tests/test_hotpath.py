@@ -440,6 +440,78 @@ async def test_polls_answer_and_advance_streams_the_same() -> None:
                 dev.poll(ev2)
 
 
+def _new_point(s: trio_cuda.Stream) -> Event:
+    """The event of a new point of ``s`` (nothing enqueued for it): its first poll takes
+    the runtime lock."""
+    with LOCK:
+        s.seq += 1
+        return s.event_at(s.seq)
+
+
+async def test_the_runtime_lock_taken_here_is_the_same_lock() -> None:
+    """The compiled submission and poll take and give back the runtime RLock themselves
+    (CPython 3.11/3.12, whose RLock layout setup checked) instead of calling its methods:
+    held by this thread already, they nest in its count; held by another thread, they
+    wait for it through its own acquire(); afterwards it is free for everyone and a
+    release too many still raises."""
+    dev = trio_cuda.current_device()
+    if sys.version_info < (3, 13):
+        assert counters()["lock_inline_on"] == 1
+    s = wordless_stream(dev)
+    x, y = await api.arange(64), await api.zeros((64,))
+    await on(saxpy(2.0, x, y.partition((64,))), s)  # (planned: prepared for the next)
+    c0 = counters()
+    await on(saxpy(2.0, x, y.partition((64,))), s)  # a direct submission and its polls
+    d = delta(c0, counters())
+    assert d["submits"] == 1 and d["polls"] + d["polls_python"] >= 1, d  # (python: the simulated device's)
+    if sys.version_info < (3, 13):
+        assert d["lock_inline"] >= 4 and d["lock_waits"] == 0, d
+    np.testing.assert_array_equal(await y.to_host(), 4 * np.arange(64, dtype=np.float32))
+
+    # nested in this thread's own holding (a count of 2 before, 2 after)
+    with LOCK, LOCK:
+        ev = _new_point(s)
+        while not dev.poll(ev):
+            pass
+        assert LOCK._is_owned()
+    assert not LOCK._is_owned() and lock_taken_by_another_thread() == [True]
+    with pytest.raises(RuntimeError):
+        LOCK.release()
+
+    # held by another thread: the poll waits for it, then takes it
+    held, go = threading.Event(), threading.Event()
+    got: list[Any] = []
+
+    def holder() -> None:
+        with LOCK:
+            held.set()
+            go.wait(30)
+
+    def poller(ev: Event) -> None:
+        while not dev.poll(ev):
+            pass
+        got.append(LOCK._is_owned())
+
+    ev = _new_point(s)
+    b = threading.Thread(target=holder)
+    b.start()
+    assert held.wait(30)
+    waits = counters()["lock_waits"]
+    c = threading.Thread(target=poller, args=(ev,))
+    c.start()
+    if sys.version_info < (3, 13):  # (its try failed: it is in the lock's own acquire now)
+        deadline = trio.current_time() + 30
+        while counters()["lock_waits"] == waits and trio.current_time() < deadline:
+            await trio.lowlevel.checkpoint()
+        assert counters()["lock_waits"] == waits + 1
+    assert got == [] and ev.done is False
+    go.set()
+    b.join()
+    c.join()
+    assert got == [False] and ev.done is True
+    assert not LOCK._is_owned() and lock_taken_by_another_thread() == [True]
+
+
 async def test_threads_racing_for_one_op_and_many_ops() -> None:
     """Threads submitting through the compiled path while trio awaits on it: one winner
     per op, every increment counted, no refcount left over."""
