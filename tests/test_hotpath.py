@@ -1047,6 +1047,19 @@ async def test_an_own_submit_now_on_the_instance_is_the_one_called() -> None:
                 ref = effect(ref)
                 assert len(calls) == 1, (compiled, type(op).__name__, calls)
                 np.testing.assert_array_equal(await y.to_host(), ref)
+    # the other kind's compiled method on a class of slots: refused as getattr refuses it
+    from trio_cuda._ops._core import TensorOp
+
+    descriptors = {_kernel._Launch: _kernel._Launch.__dict__["_submit_now"], TensorOp: TensorOp.__dict__["_submit_now"]}
+    for make, _ in makers:
+        op = make()
+        other = next(d for c, d in descriptors.items() if not isinstance(op, c))
+        foreign = _copy_into(type("Foreign", (type(op),), {"__slots__": (), "_submit_now": other}), op)
+        with pytest.raises(TypeError, match="descriptor '_submit_now'"):
+            foreign._submit_now  # noqa: B018 (the attribute read is what raises)
+        with pytest.raises(TypeError, match="descriptor '_submit_now'"):
+            await foreign
+        np.testing.assert_array_equal(await y.to_host(), ref)
 
 
 async def test_the_compiled_op_key_is_the_pythons() -> None:

@@ -151,36 +151,14 @@ static int add_one(PyObject *obj, Py_ssize_t off) { /* obj.<slot> += 1 */
     return 0;
 }
 
-/* The direct submissions' "planned", "enqueued" and "direct" counts, kept here and added
- * to _submit._counts by flush_counts() (which _submit.statistics() calls first): three
- * dict updates per submission cost ~0.1 us on an H200 host. */
-static unsigned long long n_unflushed;
+/* The direct submissions' "planned", "enqueued" and "direct" counts, kept here: three
+ * dict updates per submission cost ~0.1 us on an H200 host. _submit.statistics() adds
+ * this to what _counts says (through _submit.count_extras; nothing here writes _counts,
+ * whose Python updates a reader may interrupt). */
+static unsigned long long n_direct_here;
 
-static PyObject *flush_counts(PyObject *module, PyObject *unused) {
-    unsigned long long n = n_unflushed;
-    if (n == 0 || counts == NULL) Py_RETURN_NONE;
-    PyObject *keys[3] = {s_planned, s_enqueued, s_direct}, *sums[3] = {NULL, NULL, NULL};
-    PyObject *add = PyLong_FromUnsignedLongLong(n);
-    if (add == NULL) return NULL;
-    int i, e = 0;
-    for (i = 0; i < 3 && !e; i++) {
-        PyObject *v = PyDict_GetItemWithError(counts, keys[i]);
-        if (v == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_KeyError, "_hotpath: a submission counter is missing");
-            e = 1;
-        } else if ((sums[i] = PyNumber_Add(v, add)) == NULL) {
-            e = 1;
-        }
-    }
-    Py_DECREF(add);
-    /* (the sums made first: nothing is added unless all three are; the keys are present,
-     * so setting them neither resizes the dict nor runs Python) */
-    for (i = 0; i < 3 && !e; i++)
-        if (PyDict_SetItem(counts, keys[i], sums[i]) < 0) e = 1;
-    if (!e) n_unflushed = 0;
-    for (i = 0; i < 3; i++) Py_XDECREF(sums[i]);
-    if (e) return NULL;
-    Py_RETURN_NONE;
+static PyObject *direct_counted(PyObject *module, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(n_direct_here);
 }
 
 static PyObject *s_submissions;
@@ -1344,7 +1322,7 @@ static PyObject *enqueue_with(PyObject *s, PyObject *device, PyObject *writes, P
     Py_CLEAR(start);
     if (set_submitting(Py_False) < 0) goto error;
     if (stats_add(device, O.ctr_submissions, s_submissions) < 0) goto error;
-    n_unflushed++;
+    n_direct_here++;
     return ev;
 failed: { /* as direct_enqueue: counted as failed, the flag down, the error raised */
     PyObject *et, *ev_, *tb;
@@ -1578,7 +1556,7 @@ enqueued:
         int e = add_one(stats, O.ctr_submissions);
         Py_DECREF(stats);
         if (e < 0) goto error;
-        n_unflushed++;
+        n_direct_here++;
     }
     T_MARK(8);
     locked = 0;
@@ -3251,7 +3229,9 @@ static PySendResult await_start(Await *a, PyObject **result) {
                               t->tp_getattro == PyObject_GenericGetAttr
                           ? _PyType_Lookup(t, s__submit_now)
                           : NULL;
-        if (m != NULL && Py_IS_TYPE(m, &PyMethodDescr_Type)) {
+        /* (a descriptor another class made applies to its instances only: getattr
+         * refuses it for others, and so does the call made then) */
+        if (m != NULL && Py_IS_TYPE(m, &PyMethodDescr_Type) && PyObject_TypeCheck(a->op, PyDescr_TYPE(m))) {
             PyMethodDef *md = ((PyMethodDescrObject *)m)->d_method;
             if (md == &submit_def) own = submit_method;
             else if (md == &op_submit_def) own = op_submit_method;
@@ -4120,7 +4100,7 @@ static PyMethodDef methods[] = {
      "walk(plan, work, values): _submit.Plan._walk's loop for launches and selects; False: the top frame is the Python's."},
     {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
     {"timing", (PyCFunction)(void (*)(void))timing, METH_FASTCALL, "timing(reset=False): section ticks of a -DHOTPATH_TIMING build (benchmarks/probe_sections.py), else None."},
-    {"flush_counts", flush_counts, METH_NOARGS, "flush_counts(): add the direct submissions counted here to _submit._counts."},
+    {"direct_counted", direct_counted, METH_NOARGS, "direct_counted(): the direct submissions made here (planned, enqueued and direct each; not in _submit._counts)."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},
     {"setup_calls", (PyCFunction)setup_calls, METH_O,

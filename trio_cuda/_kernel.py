@@ -789,7 +789,7 @@ def _load_hotpath() -> tuple[Any, Any, Any] | None:
         return None
     methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
     _hotmod = _hotpath
-    _submit.count_flushes.append(_hotpath.flush_counts)
+    _submit.count_extras.append(_hotpath.direct_counted)
     objects = _hot_calls_objects()
     try:
         _hot_calls = None if objects is None else _hotpath.setup_calls(objects)

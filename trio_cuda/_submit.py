@@ -244,17 +244,24 @@ def note_accesses(s: Stream, seq: int, writes: Iterable[tuple[Buffer, bool]], re
             b.lifetime[s] = seq
 
 
-# Counts kept elsewhere until read (the compiled path's direct submissions: _kernel adds
-# its _hotpath.flush_counts); each adds them to _counts.
-count_flushes: list[Callable[[], None]] = []
+# Direct submissions counted elsewhere (the compiled path's: _kernel adds its
+# _hotpath.direct_counted), each planned, enqueued and direct; not in _counts.
+count_extras: list[Callable[[], int]] = []
 
 
 def statistics() -> SubmissionStatistics:
-    for flush in count_flushes:
-        flush()
+    extra = sum(f() for f in count_extras)
     c = _counts
     return SubmissionStatistics(
-        c["planned"], c["enqueued"], c["abandoned"], c["failed"], c["kernels"], c["staging"], c["plan"], c["memory"], c["direct"]
+        c["planned"] + extra,
+        c["enqueued"] + extra,
+        c["abandoned"],
+        c["failed"],
+        c["kernels"],
+        c["staging"],
+        c["plan"],
+        c["memory"],
+        c["direct"] + extra,
     )
 
 
