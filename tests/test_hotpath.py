@@ -512,6 +512,62 @@ async def test_the_runtime_lock_taken_here_is_the_same_lock() -> None:
     assert not LOCK._is_owned() and lock_taken_by_another_thread() == [True]
 
 
+_SPOOFED_LOCKS = r"""
+import _thread, sys, trio, trio_cuda
+from trio_cuda import _hotpath, _kernel
+from trio_cuda._guard import LOCK
+
+calls = []
+def acq(self, *a, **k):
+    calls.append("acquire")
+    return _thread.RLock.acquire(self, *a, **k)
+def rel(self):
+    calls.append("release")
+    return _thread.RLock.release(self)
+locks = {
+    # a subclass of RLock that takes its name, with its own methods
+    "subclass": type("_thread.RLock", (_thread.RLock,), {"__slots__": (), "acquire": acq, "release": rel})(),
+    # a class of three slots that takes the name and makes a real RLock when called
+    "impostor": object.__new__(type("_thread.RLock", (), {
+        "__slots__": ("a", "b", "c"), "__new__": lambda cls: _thread.RLock(),
+        "acquire": lambda self, *a: (calls.append("acquire"), True)[1],
+        "release": lambda self: calls.append("release")})),
+    "real": _thread.RLock(),
+}
+async def current():
+    return trio_cuda.current_device()
+dev = trio.run(current)
+s = dev.create_stream()
+with LOCK:
+    dev._give_flag(s)  # (no completion word: the poll takes the lock)
+for name, lock in locks.items():
+    objs = _kernel._hot_setup_objects()
+    objs["lock"] = lock
+    _hotpath.setup(objs)
+    calls.clear()
+    with LOCK:
+        s.seq += 1
+        ev = s.event_at(s.seq)
+    dev.poll(ev)  # the compiled poll takes the lock setup was given
+    print(name, _hotpath.counters()["lock_inline_on"], calls)
+"""
+
+
+def test_a_lock_that_only_looks_like_an_rlock_has_its_methods_called() -> None:
+    """The runtime lock is taken in C only where it is exactly ``_thread.RLock``: a
+    subclass named like it (whose own methods must be called) and a class that takes its
+    name but makes a real RLock when called (whose slots are not an RLock's) get their
+    methods called (in a child process, whose hot path is set up again with each)."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _SPOOFED_LOCKS], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = {line.split()[0]: line.split(maxsplit=2)[1:] for line in r.stdout.splitlines()}
+    assert got["subclass"] == ["0", "['acquire', 'release']"], got
+    assert got["impostor"] == ["0", "['acquire', 'release']"], got
+    assert got["real"] == ["1" if sys.version_info < (3, 13) else "0", "[]"], got
+
+
 async def test_threads_racing_for_one_op_and_many_ops() -> None:
     """Threads submitting through the compiled path while trio awaits on it: one winner
     per op, every increment counted, no refcount left over."""

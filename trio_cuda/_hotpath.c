@@ -255,11 +255,26 @@ static int call_true_of(PyObject *o, const char *name) { /* o.name(): 1 true, 0 
  * and do the steps above and its methods agree, taken and given back both ways? */
 static int rlock_check(PyObject *lock) {
     PyTypeObject *t = Py_TYPE(lock);
-    if (strcmp(t->tp_name, "_thread.RLock") != 0 || t->tp_basicsize < (Py_ssize_t)sizeof(RLockView) ||
+    /* exactly _thread's RLock (not a class that takes its name, not a subclass), and a
+     * fresh one of that type */
+    PyObject *mod = PyImport_ImportModule("_thread");
+    PyObject *real = mod == NULL ? NULL : PyObject_GetAttrString(mod, "RLock");
+    Py_XDECREF(mod);
+    if (real == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int exact = (PyObject *)t == real;
+    Py_DECREF(real);
+    if (!exact || strcmp(t->tp_name, "_thread.RLock") != 0 || t->tp_basicsize < (Py_ssize_t)sizeof(RLockView) ||
         t->tp_dictoffset != 0)
         return 0;
     PyObject *fresh = PyObject_CallNoArgs((PyObject *)t);
     if (fresh == NULL) return -1;
+    if (Py_TYPE(fresh) != t) {
+        Py_DECREF(fresh);
+        return 0;
+    }
     RLockView *v = (RLockView *)fresh;
     unsigned long me = PyThread_get_thread_ident();
     int ok = v->count == 0 && v->owner == 0 && v->lock != NULL;
@@ -3777,6 +3792,7 @@ static PyObject *setup_inner(PyObject *kw) {
     GET(lock_obj, "lock");
 #ifdef RLOCK_INLINE
     {
+        rlock_type = NULL;
         int ok = rlock_check(lock_obj);
         if (ok < 0) return NULL;
         rlock_type = ok ? Py_TYPE(lock_obj) : NULL;
