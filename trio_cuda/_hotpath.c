@@ -92,7 +92,6 @@ static struct {
 static PyObject *py_submit;   /* the Python _Launch._submit_now: every case not handled here */
 static PyObject *lock_obj;    /* the runtime RLock */
 static PyObject *tls;         /* _guard._tls (a threading.local) */
-static PyObject *counts;      /* _submit._counts */
 static PyObject *executing;   /* _submit.EXECUTING */
 static PyObject *direct_failed;
 static PyObject *Buffer_T;    /* (checked through the tensor's slot) */
@@ -102,7 +101,7 @@ static PyObject *device_globals; /* _device's module dict (poll_by_stream) */
 static PyObject *one, *zero;
 static PyObject *s_submitting, *s_acquire, *s_release, *s_generation, *s_resetting, *s_driver, *s_fault,
     *s_dead_buffers, *s_dead_streams, *s_lingering, *s_dead_graphs, *s_stats, *s_fast, *s_name, *s_launch,
-    *s__key, *s__arg, *s_retire, *s_event_at, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_planned, *s_enqueued, *s_direct, *s_claimed, *s_steps, *s_ops, *s_capture, *s__plan, *s_launches, *s__prepared_step, *s__enqueue_launch;
+    *s__key, *s__arg, *s_retire, *s_event_at, *s_event_handle, *s_record, *s_ticket, *s_wait_for, *s_query, *s_hot_calls, *s__fast, *s_token, *s__token, *s_launch_failed, *s_record_failed, *s_cross_device, *s_poll_by_stream, *s_claimed, *s_steps, *s_ops, *s_capture, *s__plan, *s_launches, *s__prepared_step, *s__enqueue_launch;
 
 /* What ran here, for tests and probes (under the GIL; wrap-around is not a concern). */
 static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, n_launches, n_records, n_queries, n_enqueues,
@@ -266,9 +265,7 @@ static int rlock_check(PyObject *lock) {
     }
     int exact = (PyObject *)t == real;
     Py_DECREF(real);
-    if (!exact || strcmp(t->tp_name, "_thread.RLock") != 0 || t->tp_basicsize < (Py_ssize_t)sizeof(RLockView) ||
-        t->tp_dictoffset != 0)
-        return 0;
+    if (!exact || t->tp_basicsize < (Py_ssize_t)sizeof(RLockView)) return 0;
     PyObject *fresh = PyObject_CallNoArgs((PyObject *)t);
     if (fresh == NULL) return -1;
     if (Py_TYPE(fresh) != t) {
@@ -3799,7 +3796,6 @@ static PyObject *setup_inner(PyObject *kw) {
     }
 #endif
     GET(tls, "tls");
-    GET(counts, "counts");
     GET(executing, "executing");
     GET(direct_failed, "direct_failed");
     GET(py_direct_enqueue, "direct_enqueue");
@@ -3814,10 +3810,6 @@ static PyObject *setup_inner(PyObject *kw) {
     GET(kernel_globals, "kernel_globals");
     if (!PyDict_Check(kernel_globals)) {
         PyErr_SetString(PyExc_TypeError, "_hotpath: kernel_globals is not a dict");
-        return NULL;
-    }
-    if (!PyDict_CheckExact(counts)) {
-        PyErr_SetString(PyExc_TypeError, "_hotpath: counts is not a dict");
         return NULL;
     }
     OFF(Launch_T, "_inputs", op_inputs);
@@ -3921,19 +3913,27 @@ static PyObject *setup_inner(PyObject *kw) {
 static PyObject *setup(PyObject *module, PyObject *kw) {
     PyObject **globals[] = {&Launch_T, &Partition_T, &Tensor_T, &Stream_T, &Config_T, &Counters_T, &Buffer_T,
                             &Event_T, &Device_T, &py_poll, &device_globals, &py_submit, &lock_obj, &tls,
-                            &counts, &executing, &direct_failed, &py_direct_enqueue, &py_enqueue_prepared,
+                            &executing, &direct_failed, &py_direct_enqueue, &py_enqueue_prepared,
                             &Lane_T, &Select_T, &Continue_T, &py_plan, &py_select_plan, &py_prepared_step,
                             &py_enqueue_launch, &kernel_globals, &plan_descr};
     enum { N = sizeof(globals) / sizeof(globals[0]) };
     PyObject *saved[N];
     for (int i = 0; i < N; i++) saved[i] = Py_XNewRef(*globals[i]);
     __typeof__(O) saved_offsets = O;
+#ifdef RLOCK_INLINE
+    PyTypeObject *saved_rlock = rlock_type;
+#endif
     PyObject *r = setup_inner(kw);
     for (int i = 0; i < N; i++) {
         if (r == NULL) Py_XSETREF(*globals[i], saved[i]);
         else Py_XDECREF(saved[i]);
     }
-    if (r == NULL) O = saved_offsets;
+    if (r == NULL) {
+        O = saved_offsets;
+#ifdef RLOCK_INLINE
+        rlock_type = saved_rlock;
+#endif
+    }
     return r;
 }
 
@@ -4169,9 +4169,6 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_record_failed, "_record_failed");
     NAME(s_cross_device, "_cross_device");
     NAME(s_poll_by_stream, "poll_by_stream");
-    NAME(s_planned, "planned");
-    NAME(s_enqueued, "enqueued");
-    NAME(s_direct, "direct");
     NAME(s_claimed, "claimed");
     NAME(s_steps, "steps");
     NAME(s_ops, "ops");

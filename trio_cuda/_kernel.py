@@ -714,7 +714,6 @@ def _hot_setup_objects() -> dict[str, Any]:
         "device_globals": vars(_device),
         "lock": LOCK,
         "tls": _tls,
-        "counts": _counts,
         "executing": EXECUTING,
         "direct_failed": direct_failed,
         "direct_enqueue": direct_enqueue,
