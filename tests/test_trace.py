@@ -15,12 +15,17 @@ import trio
 
 import trio_cuda
 from trio_cuda import _trace, api, lowlevel, ops
+from trio_cuda.kernels import sleep
 
-from .conftest import needs_devices
+from .conftest import counter, needs_devices
 
 
 def spans(events: dict, cat: str) -> list[dict]:
     return [e for e in events["traceEvents"] if e.get("ph") == "X" and e.get("cat") == cat]
+
+
+def unfinished(events: dict) -> list[dict]:
+    return [e for e in events["traceEvents"] if e.get("args", {}).get("unfinished")]
 
 
 def check_schema(events: dict) -> None:
@@ -29,9 +34,12 @@ def check_schema(events: dict) -> None:
     named = {(e["pid"], e["tid"]) for e in events["traceEvents"] if e.get("ph") == "M" and e["name"] == "thread_name"}
     starts, finishes = {}, {}
     for e in events["traceEvents"]:
-        assert e["ph"] in ("M", "X", "s", "f"), e
+        assert e["ph"] in ("M", "X", "i", "s", "f"), e
         if e["ph"] == "X":
             assert {"name", "pid", "tid", "ts", "dur", "cat"} <= set(e) and e["dur"] > 0 and e["ts"] >= 0, e
+            assert (e["pid"], e["tid"]) in named, e
+        elif e["ph"] == "i":
+            assert {"name", "pid", "tid", "ts", "cat"} <= set(e) and e["s"] == "t" and e["ts"] >= 0, e
             assert (e["pid"], e["tid"]) in named, e
         elif e["ph"] == "s":
             starts[e["id"]] = e
@@ -123,7 +131,10 @@ async def test_the_plain_with_never_blocks_and_traces_do_not_nest(tmp_path: path
     events = tr.events
     assert events is not None
     check_schema(events)
-    assert events["otherData"]["ops"] == len(spans(events, "device")) + events["otherData"]["unfinished"]
+    # every op is there once: a span, or (queued when the trace closed) an instant mark
+    marks = [e for e in events["traceEvents"] if e.get("ph") == "i" and e["cat"] == "device"]
+    assert events["otherData"]["ops"] == len(spans(events, "device")) + len(marks)
+    assert events["otherData"]["unfinished"] == len(unfinished(events))
     assert _trace.active is None
     with pytest.raises(ValueError):
         with trio_cuda.trace():
@@ -300,3 +311,94 @@ async def test_a_stream_made_after_another_died_gets_its_own_track() -> None:
     adds = [(e["pid"], e["tid"]) for e in spans(events, "device") if e["name"] == "kernel ops.add"]
     assert len(adds) == 6 and len(set(adds)) == 6  # one track per stream
     np.testing.assert_array_equal(await x.to_host(), np.full(8, 6.0, np.float32))
+
+
+# -- the exit of a trace under cancellation -------------------------------------------------------
+LONG_NS = 4_000_000_000  # far longer than the deadlines below, so their bounds are loose
+DEADLINE_S = 0.3
+
+
+async def _busy(stream: trio_cuda.Stream, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Another task's long work, enqueued on ``stream`` before it reports started."""
+    c = await counter()
+    sub = await lowlevel.submit(sleep(c, LONG_NS), stream)
+    task_status.started()
+    await sub.wait()
+
+
+async def test_the_exit_waits_only_for_traced_work_and_honours_its_deadline(tmp_path: pathlib.Path) -> None:
+    dev = trio_cuda.current_device()
+    busy, free = dev.create_stream(), dev.create_stream()
+    await sleep(counter(), 1000)  # the first launch of a kernel may compile it
+    x = await api.zeros((64,))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_busy, busy)  # enqueued before any trace opens: never traced
+
+        # Traced work on a free stream: the exit waits for it, not for the busy stream.
+        start = trio.current_time()
+        with trio.move_on_after(DEADLINE_S) as scope:
+            async with trio_cuda.trace(tmp_path / "free.json"):
+                await lowlevel.submit(ops.add(x, 1.0, out=x), free)
+        elapsed = trio.current_time() - start
+        assert not scope.cancelled_caught and elapsed < LONG_NS / 1e9 / 2, elapsed
+        events = json.loads((tmp_path / "free.json").read_text())
+        check_schema(events)
+        assert [e["name"] for e in spans(events, "device")] == ["kernel ops.add"]
+        assert events["otherData"]["unfinished"] == 0 and not unfinished(events)
+
+        # Traced work queued behind the busy stream's: the deadline ends the exit's wait,
+        # the file is still written, with the op that had not run marked unfinished.
+        start = trio.current_time()
+        with trio.move_on_after(DEADLINE_S) as scope:
+            async with trio_cuda.trace(tmp_path / "queued.json"):
+                await lowlevel.submit(ops.add(x, 1.0, out=x), busy)
+        elapsed = trio.current_time() - start
+        assert scope.cancelled_caught and elapsed < LONG_NS / 1e9 / 2, elapsed
+        assert _trace.active is None
+        events = json.loads((tmp_path / "queued.json").read_text())
+        check_schema(events)
+        assert events["otherData"]["unfinished"] == 1
+        [op] = unfinished(events)
+        assert op["name"] == "kernel ops.add" and op["cat"] == "device" and op["args"]["started"] is False
+    np.testing.assert_array_equal(await x.to_host(), np.full(64, 2.0, np.float32))
+
+
+async def test_a_cancelled_exit_writes_the_traced_work_that_had_not_finished_as_unfinished(tmp_path: pathlib.Path) -> None:
+    dev = trio_cuda.current_device()
+    stream = dev.create_stream()
+    await sleep(counter(), 1000)  # the first launch of a kernel may compile it
+    c = await counter()
+    path = tmp_path / "long.json"
+    start = trio.current_time()
+    with trio.move_on_after(DEADLINE_S) as scope:
+        async with trio_cuda.trace(path):
+            await lowlevel.submit(sleep(c, LONG_NS), stream)
+    elapsed = trio.current_time() - start
+    assert scope.cancelled_caught and elapsed < LONG_NS / 1e9 / 2, elapsed
+    events = json.loads(path.read_text())
+    check_schema(events)
+    assert events["otherData"]["unfinished"] == 1
+    [op] = unfinished(events)
+    # It ran from its start to the moment the trace closed, and still runs.
+    assert op["name"] == "kernel sleep" and op["ph"] == "X" and op["args"]["started"] is True
+    assert DEADLINE_S * 1e6 * 0.5 < op["ts"] + op["dur"] < LONG_NS / 1e3
+    png = tmp_path / "long.png"
+    assert trio_cuda.trace.main([str(path), "--png", str(png)]) == 0  # the picture copes with it
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    np.testing.assert_array_equal(await c.to_host(), [1])  # the work itself went on
+
+
+async def test_the_plain_with_writes_the_work_it_did_not_wait_for_as_unfinished(tmp_path: pathlib.Path) -> None:
+    stream = trio_cuda.current_device().create_stream()
+    await sleep(counter(), 1000)  # the first launch of a kernel may compile it
+    c = await counter()
+    x = await api.zeros((8,))
+    with trio_cuda.trace(tmp_path / "plain.json") as tr:
+        await lowlevel.submit(sleep(c, LONG_NS // 4), stream)
+        await lowlevel.submit(ops.add(x, 1.0, out=x), stream)  # queued behind the sleep
+    events = tr.events
+    assert events is not None
+    check_schema(events)
+    assert events["otherData"]["unfinished"] == 2
+    assert [(e["name"], e["args"]["started"]) for e in unfinished(events)][-1] == ("kernel ops.add", False)
+    np.testing.assert_array_equal(await x.to_host(), np.ones(8, np.float32))

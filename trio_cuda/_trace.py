@@ -11,8 +11,11 @@ submission (its whole cost when no trace is open). While a trace is open:
   shows when the device ran it;
 * each cross-stream wait the runtime enqueued (which stream waits for which point).
 
-Nothing here blocks: timestamps that have not been reached when the trace closes are
-left out (and counted).
+Nothing here blocks. Each traced submission also records, on each stream it enqueued
+device work on, the event its work there completes at (``ends``, the newest per stream):
+``async with`` waits for exactly those at its exit, in trio, so untraced work of other
+tasks is never waited for and a cancelled exit stops waiting at once. Ops whose
+timestamps have not been reached when the trace closes are written as unfinished.
 
 With ``TRIO_CUDA_NVTX=1`` (and the ``nvtx`` package installed) every op's enqueue is
 also an NVTX range named after the op, on the thread that enqueues it, so Nsight Systems
@@ -108,6 +111,9 @@ class Tracer:
         self.subs: list[dict[str, Any]] = []
         self.ops: list[dict[str, Any]] = []
         self.waits: list[dict[str, Any]] = []
+        # (device, stream number) -> the event after the newest traced work on that stream:
+        # a stream runs in order, so it covers every traced op before it there
+        self.ends: dict[tuple[int, int], Any] = {}
         self._ids = itertools.count()
         # The step being enqueued: [stream, driver, its "before" timestamp]. A stream wait
         # the step enqueues moves "before" after it (the op starts once its inputs are ready).
@@ -149,6 +155,7 @@ class Tracer:
             id=sub, task=task, task_key=task_key, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8]
         )
         capturing = getattr(plan, "capture", None) is not None
+        used: dict[Any, None] = {}  # the streams this submission enqueued traced work on
         try:
             for fn, lane, arg in steps:
                 name = getattr(fn, "__name__", "")
@@ -185,6 +192,11 @@ class Tracer:
                         "t_enq": t_enq,
                     }
                 )
+                used[stream] = None
+            # Each step closed its point (lane.end), so the stream's seq covers its work;
+            # the root's event is the one the submission itself records next (reused).
+            for stream in used:
+                self.ends[self.stream_label(stream)] = stream.event_at(stream.seq)
         finally:  # a submission that fails part-way keeps its span with the ops it enqueued
             info["t_end"] = time.perf_counter()
             self.subs.append(info)

@@ -10,11 +10,15 @@ Perfetto trace JSON (open it at https://ui.perfetto.dev or chrome://tracing): on
 per host task and per device stream, flow arrows from each submission to its device
 work and from the work a stream waited for to the work that waited.
 
-``async with trio_cuda.trace(path):`` first waits (in a worker thread) for the traced
-devices to finish, so every op has its device times; the plain ``with`` never blocks and
-leaves out ops that have not run yet when it closes (counted in the file's
-``otherData.unfinished``). ``python -m trio_cuda.trace run.json --png run.png`` draws a
-timeline picture of a trace file (needs matplotlib).
+``async with trio_cuda.trace(path):`` first waits, in trio, for the device work it
+traced (only that: not other work of the same devices), so every op has its device
+times; the wait honours cancellation and deadlines. The plain ``with`` never blocks. Ops
+that have not finished when the trace closes (the plain ``with``'s, or a cancelled
+exit's) are written marked ``"unfinished": true`` in their args: one that started as a
+span from its start to the close, one that had not started as an instant event at the
+close, on its stream's track; the file's ``otherData.unfinished`` counts them.
+``python -m trio_cuda.trace run.json --png run.png`` draws a timeline picture of a trace
+file (needs matplotlib).
 
 Cost: when no trace is open, one check of a module global per submission.
 """
@@ -25,13 +29,13 @@ import argparse
 import json
 import pathlib
 import sys
+import time
 import types
 import zlib
 from typing import Any
 
-import trio
-
 from . import _trace
+from ._guard import LOCK
 
 __all__ = ["Trace", "draw", "main", "trace", "traced"]
 
@@ -58,15 +62,21 @@ class Trace:
         tracer = self._tracer
         try:
             if tracer is not None and exc_type is None:
-                _trace.stop(tracer)  # no more records; the devices finish what was traced
                 from ._errors import DeviceError
-                from ._registry import device
+                from ._notifier import wait_event
 
-                for ordinal in list(tracer.clocks):
+                # Submissions record under the runtime lock: once stopped under it, no
+                # traced enqueue is under way and ``ends`` is complete.
+                with LOCK:
+                    _trace.stop(tracer)
+                    ends = list(tracer.ends.values())
+                # Only the traced work, awaited in trio: other tasks' work on the same
+                # devices is not waited for, and a cancel or deadline ends the wait.
+                for ev in ends:
                     try:
-                        await trio.to_thread.run_sync(device(ordinal).synchronize)
+                        await wait_event(ev)
                     except DeviceError:
-                        pass  # a fault: its ops stay unfinished in the trace; the next use reports it
+                        pass  # a fault or reset: its ops stay unfinished; the next use reports it
         finally:  # written on every exit (a failing or cancelled block included)
             self._close()
 
@@ -74,7 +84,8 @@ class Trace:
         tracer = self._tracer
         if tracer is None:
             return
-        _trace.stop(tracer)
+        with LOCK:  # (as in __aexit__: no traced enqueue is under way after this)
+            _trace.stop(tracer)
         self._tracer = None
         self.events = build(tracer)
         if self.path is not None:
@@ -151,19 +162,31 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
             seen_devices.add(dev)
             events.append({"ph": "M", "name": "process_name", "pid": dev + 1, "args": {"name": f"device {dev}"}})
         events.append({"ph": "M", "name": "thread_name", "pid": dev + 1, "tid": num + 1, "args": {"name": f"stream {num}"}})
+    # The end first: an op whose end was reached had started, so a start that is reached
+    # between the two reads can never leave a finished op without one.
+    times = []
+    for op in tracer.ops:
+        driver, ref = tracer.clocks[op["device"]]
+        end = driver.timestamp_seconds(ref, op["after"])
+        times.append((driver.timestamp_seconds(ref, op["before"]), end))
+    closed = time.perf_counter()  # after every read: no stamp read as reached is later
     unfinished = 0
     placed: list[dict[str, Any]] = []
     flow = 0
-    for op in tracer.ops:
-        driver, ref = tracer.clocks[op["device"]]
-        start = driver.timestamp_seconds(ref, op["before"])
-        end = driver.timestamp_seconds(ref, op["after"])
-        if start is None or end is None:
-            unfinished += 1
-            continue
-        op["start"], op["end"] = start, max(end, start)
-        placed.append(op)
+    for op, (start, end) in zip(tracer.ops, times, strict=True):
         pid, tid = op["device"] + 1, op["stream"] + 1
+        args: dict[str, Any] = {"submission": op["sub"], "device": op["device"], "stream": op["stream"]}
+        if end is None:
+            unfinished += 1
+            args.update(unfinished=True, started=start is not None)
+        if start is None:  # still queued when the trace closed: a mark at the close
+            events.append(
+                {"ph": "i", "s": "t", "cat": "device", "name": op["name"], "pid": pid, "tid": tid, "ts": us(closed), "args": args}
+            )
+            continue
+        # (an op still running is drawn up to the close)
+        op["start"], op["end"] = start, max(end if end is not None else closed, start)
+        placed.append(op)
         events.append(
             {
                 "ph": "X",
@@ -173,7 +196,7 @@ def build(tracer: _trace.Tracer) -> dict[str, Any]:
                 "tid": tid,
                 "ts": us(start),
                 "dur": max(us(op["end"]) - us(start), 0.001),
-                "args": {"submission": op["sub"], "device": op["device"], "stream": op["stream"]},
+                "args": args,
             }
         )
         owner = subs.get(op["sub"])
@@ -222,7 +245,8 @@ def draw(
     """A timeline picture of a trace: a row per host task and per device stream.
 
     ``window`` (ms since the trace opened, either end open) keeps the spans that overlap
-    it and the rows that have one there. Returns how many spans were drawn.
+    it and the rows that have one there. Ops unfinished when the trace closed are drawn
+    hatched (running) or as an x (not started). Returns how many spans were drawn.
     """
     lo, hi = window
     if lo is not None and hi is not None and hi <= lo:
@@ -242,10 +266,13 @@ def draw(
     for e in trace_json["traceEvents"]:
         if e.get("ph") == "M" and e["name"] == "thread_name":
             names[(e["pid"], e["tid"])] = f"{procs.get(e['pid'], e['pid'])}: {e['args']['name']}"
+    # spans, and the instant marks of ops that had not started when the trace closed
     spans = [
         e
         for e in trace_json["traceEvents"]
-        if e.get("ph") == "X" and (lo is None or (e["ts"] + e["dur"]) / 1e3 >= lo) and (hi is None or e["ts"] / 1e3 <= hi)
+        if e.get("ph") in ("X", "i")
+        and (lo is None or (e["ts"] + e.get("dur", 0)) / 1e3 >= lo)
+        and (hi is None or e["ts"] / 1e3 <= hi)
     ]
     if lo is None and hi is None:
         rows = sorted(names)
@@ -253,17 +280,22 @@ def draw(
         rows = sorted({(e["pid"], e["tid"]) for e in spans} & set(names))
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
     left = lo if lo is not None else min((e["ts"] / 1e3 for e in spans), default=0.0)
-    right = hi if hi is not None else max(((e["ts"] + e["dur"]) / 1e3 for e in spans), default=1.0)
+    right = hi if hi is not None else max(((e["ts"] + e.get("dur", 0)) / 1e3 for e in spans), default=1.0)
     thin = (right - left) / 500  # narrower than this would not show: drawn as a tick
+    cut_short = 0
     for i, key in enumerate(rows):
         for e in spans:
             if (e["pid"], e["tid"]) == key:
                 color = f"C{zlib.crc32(e['name'].encode()) % 10}"
-                start, dur = e["ts"] / 1e3, e["dur"] / 1e3
-                if dur < thin:
+                start, dur = e["ts"] / 1e3, e.get("dur", 0) / 1e3
+                unfinished = bool(e.get("args", {}).get("unfinished"))
+                cut_short += unfinished
+                if e["ph"] == "i":  # queued, not started, when the trace closed
+                    ax.plot([start], [i], marker="x", markersize=8, color=color)
+                elif dur < thin:
                     ax.plot([start], [i], marker="|", markersize=14, color=color)
-                else:
-                    ax.broken_barh([(start, dur)], (i - 0.4, 0.8), facecolors=color)
+                else:  # hatched: still running when the trace closed
+                    ax.broken_barh([(start, dur)], (i - 0.4, 0.8), facecolors=color, hatch="//" if unfinished else None)
     seen: dict[str, str] = {}
     for e in spans:
         seen.setdefault(e["name"], f"C{zlib.crc32(e['name'].encode()) % 10}")
@@ -276,7 +308,10 @@ def draw(
     if lo is not None or hi is not None:
         ax.set_xlim(left=lo, right=hi)
     ax.set_xlabel("ms since the trace opened")
-    ax.set_title(title or "trio_cuda trace")
+    heading = title or "trio_cuda trace"
+    if cut_short:
+        heading += f"\n{cut_short} ops unfinished when it closed: hatched (running), x (not started)"
+    ax.set_title(heading)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -301,9 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         drawn = draw(data, args.png, args.title or args.trace.name, (args.lo, args.hi))
     except ValueError as exc:
         ap.error(str(exc))
-    print(
-        f"wrote {args.png}: {drawn} spans ({data['otherData']['ops']} ops, {data['otherData']['submissions']} submissions in the trace)"
-    )
+    other = data["otherData"]
+    left = f", {other['unfinished']} of them unfinished" if other.get("unfinished") else ""
+    print(f"wrote {args.png}: {drawn} spans ({other['ops']} ops{left}, {other['submissions']} submissions in the trace)")
     return 0
 
 
