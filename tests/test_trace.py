@@ -402,3 +402,40 @@ async def test_the_plain_with_writes_the_work_it_did_not_wait_for_as_unfinished(
     assert events["otherData"]["unfinished"] == 2
     assert [(e["name"], e["args"]["started"]) for e in unfinished(events)][-1] == ("kernel ops.add", False)
     np.testing.assert_array_equal(await x.to_host(), np.ones(8, np.float32))
+
+
+def test_ctrl_c_during_the_exit_writes_the_trace_and_interrupts_promptly(tmp_path: pathlib.Path) -> None:
+    """SIGINT, as a terminal's Ctrl+C sends it, while the exit waits for long traced work."""
+    path = tmp_path / "ki.json"
+    program = (
+        "import json, os, signal, sys, time\n"
+        "import numpy as np, trio, trio.testing, trio_cuda\n"
+        "from trio_cuda import api, lowlevel\n"
+        "from trio_cuda.kernels import sleep\n"
+        "async def main():\n"
+        "    stream = trio_cuda.current_device().create_stream()\n"
+        "    c = await api.zeros((1,), np.int32).partition((1,))\n"
+        "    async def interrupt():\n"
+        "        await trio.testing.wait_all_tasks_blocked(0.05)  # the trace's exit is waiting\n"
+        "        await trio.to_thread.run_sync(os.kill, os.getpid(), signal.SIGINT)\n"
+        "    async with trio.open_nursery() as nursery:\n"
+        "        nursery.start_soon(interrupt)\n"
+        "        async with trio_cuda.trace(sys.argv[1]):\n"
+        f"            await lowlevel.submit(sleep(c, {LONG_NS}), stream)\n"
+        "start = time.perf_counter()\n"
+        "try:\n"
+        "    trio.run(main)\n"
+        "except BaseException as exc:\n"
+        "    caught = exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]\n"
+        "    assert [type(e) for e in caught] == [KeyboardInterrupt], repr(exc)\n"
+        "else:\n"
+        "    raise AssertionError('not interrupted')\n"
+        f"print('interrupted after', time.perf_counter() - start, 'of', {LONG_NS / 1e9})\n"
+        f"assert time.perf_counter() - start < {LONG_NS / 1e9 / 2}\n"
+    )
+    r = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "interrupted" in r.stdout, r.stdout + r.stderr[-3000:]
+    events = json.loads(path.read_text())
+    check_schema(events)
+    [op] = unfinished(events)
+    assert op["name"] == "kernel sleep" and events["otherData"]["unfinished"] == 1
