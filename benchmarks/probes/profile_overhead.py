@@ -1,6 +1,6 @@
 """Where trio-cuda's per-op time goes: cProfile of a 2000-op chain and of 2000 awaits.
 
-Usage: python benchmarks/profile_overhead.py [--null-driver]
+Usage: python benchmarks/probes/profile_overhead.py [--null-driver]
 
 With ``--null-driver`` (simulated device only) the driver calls are replaced by no-ops,
 which isolates the runtime's own Python cost from the driver's.

@@ -6,7 +6,7 @@ poll; a normal build returns None and this probe says so). For example, on the G
 machine::
 
     gcc -O2 -shared -fPIC -DHOTPATH_TIMING -I"$INC" trio_cuda/_hotpath.c -o trio_cuda/_hotpath$SUF
-    python benchmarks/probe_sections.py [--n 2000]
+    python benchmarks/probes/probe_sections.py [--n 2000]
 
 Figures, each the mean over the awaits of one scenario, in ns (the ticks converted
 with the counter's rate measured against ``perf_counter_ns`` in the same process):
@@ -34,7 +34,8 @@ import trio_cuda
 from trio_cuda import api
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_runtime import inc, roundtrips_ns  # this folder (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench_runtime import inc, roundtrips_ns  # benchmarks/ and this folder (run as a script)
 
 SECTIONS = {
     23: "await: traps on?, cancel check",

@@ -11,14 +11,14 @@ Parts (``--part``):
 * ``calls``: the GEMV's host cost per call, enqueue only and with a sync after each:
   cuBLASLt's call (nvmath), its captured graph through ``cuGraphLaunch``, and the
   captured kernel node launched with ``cuLaunchKernel`` (the driver refuses it: see
-  benchmarks/results/host-gemm-graphs-2026-12-01.md).
+  benchmarks/results/host-gemm-graphs-2026-12-01.md at bdba8f3).
 * ``kinds``: the decode step per kernel kind, awaited through ops and with the
   hand-written kernels, us per await and to make the op.
 
 Parts ab and calls are CUDA only (the simulated device has no graphs); ``--hidden 64
 --layers 2`` for a quick look.
 
-    python benchmarks/probe_gemm_graphs.py [--part ab|calls|kinds] [--hidden 2048] [--layers 22]
+    python benchmarks/probes/probe_gemm_graphs.py [--part ab|calls|kinds] [--hidden 2048] [--layers 22]
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import trio_cuda
 from trio_cuda import api, ops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_ops, per_kernel_step_figure, torch_steps  # this folder and examples/ (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+from bench_decode import per_kernel_ops, per_kernel_step_figure, torch_steps  # benchmarks/ and examples/ (as a script)
 from cuda_graphs_deviceop import EPS, build
 
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm

@@ -14,7 +14,7 @@ medians over rounds. Variants:
 Figures: the one-op round trip (us), a 2000-op chain awaited once (us/op), and awaits/s of
 16 and 256 tasks each awaiting tiny kernels on its own tensor.
 
-Usage: ``TRIO_CUDA_COMPLETION_WORDS=1 python benchmarks/probe_completion.py [--rounds 5]``
+Usage: ``TRIO_CUDA_COMPLETION_WORDS=1 python benchmarks/probes/probe_completion.py [--rounds 5]``
 (on the simulated device it runs as a smoke test: its figures mean nothing there).
 """
 

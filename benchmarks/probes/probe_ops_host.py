@@ -5,7 +5,7 @@ is a replayed recipe and, where it is one launch or one GEMM, a direct submissio
 docs/runtime.md). Prints us per await (best of 3 rounds) and the ratio to a hand-written
 kernel on the same sizes.
 
-    TRIO_CUDA_BACKEND=sim python benchmarks/probe_ops_host.py [--n 5000]
+    TRIO_CUDA_BACKEND=sim python benchmarks/probes/probe_ops_host.py [--n 5000]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """This session's host-path changes to ``await``, A/B in one process (issue 12).
 
 Variants, alternated in short blocks (a lent machine's host changes speed between
-processes, see benchmarks/results/host-direct-2026-11-30.md):
+processes, see benchmarks/results/host-direct-2026-11-30.md at bdba8f3):
 
 * ``before``: awaits through trio's checkpoint functions, and a replayed ``ops``
   GEMM run on a lane each time (the code before this session);
@@ -18,7 +18,7 @@ same cycle is printed (> 1 is better). Either backend (on the simulated device t
 kernels run in numba's simulator, so only the ratios mean anything; use --hidden 16
 --layers 2 there).
 
-    python benchmarks/probe_await_ab.py [--cycles 20] [--hidden 2048] [--layers 22]
+    python benchmarks/probes/probe_await_ab.py [--cycles 20] [--hidden 2048] [--layers 22]
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from trio_cuda import _traps, api, ops
 from trio_cuda._ops import _core
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+from bench_decode import per_kernel_step_figure  # benchmarks/, this folder and examples/ (run as a script)
 from probe_completion import round_trip_us
 from probe_poll import decode_ab_main, paired, standard_figures, tasks_rate
 

@@ -1,7 +1,7 @@
 """Event flags and stream-aware polls, A/B in one process (issue 12).
 
 Variants, alternated in short blocks (a lent machine's host changes speed between
-processes, see benchmarks/results/host-direct-2026-11-30.md):
+processes, see benchmarks/results/host-direct-2026-11-30.md at bdba8f3):
 
 * event flags: timing off (now), or timing off plus blocking sync (before 2026-11-30);
 * polls: ask the driver about the awaited event only, or answer from the stream first
@@ -15,7 +15,7 @@ short block, the variants' order rotating; the host's drift over seconds then hi
 all variants alike. Prints the median, min and max over cycles, and the median of each
 variant's ratio to the first one within the same cycle. CUDA backend only.
 
-    python benchmarks/probe_poll.py [--cycles 30]
+    python benchmarks/probes/probe_poll.py [--cycles 30]
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import trio_cuda
 from trio_cuda import _device, api
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_runtime import inc  # this folder (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench_runtime import inc  # benchmarks/ and this folder (run as a script)
 from probe_completion import print_rounds, round_trip_us
 
 

@@ -2,7 +2,7 @@
 A/B in one process (issue 12).
 
 Variants, alternated in short blocks (a lent machine's host changes speed between
-processes, see benchmarks/results/host-direct-2026-11-30.md):
+processes, see benchmarks/results/host-direct-2026-11-30.md at bdba8f3):
 
 * ``python``: ``_Launch._submit_now``, ``Device.poll``, ``_Launch._plan`` and the
   plan's walk and step loop in Python (as with ``TRIO_CUDA_HOTPATH=0``);
@@ -22,7 +22,7 @@ steps). Each variant's ratio to ``python`` within
 the same cycle is printed (> 1 is better). Either backend (on the simulated device use
 --hidden 16 --layers 2; only the ratios mean anything there).
 
-    python benchmarks/probe_hotpath_ab.py [--cycles 20] [--hidden 2048] [--layers 22]
+    python benchmarks/probes/probe_hotpath_ab.py [--cycles 20] [--hidden 2048] [--layers 22]
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from trio_cuda import _kernel, api
 from trio_cuda._op import DeviceOp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from bench_decode import per_kernel_step_figure  # this folder and examples/ (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+from bench_decode import per_kernel_step_figure  # benchmarks/, this folder and examples/ (run as a script)
 from bench_runtime import inc
 from probe_poll import decode_ab_main, paired, standard_figures, tasks_rate
 

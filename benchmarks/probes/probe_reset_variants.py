@@ -2,7 +2,7 @@
 
 Each variant runs in a fresh process: fault the primary context with an out-of-bounds
 store, then try to recover and run a small kernel. Prints one line per variant.
-Usage: python benchmarks/probe_reset_variants.py            (runs all variants)
+Usage: python benchmarks/probes/probe_reset_variants.py            (runs all variants)
 """
 
 import subprocess

@@ -15,7 +15,7 @@ pending (``_notifier._spin_ns``, what ``TRIO_CUDA_SPIN_US`` sets), each of
 tokens); PyTorch eager's step on the same shapes each round, where installed. Medians
 per variant at the end, against the first variant.
 
-    python benchmarks/probe_ops_submit.py [--switch submit|spin|gemm_replay] [--spins 0,10,20,50]
+    python benchmarks/probes/probe_ops_submit.py [--switch submit|spin|gemm_replay] [--spins 0,10,20,50]
         [--hidden 2048] [--layers 22] [--rounds 6] [--n 2000]
 
 On the simulated device use small sizes (``--hidden 64 --layers 2 --n 200``): the
@@ -37,7 +37,8 @@ from trio_cuda import _hotpath, _notifier, api, ops
 from trio_cuda._ops import _core
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_decode import per_kernel_step_figure  # this folder (run as a script)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench_decode import per_kernel_step_figure  # benchmarks/ and this folder (run as a script)
 from probe_gemm_graphs import torch_eager_ms
 
 
