@@ -43,7 +43,7 @@ _REPOLL_S = 0.02  # a sleeping wait re-polls this often (a faulted device posts 
 
 
 # Polls answer from the stream where they can (see Device.poll); False asks the driver
-# about the awaited event only (benchmarks/probe_poll.py measures both in one process).
+# about the awaited event only (benchmarks/probes/probe_poll.py measures both in one process).
 poll_by_stream = True
 
 

@@ -108,7 +108,7 @@ static unsigned long long n_submits, n_submits_python, n_polls, n_polls_python, 
     n_plans, n_plans_python, n_handbacks, n_steps, n_steps_python;
 
 /* ---- section timing (probes only) --------------------------------------------------- */
-/* Built with -DHOTPATH_TIMING (benchmarks/probe_sections.py builds such a copy), the
+/* Built with -DHOTPATH_TIMING (benchmarks/probes/probe_sections.py builds such a copy), the
  * submission, the await and the poll add the time stamp counter's ticks of each of
  * their sections to tick_sum[] (read by timing()); a normal build compiles none of it. */
 #define N_TIMED 40
@@ -4115,7 +4115,7 @@ static PyMethodDef methods[] = {
     {"walk", (PyCFunction)(void (*)(void))walk, METH_FASTCALL,
      "walk(plan, work, values): _submit.Plan._walk's loop for launches and selects; False: the top frame is the Python's."},
     {"run_steps", run_steps, METH_O, "run_steps(steps): _submit.Plan._run_steps (no trace), prepared launches compiled."},
-    {"timing", (PyCFunction)(void (*)(void))timing, METH_FASTCALL, "timing(reset=False): section ticks of a -DHOTPATH_TIMING build (benchmarks/probe_sections.py), else None."},
+    {"timing", (PyCFunction)(void (*)(void))timing, METH_FASTCALL, "timing(reset=False): section ticks of a -DHOTPATH_TIMING build (benchmarks/probes/probe_sections.py), else None."},
     {"direct_counted", direct_counted, METH_NOARGS, "direct_counted(): the direct submissions made here (planned, enqueued and direct each; not in _submit._counts)."},
     {"counters", counters, METH_NOARGS, "counters(): what ran here (submissions, polls, direct driver calls) and what went to the Python."},
     {"direct_call", (PyCFunction)(void (*)(void))direct_call, METH_FASTCALL, "direct_call(what, driver, ...): a test hook (see the source)."},

@@ -431,7 +431,7 @@ class CudaDevice(DeviceDriver):
         self._gemms = Gemms()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
-        # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md):
+        # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md at bdba8f3):
         # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
         # and a launch-record-query round trip about 1 us more, than with timing off alone.
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
@@ -442,7 +442,7 @@ class CudaDevice(DeviceDriver):
     def _register_flags(self) -> None:
         """With ``TRIO_CUDA_COMPLETION_WORDS=1``: map the completion words into this
         context and prove a stream can write them. Off by default: measured on an H200
-        (benchmarks/results/host-2026-11-30.md), the ``cuStreamWriteValue64`` each
+        (benchmarks/results/host-2026-11-30.md at bdba8f3), the ``cuStreamWriteValue64`` each
         submission then enqueues costs about 5 us of host time, more than the event
         queries it saves (about 1.7 us each). Without words, completion is seen by
         queries alone."""
@@ -492,7 +492,7 @@ class CudaDevice(DeviceDriver):
         Measured on an H200 (driver 580, CUDA 13): after an illegal address no driver
         call brings the device back inside the process (cuDevicePrimaryCtxReset, releasing
         and retaining the primary context again, and cuCtxCreate all fail with the sticky
-        error; benchmarks/probe_reset_variants.py). Then the device stays faulted and the
+        error; benchmarks/probes/probe_reset_variants.py). Then the device stays faulted and the
         error says so: only a new process can use it.
         """
         fault = self._fault
@@ -1007,7 +1007,7 @@ class CudaBackend(Backend):
     # An await whose first poll after trio's pass finds a kernel of a few us (a GEMV)
     # still running polls on for up to this long when that pass came back at once: on
     # an H200 a decode step awaited kernel by kernel took 0.92-0.94x the time of spin 0
-    # with 10, 20 and 50 us (benchmarks/probe_ops_submit.py --switch spin).
+    # with 10, 20 and 50 us (benchmarks/probes/probe_ops_submit.py --switch spin).
     spin_us = 20.0
 
     def __init__(self) -> None:
