@@ -601,6 +601,7 @@ class Plan:
     # first use): a submission of one launch sets only what it needs.
     capture: Capture | None = None
     buffers: list[tuple[Lane, Buffer, str]] = ()  # type: ignore[assignment]
+    allocated: list[tuple[Stream, int]] = ()  # type: ignore[assignment]  # the buffers' allocation points
     shared: list[Any] = ()  # type: ignore[assignment]
     kernels: list[_KernelNeed] = ()  # type: ignore[assignment]
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
@@ -1038,8 +1039,12 @@ class Plan:
                 if events:
                     return Need("memory", events)
             raise err from None
+        # the stream-ordered allocations, each the buffer's first writer (a failure part-way
+        # through the enqueue frees the buffers still in that state: see _failed)
+        self.allocated = allocated = []
         for lane, buf in made:
-            buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
+            buf.writer = w = (lane.stream, lane.stream.mark())
+            allocated.append(w)
         return None
 
     def _unallocate(self) -> None:
@@ -1068,8 +1073,18 @@ class Plan:
         for op in self.shared:
             if op._state.__class__ is not Done:
                 op._state = Failed(fresh(exc))
-        for _, buf, _ in self.buffers:
+        allocated = self.allocated
+        for i, (lane, buf, _) in enumerate(self.buffers):
             if buf.ptr is None:
+                buf.owner = None
+            elif i < len(allocated) and buf.writer is allocated[i] and not buf.readers and not buf.lifetime:
+                # Memory of an op that did not run (no enqueued step touched it): freed,
+                # and its tensors refuse use instead of showing uninitialized memory. The
+                # free is ordered on the stream it was allocated on, after anything a
+                # failing step may have left there.
+                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
+                buf.ptr = None
+                buf.writer = None
                 buf.owner = None
         self._release()
         self._set_done()
