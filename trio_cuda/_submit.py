@@ -14,8 +14,8 @@ A submission has two phases:
 
 Both phases run under the runtime lock, in one hold in the common case. Between them a
 submission may have to *wait*, with the lock released: for a first-launch kernel
-compilation, for pinned staging memory, for another unfinished submission whose
-shared op or buffer it uses, or (out of memory) for the device's pending work before
+compilation, for pinned staging memory, for the communicators of a collectives group
+(NCCL's setup, slow), for another unfinished submission whose shared op or buffer it uses, or (out of memory) for the device's pending work before
 one retry. Under ``await`` these waits happen in a worker thread or in trio, and are
 cancellable: a submission cancelled before it enqueues did not happen (its ops are not
 consumed), unless another submission already relies on it, in which case it completes
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Continue",
+    "Hold",
     "Lane",
     "Pending",
     "Plan",
@@ -79,6 +80,7 @@ _counts = {
     "plan": 0,
     "memory": 0,
     "direct": 0,
+    "communicators": 0,
 }
 
 
@@ -99,6 +101,8 @@ class SubmissionStatistics:
         direct: Of the enqueued, submissions planned and enqueued in one step without
             a plan: a lone kernel launch or a replayed ``ops`` call of one launch or
             GEMM, on memory already allocated (see docs/runtime.md).
+        waited_for_communicators: Waits for a collectives group's communicators to be
+            made (its first collective, and the first after a reset of its devices).
     """
 
     planned: int
@@ -110,6 +114,7 @@ class SubmissionStatistics:
     waited_for_submission: int
     waited_for_memory: int
     direct: int
+    waited_for_communicators: int
 
 
 # -- direct submissions ---------------------------------------------------------------
@@ -262,6 +267,7 @@ def statistics() -> SubmissionStatistics:
         c["plan"],
         c["memory"],
         c["direct"] + extra,
+        c["communicators"],
     )
 
 
@@ -535,6 +541,24 @@ class _StagingSlot:
         self.staging: Staging | None = None
 
 
+class Hold:
+    """Something a submission holds from planning until it finishes (enqueued, abandoned
+    or failed): a collectives group's communicators (trio_cuda.collectives)."""
+
+    def ready(self) -> bool:
+        """Whether the submission can enqueue without :meth:`make` (under LOCK)."""
+        raise NotImplementedError
+
+    def make(self) -> None:
+        """Make what :meth:`ready` lacks: slow, so without LOCK held (a worker thread for
+        ``await``, the calling thread of ``sync()``)."""
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """The submission finished (under LOCK, once)."""
+        raise NotImplementedError
+
+
 class _KernelNeed:
     __slots__ = ("args", "device", "loaded", "signature", "source")
 
@@ -552,7 +576,7 @@ class Need:
     __slots__ = ("data", "kind")
 
     def __init__(self, kind: str, data: Any) -> None:
-        self.kind = kind  # "kernels" | "staging" | "plan" | "memory"
+        self.kind = kind  # "kernels" | "staging" | "plan" | "memory" | "communicators"
         self.data = data
         _counts[kind] += 1
 
@@ -565,6 +589,9 @@ class Need:
                 pin(device, sizes)
         elif kind == "plan":
             data.done.wait()
+        elif kind == "communicators":
+            for hold in data:
+                hold.make()
         else:  # memory
             for ev in data:
                 ev.device.wait_blocking(ev)
@@ -607,6 +634,7 @@ class Plan:
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
+    holds: list[Hold] = ()  # type: ignore[assignment]
     sources: dict[Device, int] = {}  # noqa: RUF012  # devices read without a lane (never mutated here)
     reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
     dependents = 0
@@ -714,6 +742,12 @@ class Plan:
             self.staging = []
         self.staging.append(slot)
         return slot
+
+    def hold(self, h: Hold) -> None:
+        """Keep ``h`` from now until the submission finishes (see :class:`Hold`)."""
+        if not self.holds:
+            self.holds = []
+        self.holds.append(h)
 
     def reuse(self, op: Any) -> None:
         """Note a shared op another plan produces (checked again before enqueueing)."""
@@ -833,6 +867,10 @@ class Plan:
                         missing.append(n)
             if missing:
                 return Need("kernels", missing)
+        if self.holds:
+            lacking = [h for h in self.holds if not h.ready()]
+            if lacking:
+                return Need("communicators", lacking)
         try:
             return self._enqueue()
         except BaseException as exc:
@@ -872,7 +910,11 @@ class Plan:
 
     def _enqueue(self) -> Need | None:
         lanes = self.lanes
-        if len(lanes) == 1 and self.capture is None and not (self.staging or self.buffers or self.foreign or self.sources):
+        if (
+            len(lanes) == 1
+            and self.capture is None
+            and not (self.staging or self.buffers or self.foreign or self.sources or self.holds)
+        ):
             self._enqueue_one(lanes[0])  # the common case, kept lean
             return None
         cap = self.capture
@@ -1057,7 +1099,10 @@ class Plan:
 
     def _release(self) -> None:
         """Break the plan <-> lane cycle: the tensors of a finished submission are freed as
-        soon as nothing else references its plan."""
+        soon as nothing else references its plan. Let go of what it holds."""
+        if self.holds:
+            for h in self.holds:
+                h.done()
         lanes = self.lanes
         if len(lanes) == 1:
             lanes[0].plan = None  # type: ignore[assignment]
