@@ -93,7 +93,8 @@ class SubmissionStatistics:
         enqueued: Submissions that enqueued their work.
         abandoned: Submissions abandoned before they enqueued (cancelled, or an error
             while they waited); nothing of them ran.
-        failed: Submissions whose enqueue failed part-way (a driver error).
+        failed: Submissions whose enqueue failed part-way (a driver error, or an
+            ``external`` call that raised).
         waited_for_kernels: Waits for a first-launch compilation.
         waited_for_staging: Waits for pinned host memory.
         waited_for_submission: Waits for another submission's shared op or buffer.
