@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api, collectives, ops
+from trio_cuda import api, collectives, lowlevel, ops
 from trio_cuda.kernels import sleep
 
 from .conftest import ON_CUDA, counter, needs_devices
@@ -387,3 +388,104 @@ async def test_communicators_of_a_reset_device_are_dropped_not_destroyed(monkeyp
     await trio.to_thread.run_sync(g2.devices[0].reset)
     g2.close()
     assert released == [live]
+
+
+# -- the group found at planning; communicators made outside the runtime lock ----------------
+async def test_a_group_closed_while_its_collective_waits_for_pinned_memory_still_runs_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DAG of a host copy and an all-reduce waits for pinned memory (the pinning is held
+    at a gate); the group is closed meanwhile from another task. The planned collective
+    keeps the group's communicators: it runs with the copy, correctly, and they are
+    released once it was enqueued; the closed group refuses new collectives."""
+    from trio_cuda._backends import backend
+
+    g = collectives.Group([0, 1])
+    await g.all_reduce(await per_device(data(2, (4,), np.float32)))  # communicators made
+    released = threading.Event()
+    real_close = type(backend()).close_communicators
+    monkeypatch.setattr(type(backend()), "close_communicators", lambda self, comms: (real_close(self, comms), released.set())[0])
+    pinning, gate = threading.Event(), threading.Event()
+    driver_type = type(backend().driver(0))
+    real_alloc = driver_type.host_alloc
+
+    def gated(self: Any, size: int) -> Any:
+        pinning.set()
+        gate.wait(30)
+        return real_alloc(self, size)
+
+    monkeypatch.setattr(driver_type, "host_alloc", gated)
+    # a copy larger than the staging pool keeps idle (64 MiB): it always pins anew
+    n = 17 << 20
+    host = RNG.uniform(-2, 2, n).astype(np.float32)
+    x0 = await api.zeros((n,), device=0)
+    x1 = await api.full((n,), 1.0, device=1)
+    staging_waits = lowlevel.submission_statistics().waited_for_staging
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_all_reduce, g, [api.memcpy(x0, host), x1])
+            assert await trio.to_thread.run_sync(pinning.wait, 30), "the submission did not wait for pinned memory"
+            g.close()  # while the submission holds the group
+            assert not released.is_set()
+            gate.set()
+    finally:
+        gate.set()
+    assert lowlevel.submission_statistics().waited_for_staging > staging_waits
+    np.testing.assert_array_equal(await x0.to_host(), host + 1.0)
+    np.testing.assert_array_equal(await x1.to_host(), host + 1.0)
+    assert await trio.to_thread.run_sync(released.wait, 30)  # released after the collective
+    with pytest.raises(RuntimeError, match="closed"):
+        g.all_reduce([x0, x1])
+
+
+async def _all_reduce(g: collectives.Group, tensors: list[Any]) -> None:
+    with trio.fail_after(60):
+        await g.all_reduce(tensors)
+
+
+async def test_communicators_are_made_outside_the_runtime_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's first collective waits for its communicators (NCCL's setup is slow, and
+    a join blocks until every rank has joined): made with the runtime lock free (another
+    thread takes it meanwhile), in a worker thread for await and in the calling thread
+    for sync()."""
+    from trio_cuda._backends import backend
+    from trio_cuda._guard import LOCK
+
+    made: list[tuple[bool, threading.Thread]] = []
+    real = type(backend()).communicators
+
+    def watched(self: Any, drivers: Any) -> Any:
+        took: list[bool] = []
+
+        def take() -> None:
+            took.append(LOCK.acquire(timeout=2))
+            if took[0]:
+                LOCK.release()
+
+        other = threading.Thread(target=take)
+        other.start()
+        other.join()
+        made.append((took[0], threading.current_thread()))
+        return real(self, drivers)
+
+    monkeypatch.setattr(type(backend()), "communicators", watched)
+    before = lowlevel.submission_statistics()
+    arrays = data(2, (8,), np.float32)
+    ts = await per_device(arrays)
+    g = collectives.Group([0, 1])
+    await g.all_reduce(ts)
+    assert len(made) == 1 and made[0][0], "the runtime lock was held while the communicators were made"
+    assert made[0][1] is not threading.current_thread()  # a worker thread, not the trio thread
+    np.testing.assert_allclose(await ts[0].to_host(), np.sum(arrays, axis=0), rtol=1e-6)
+    g2 = collectives.Group([0, 1])
+
+    def sync() -> threading.Thread:
+        g2.all_reduce(ts).sync()
+        return threading.current_thread()
+
+    caller = await trio.to_thread.run_sync(sync)
+    assert len(made) == 2 and made[1] == (True, caller)
+    assert lowlevel.submission_statistics().waited_for_communicators == before.waited_for_communicators + 2
+    np.testing.assert_allclose(await ts[1].to_host(), 2 * np.sum(arrays, axis=0), rtol=1e-6)
+    g.close()
+    g2.close()

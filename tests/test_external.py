@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda
 from trio_cuda import api, lowlevel, ops
@@ -67,8 +68,9 @@ async def test_bad_arguments_and_a_failing_call() -> None:
     def broken(stream: object) -> None:
         raise RuntimeError("the library refused")
 
-    with pytest.raises(RuntimeError, match="refused"):
+    with pytest.raises(trio_cuda.ExternalCallError, match="refused") as info:
         await trio_cuda.external(broken, writes=[x])
+    assert isinstance(info.value.__cause__, RuntimeError)
     np.testing.assert_array_equal(await (x + 1).to_host(), [1, 1, 1, 1])  # the device works
 
 
@@ -121,3 +123,88 @@ async def test_an_external_stream_runs_ops_and_is_never_destroyed_here() -> None
     np.testing.assert_array_equal(await y.to_host(), np.ones(8, np.float32))
     with pytest.raises(TypeError, match="int"):
         dev.external_stream("0x1")  # type: ignore[arg-type]
+
+
+# -- a call that raises: what ran before it completes, nothing after it runs ------------------------
+def _refuse(stream: object) -> None:
+    raise TypeError("the library refused its arguments")
+
+
+async def _in_use(dev: trio_cuda.Device) -> int:
+    """The device's bytes in use once dropped tensors' frees are enqueued (any submission
+    enqueues them)."""
+    import gc
+
+    gc.collect()
+    await api.zeros((0,))
+    return dev.statistics().bytes_in_use
+
+
+async def test_a_call_that_raises_names_what_ran_before_it_and_nothing_after_it_runs() -> None:
+    """A DAG of a copy (a zip sibling), a kernel, the call and a kernel after it: the call
+    raises; the await raises ExternalCallError (from the library's error) naming the copy
+    and the kernel as enqueued and the later kernel as not run. The enqueued work lands,
+    the shared op after the call fails with the same error for its other consumer, its
+    output is released, and the tensors work afterwards."""
+    dev = trio_cuda.current_device()
+    n = 1 << 10
+    x, y = await api.zeros((n,)), await api.zeros((n,))
+    baseline = await _in_use(dev)
+    host = np.arange(n, dtype=np.float32)
+    before = ops.add(x, 1.0, out=x).shared()  # runs before the call; awaited again below
+    after = ops.multiply(y, 3.0).shared()  # after the call (a new tensor): never runs
+    call = trio_cuda.external(_refuse, reads=[before], writes=[y], name="lib")
+    with pytest.raises(trio_cuda.ExternalCallError, match="refused its arguments") as info:
+        with trio.fail_after(10):
+            await trio_cuda.zip(api.from_host(host), call, after)
+    err = info.value
+    assert isinstance(err, trio_cuda.LaunchError) and isinstance(err.__cause__, TypeError)
+    assert err.op == "external lib"
+    assert err.ran == ("copy host->device", "kernel ops.add")
+    assert err.not_run == ("kernel ops.multiply",)
+    assert "copy host->device, kernel ops.add; not run: kernel ops.multiply" in str(err)
+    with pytest.raises(trio_cuda.ExternalCallError) as again:
+        await after  # its other consumer: the same error
+    assert (again.value.ran, again.value.not_run, again.value.op) == (err.ran, err.not_run, err.op)
+    assert await before is x  # it ran: its other consumer gets its output
+    np.testing.assert_array_equal(await x.to_host(), np.ones(n, np.float32))
+    np.testing.assert_array_equal(await y.to_host(), np.zeros(n, np.float32))  # the call wrote nothing
+    await ops.add(y, 2.0, out=y)
+    np.testing.assert_array_equal(await y.to_host(), np.full(n, 2.0, np.float32))
+    del info, err, again, before, after, call
+    assert await _in_use(dev) == baseline  # the copy's tensor and the unrun op's output are freed
+
+
+async def test_the_output_of_an_op_after_the_failing_call_refuses_use() -> None:
+    y = await api.zeros((64,))
+    seen: list[trio_cuda.Tensor] = []
+    after = ops.multiply(y, 3.0).then(lambda t: seen.append(t) or t)  # the tensor escapes
+    with pytest.raises(trio_cuda.ExternalCallError) as info:
+        await trio_cuda.zip(trio_cuda.external(_refuse, writes=[y]), after)
+    assert info.value.ran == () and info.value.not_run == ("kernel ops.multiply",)
+    with pytest.raises(ValueError, match="did not run"):
+        await ops.add(seen[0], 1.0)  # never written: refused, not uninitialized memory
+    with pytest.raises(ValueError, match="did not run"):
+        await seen[0].to_host()
+
+
+async def test_a_call_that_raises_under_sync_and_in_a_graph_capture() -> None:
+    """sync() raises the same error (from the calling thread, with the work before the
+    call enqueued); a capture runs nothing, so nothing ran."""
+    x, y = await api.zeros((32,)), await api.zeros((32,))
+
+    def sync() -> trio_cuda.ExternalCallError:
+        with pytest.raises(trio_cuda.ExternalCallError) as info:
+            trio_cuda.zip(ops.add(x, 1.0, out=x), trio_cuda.external(_refuse, writes=[y]), ops.add(y, 1.0, out=y)).sync()
+        return info.value
+
+    err = await trio.to_thread.run_sync(sync)
+    assert (err.ran, err.not_run) == (("kernel ops.add",), ("kernel ops.add",))
+    np.testing.assert_array_equal(await x.to_host(), np.ones(32, np.float32))
+    np.testing.assert_array_equal(await y.to_host(), np.zeros(32, np.float32))
+    with pytest.raises(trio_cuda.ExternalCallError, match="inside a graph capture: nothing ran") as info:
+        trio_cuda.zip(ops.add(x, 1.0, out=x), trio_cuda.external(_refuse, writes=[y]), ops.add(y, 1.0, out=y)).graph()
+    assert info.value.ran == () and info.value.not_run == ("kernel ops.add", "kernel ops.add")
+    np.testing.assert_array_equal(await x.to_host(), np.ones(32, np.float32))  # the capture ran nothing
+    await ops.add(x, 1.0, out=x)  # the stream and the tensors are usable again
+    np.testing.assert_array_equal(await x.to_host(), np.full(32, 2.0, np.float32))

@@ -285,7 +285,7 @@ async def test_a_submission_failing_part_way_keeps_its_span(tmp_path: pathlib.Pa
 
     x = await api.zeros((4,))
     async with trio_cuda.trace() as tr:
-        with pytest.raises(RuntimeError):
+        with pytest.raises(trio_cuda.ExternalCallError, match="refused"):
             await trio_cuda.zip(ops.add(x, 1.0, out=x), trio_cuda.external(broken, writes=[x]))
     events = tr.events
     assert events is not None

@@ -16,6 +16,7 @@ __all__ = [
     "DeviceOutOfMemory",
     "DeviceReset",
     "DeviceUnavailable",
+    "ExternalCallError",
     "GraphCaptureError",
     "LaunchError",
     "NestedExecutionError",
@@ -46,9 +47,46 @@ class DeviceError(Exception):
             message = f"{message} ({', '.join(where)})"
         super().__init__(message)
 
+    def _fresh(self) -> DeviceError:
+        """A new error like this one (see :func:`fresh`)."""
+        return type(self)(self.message, device=self.device, op=self.op)
+
 
 class LaunchError(DeviceError):
     """The driver refused to submit an operation (raised at submission)."""
+
+
+class ExternalCallError(LaunchError):
+    """The function of a :func:`trio_cuda.external` op raised while its submission was
+    being enqueued (chained ``from`` that exception).
+
+    The ops of the DAG enqueued before the call (``ran``) complete normally: their
+    results land, and later ops on their tensors are ordered after them. The call's
+    own ``writes`` may hold whatever the function enqueued before it raised. The ops
+    after it (``not_run``) were not enqueued: tensors that only they would have
+    written refuse use. Inside a graph capture nothing ran (``ran`` is empty).
+
+    Attributes:
+        ran: The ops enqueued before the call, in submission order, named as a trace
+            names them (``"kernel add"``, ``"copy host->device"``, ``"fill"``, ...).
+        not_run: The ops of the DAG after the call, which were not enqueued.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: int | None = None,
+        op: str | None = None,
+        ran: tuple[str, ...] = (),
+        not_run: tuple[str, ...] = (),
+    ) -> None:
+        self.ran = tuple(ran)
+        self.not_run = tuple(not_run)
+        super().__init__(message, device=device, op=op)
+
+    def _fresh(self) -> DeviceError:
+        return type(self)(self.message, device=self.device, op=self.op, ran=self.ran, not_run=self.not_run)
 
 
 class DeviceOutOfMemory(DeviceError):
@@ -104,7 +142,7 @@ def fresh(err: BaseException) -> BaseException:
     its traceback with the frames of every waiter, and keep their objects alive.
     """
     if isinstance(err, DeviceError):
-        new: BaseException = type(err)(err.message, device=err.device, op=err.op)
+        new: BaseException = err._fresh()
     else:
         try:
             new = copy.copy(err)

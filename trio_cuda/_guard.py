@@ -6,10 +6,12 @@ The lock order of the whole runtime (documented in docs/runtime.md):
    runtime bookkeeping (streams' points, events, buffers' pending accesses, deferred
    frees, staging pools, captures, op states) and every *fast* driver call (enqueue,
    query, record, stream creation). It is never held while blocking: no waiting for
-   the device, no compilation, no pinned-memory allocation or release.
+   the device, no compilation, no pinned-memory allocation or release, no making or
+   destroying of NCCL communicators.
 2. ``Device._slow_lock`` (one per device): slow driver calls that may wait for the
-   device (module loading, pinned host memory) and the driver reset. Taken without
-   :data:`LOCK` held, never the other way round.
+   device (module loading, pinned host memory) and the driver reset; a collectives
+   group's making lock (NCCL's setup). Taken without :data:`LOCK` held, never the other
+   way round.
 3. Leaf locks (the notifier's waiter list, a kernel's compile lock, the janitor's
    queue): nothing else is taken while one is held.
 

@@ -96,7 +96,9 @@ class Buffer:
         if self.ptr is None:
             owner = self.owner
             if owner is None:
-                raise ValueError(f"{what} belongs to a submission that was cancelled or failed before it ran; it has no memory")
+                raise ValueError(
+                    f"{what} belongs to a submission that was cancelled or failed before it ran (or to an op of it that did not run); it has no memory"
+                )
             if owner is not plan:
                 plan.wait_for_plan(owner)
         cap = self.capture

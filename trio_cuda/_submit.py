@@ -14,8 +14,8 @@ A submission has two phases:
 
 Both phases run under the runtime lock, in one hold in the common case. Between them a
 submission may have to *wait*, with the lock released: for a first-launch kernel
-compilation, for pinned staging memory, for another unfinished submission whose
-shared op or buffer it uses, or (out of memory) for the device's pending work before
+compilation, for pinned staging memory, for the communicators of a collectives group
+(NCCL's setup, slow), for another unfinished submission whose shared op or buffer it uses, or (out of memory) for the device's pending work before
 one retry. Under ``await`` these waits happen in a worker thread or in trio, and are
 cancellable: a submission cancelled before it enqueues did not happen (its ops are not
 consumed), unless another submission already relies on it, in which case it completes
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Continue",
+    "Hold",
     "Lane",
     "Pending",
     "Plan",
@@ -79,6 +80,7 @@ _counts = {
     "plan": 0,
     "memory": 0,
     "direct": 0,
+    "communicators": 0,
 }
 
 
@@ -91,7 +93,8 @@ class SubmissionStatistics:
         enqueued: Submissions that enqueued their work.
         abandoned: Submissions abandoned before they enqueued (cancelled, or an error
             while they waited); nothing of them ran.
-        failed: Submissions whose enqueue failed part-way (a driver error).
+        failed: Submissions whose enqueue failed part-way (a driver error, or an
+            ``external`` call that raised).
         waited_for_kernels: Waits for a first-launch compilation.
         waited_for_staging: Waits for pinned host memory.
         waited_for_submission: Waits for another submission's shared op or buffer.
@@ -99,6 +102,8 @@ class SubmissionStatistics:
         direct: Of the enqueued, submissions planned and enqueued in one step without
             a plan: a lone kernel launch or a replayed ``ops`` call of one launch or
             GEMM, on memory already allocated (see docs/runtime.md).
+        waited_for_communicators: Waits for a collectives group's communicators to be
+            made (its first collective, and the first after a reset of its devices).
     """
 
     planned: int
@@ -110,6 +115,7 @@ class SubmissionStatistics:
     waited_for_submission: int
     waited_for_memory: int
     direct: int
+    waited_for_communicators: int
 
 
 # -- direct submissions ---------------------------------------------------------------
@@ -262,6 +268,7 @@ def statistics() -> SubmissionStatistics:
         c["plan"],
         c["memory"],
         c["direct"] + extra,
+        c["communicators"],
     )
 
 
@@ -535,6 +542,24 @@ class _StagingSlot:
         self.staging: Staging | None = None
 
 
+class Hold:
+    """Something a submission holds from planning until it finishes (enqueued, abandoned
+    or failed): a collectives group's communicators (trio_cuda.collectives)."""
+
+    def ready(self) -> bool:
+        """Whether the submission can enqueue without :meth:`make` (under LOCK)."""
+        raise NotImplementedError
+
+    def make(self) -> None:
+        """Make what :meth:`ready` lacks: slow, so without LOCK held (a worker thread for
+        ``await``, the calling thread of ``sync()``)."""
+        raise NotImplementedError
+
+    def done(self) -> None:
+        """The submission finished (under LOCK, once)."""
+        raise NotImplementedError
+
+
 class _KernelNeed:
     __slots__ = ("args", "device", "loaded", "signature", "source")
 
@@ -552,7 +577,7 @@ class Need:
     __slots__ = ("data", "kind")
 
     def __init__(self, kind: str, data: Any) -> None:
-        self.kind = kind  # "kernels" | "staging" | "plan" | "memory"
+        self.kind = kind  # "kernels" | "staging" | "plan" | "memory" | "communicators"
         self.data = data
         _counts[kind] += 1
 
@@ -565,6 +590,9 @@ class Need:
                 pin(device, sizes)
         elif kind == "plan":
             data.done.wait()
+        elif kind == "communicators":
+            for hold in data:
+                hold.make()
         else:  # memory
             for ev in data:
                 ev.device.wait_blocking(ev)
@@ -601,11 +629,13 @@ class Plan:
     # first use): a submission of one launch sets only what it needs.
     capture: Capture | None = None
     buffers: list[tuple[Lane, Buffer, str]] = ()  # type: ignore[assignment]
+    allocated: list[tuple[Stream, int]] = ()  # type: ignore[assignment]  # the buffers' allocation points
     shared: list[Any] = ()  # type: ignore[assignment]
     kernels: list[_KernelNeed] = ()  # type: ignore[assignment]
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
+    holds: list[Hold] = ()  # type: ignore[assignment]
     sources: dict[Device, int] = {}  # noqa: RUF012  # devices read without a lane (never mutated here)
     reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
     dependents = 0
@@ -713,6 +743,12 @@ class Plan:
             self.staging = []
         self.staging.append(slot)
         return slot
+
+    def hold(self, h: Hold) -> None:
+        """Keep ``h`` from now until the submission finishes (see :class:`Hold`)."""
+        if not self.holds:
+            self.holds = []
+        self.holds.append(h)
 
     def reuse(self, op: Any) -> None:
         """Note a shared op another plan produces (checked again before enqueueing)."""
@@ -832,6 +868,10 @@ class Plan:
                         missing.append(n)
             if missing:
                 return Need("kernels", missing)
+        if self.holds:
+            lacking = [h for h in self.holds if not h.ready()]
+            if lacking:
+                return Need("communicators", lacking)
         try:
             return self._enqueue()
         except BaseException as exc:
@@ -871,7 +911,11 @@ class Plan:
 
     def _enqueue(self) -> Need | None:
         lanes = self.lanes
-        if len(lanes) == 1 and self.capture is None and not (self.staging or self.buffers or self.foreign or self.sources):
+        if (
+            len(lanes) == 1
+            and self.capture is None
+            and not (self.staging or self.buffers or self.foreign or self.sources or self.holds)
+        ):
             self._enqueue_one(lanes[0])  # the common case, kept lean
             return None
         cap = self.capture
@@ -1038,8 +1082,12 @@ class Plan:
                 if events:
                     return Need("memory", events)
             raise err from None
+        # the stream-ordered allocations, each the buffer's first writer (a failure part-way
+        # through the enqueue frees the buffers still in that state: see _failed)
+        self.allocated = allocated = []
         for lane, buf in made:
-            buf.writer = (lane.stream, lane.stream.mark())  # the stream-ordered allocation
+            buf.writer = w = (lane.stream, lane.stream.mark())
+            allocated.append(w)
         return None
 
     def _unallocate(self) -> None:
@@ -1052,7 +1100,10 @@ class Plan:
 
     def _release(self) -> None:
         """Break the plan <-> lane cycle: the tensors of a finished submission are freed as
-        soon as nothing else references its plan."""
+        soon as nothing else references its plan. Let go of what it holds."""
+        if self.holds:
+            for h in self.holds:
+                h.done()
         lanes = self.lanes
         if len(lanes) == 1:
             lanes[0].plan = None  # type: ignore[assignment]
@@ -1068,8 +1119,18 @@ class Plan:
         for op in self.shared:
             if op._state.__class__ is not Done:
                 op._state = Failed(fresh(exc))
-        for _, buf, _ in self.buffers:
+        allocated = self.allocated
+        for i, (lane, buf, _) in enumerate(self.buffers):
             if buf.ptr is None:
+                buf.owner = None
+            elif i < len(allocated) and buf.writer is allocated[i] and not buf.readers and not buf.lifetime:
+                # Memory of an op that did not run (no enqueued step touched it): freed,
+                # and its tensors refuse use instead of showing uninitialized memory. The
+                # free is ordered on the stream it was allocated on, after anything a
+                # failing step may have left there.
+                lane.device._free_now(buf.ptr, buf.nbytes, lane.stream)
+                buf.ptr = None
+                buf.writer = None
                 buf.owner = None
         self._release()
         self._set_done()

@@ -57,7 +57,15 @@ def step_label(fn: Callable[..., Any], arg: Any) -> str:
     if name == "_collective_step":
         op = arg[0]
         return str(getattr(op, "name", "collective"))
+    if name == "_external_step":
+        return str(getattr(arg, "name", "external"))
     return _LABELS.get(name, name.strip("_").removesuffix("_step"))
+
+
+def work_labels(steps: list[tuple[Callable[..., Any], Any, Any]]) -> tuple[str, ...]:
+    """The labels of the steps that enqueue device work (the ops of a plan, named as a
+    trace names them, copies and fills included)."""
+    return tuple(step_label(fn, arg) for fn, _, arg in steps if getattr(fn, "__name__", "") not in _SILENT)
 
 
 class _Nvtx:

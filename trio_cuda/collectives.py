@@ -41,10 +41,11 @@ from ._backends._boundary import CollectiveCall
 from ._checks import BFLOAT16, is_int
 from ._device import Device
 from ._errors import GraphCaptureError
+from ._guard import LOCK
 from ._op import DeviceOp
 from ._ops._core import TensorOp, alloc, overlaps, tensor_arg
 from ._registry import as_device
-from ._submit import Lane, Plan
+from ._submit import Hold, Lane, Plan
 from ._tensor import Tensor
 
 __all__ = ["Group", "ProcessGroup", "unique_id"]
@@ -61,51 +62,106 @@ def unique_id() -> bytes:
 
 
 class _Base:
-    """What Group and ProcessGroup share: devices, ranks, communicators, the ops."""
+    """What Group and ProcessGroup share: devices, ranks, communicators, the ops.
+
+    The group's state (communicators, their generations, the submissions holding it,
+    closed) changes under the runtime lock. Making and destroying communicators are slow
+    NCCL calls (a join blocks until every rank has joined; a destroy flushes the
+    communicator's work), so they run without it.
+    """
 
     devices: tuple[Device, ...]
     size: int
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._making = threading.Lock()  # one maker at a time; never taken under LOCK
         self._comms: Any = None
         self._generations: tuple[int, ...] | None = None
         self._closed = False
+        self._holders = 0  # planned submissions holding the group (see _hold)
 
     # -- communicators ---------------------------------------------------------------
     def _make(self) -> Any:
         raise NotImplementedError
 
+    def _gens(self) -> tuple[int, ...]:
+        return tuple(d.generation for d in self.devices)
+
+    def _current(self) -> Any:
+        """The communicators for the devices' current generations, or None (under LOCK)."""
+        comms = self._comms
+        if comms is not None and self._generations == self._gens():
+            return comms
+        return None
+
+    def _ensure(self) -> None:
+        """Make the communicators for the devices' current generations if they are not
+        made yet (without LOCK held: slow). Those of a device reset since they were made
+        are dropped, not destroyed: their resources went with the device's context, and
+        NCCL's destroy of such a communicator ends the process with a segmentation fault
+        (2 x H200, 2026-11-30). The whole group's are dropped (NCCL's destroy is a call
+        every rank makes): what NCCL holds on the host for them, and for the other
+        devices' communicators, stays allocated, once per reset."""
+        with self._making:
+            with LOCK:
+                if self._current() is not None:
+                    return
+                gens = self._gens()
+                self._comms = None  # (stale: dropped)
+            comms = self._make()
+            with LOCK:
+                orphan = self._closed and not self._holders  # closed while they were made
+                if not orphan:
+                    self._comms, self._generations = comms, gens
+            if orphan and gens == self._gens():
+                backend().close_communicators(comms)
+
     def _communicators(self) -> Any:
-        """The communicators for the devices' current generation (made again after a reset)."""
-        gens = tuple(d.generation for d in self.devices)
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("this collectives group is closed")
-            if self._comms is None or self._generations != gens:
-                self._release(gens)
-                self._comms = self._make()
-                self._generations = gens
+        """The communicators for the devices' current generations, made if needed
+        (without LOCK held)."""
+        self._ensure()
+        with LOCK:
             return self._comms
 
-    def _release(self, gens: tuple[int, ...]) -> None:
-        """Release the communicators (under the group's lock). Those of a device reset since
-        they were made are dropped, not destroyed: their resources went with the device's
-        context, and NCCL's destroy of such a communicator ends the process with a
-        segmentation fault (2 x H200, 2026-11-30). The whole group's are dropped (NCCL's
-        destroy is a call every rank makes): what NCCL holds on the host for them, and for
-        the other devices' communicators, stays allocated, once per reset."""
-        comms, self._comms = self._comms, None
-        if comms is not None and self._generations == gens:
+    def _hold(self) -> _Hold:
+        """A planned collective's hold on the group (under LOCK): until its submission
+        finishes, close() leaves the communicators to it. A closed group is refused here,
+        while planning, before anything of the DAG runs."""
+        if self._closed:
+            raise RuntimeError("this collectives group is closed")
+        self._holders += 1
+        return _Hold(self)
+
+    def _unhold(self) -> None:
+        """A holding submission finished (under LOCK). The last one of a closed group
+        releases the communicators, in a thread: a destroy is slow, and this runs under
+        LOCK."""
+        self._holders -= 1
+        if self._closed and not self._holders and self._comms is not None:
+            threading.Thread(target=self._release, name="trio-cuda-group-close", daemon=True).start()
+
+    def _release(self) -> None:
+        """Release the communicators (without LOCK held); those made before a reset of one
+        of the devices are dropped instead (see _ensure)."""
+        with LOCK:
+            comms, self._comms = self._comms, None
+            live = comms is not None and self._generations == self._gens()
+        if live:
             backend().close_communicators(comms)
 
     def close(self) -> None:
-        """Release the communicators (after the group's collectives have completed, and not
-        while one of its devices is being reset). Communicators made before a reset of one
-        of the group's devices are dropped instead (see _release)."""
-        with self._lock:
-            self._release(tuple(d.generation for d in self.devices))
+        """Refuse new collectives and release the communicators. A collective already
+        planned (waiting for pinned memory, say) keeps them: it runs, and the last such
+        one releases them when its submission is enqueued (NCCL's destroy waits for the
+        communicators' work). Otherwise they are released now: after the group's
+        collectives have completed, and not while one of its devices is being reset.
+        Communicators made before a reset of one of the group's devices are dropped
+        instead (see _ensure)."""
+        with LOCK:
             self._closed = True
+            if self._holders:
+                return  # the last holder releases them (_unhold)
+        self._release()
 
     def __enter__(self) -> Any:
         return self
@@ -296,7 +352,11 @@ class Collective(TensorOp):
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> tuple[Tensor, ...]:  # type: ignore[override]
         if plan.capture is not None:
             raise GraphCaptureError(f"{self.name}: collectives cannot be captured in a graph")
-        self._group._check_open(self.name)  # closed after the op was made: refused at planning
+        try:
+            hold = self._group._hold()  # closed after the op was made: refused at planning
+        except RuntimeError as err:
+            raise RuntimeError(f"{self.name}: {err}") from None
+        plan.hold(hold)
         ins: list[Tensor] = list(args[: self._n])
         given: list[Tensor] = list(args[self._n :])
         lanes = [lane.on(t.device) for t in ins]
@@ -310,20 +370,43 @@ class Collective(TensorOp):
             shape = self._result_shape(ins[0].shape)
             outs = [alloc(plan, ln, shape, ins[0].dtype, self.name) for ln in lanes]
         if ins[0].size:
-            plan.step(lane, _collective_step, (self, lanes, ins, outs))
+            plan.step(lane, _collective_step, (self, hold, lanes, ins, outs))
             plan.ops.append(self.name)
         return tuple(outs)
 
 
-def _collective_step(lane: Lane, arg: tuple[Collective, list[Lane], list[Tensor], list[Tensor]]) -> None:
-    op, lanes, ins, outs = arg
+class _Hold(Hold):
+    """A planned collective's hold on its group, and the communicators it enqueues with."""
+
+    __slots__ = ("comms", "group", "held")
+
+    def __init__(self, group: _Base) -> None:
+        self.group = group
+        self.comms: Any = None
+        self.held = True
+
+    def ready(self) -> bool:
+        self.comms = self.group._current()
+        return self.comms is not None
+
+    def make(self) -> None:
+        self.group._ensure()
+
+    def done(self) -> None:
+        if self.held:
+            self.held = False
+            self.group._unhold()
+
+
+def _collective_step(lane: Lane, arg: tuple[Collective, _Hold, list[Lane], list[Tensor], list[Tensor]]) -> None:
+    op, hold, lanes, ins, outs = arg
     group = op._group
     for ln, i, o in zip(lanes, ins, outs, strict=True):
         if o._buffer is not i._buffer:
             ln.read(i._buffer, i._tracked)
         ln.write(o._buffer, o._tracked)
         ln.device._cross_device = True  # another rank's failure can fail it alone (see Device.poll)
-    comms = group._communicators()
+    comms = hold.comms  # taken just before the enqueue (Plan.advance): for these generations
     first = ins[0]
     count = first.size // group.size if op._kind == "reduce_scatter" else first.size
     base = group.rank if isinstance(group, ProcessGroup) else 0
