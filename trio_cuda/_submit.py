@@ -1203,7 +1203,7 @@ class Submitted:
         self._ops = plan.ops
         self._ordinal = plan.root.device.ordinal
         self._taken = False
-        self._staging = _completed_staging(plan) if plan.event is not None else ()
+        self._staging = _completed_staging(plan)
 
     async def wait(self) -> Any:
         """Wait for the work (a checkpoint) and return the op's output (once)."""
@@ -1217,28 +1217,29 @@ class Submitted:
                 await wait_event(ev)
             except DeviceError as err:
                 raise name_fault(err, self._ops, self._ordinal) from err
+        if len(self._generations) > 1:
+            check_generations(self._generations, self._ops)
         self._taken = True
         value, self.value = self.value, None
         staging, self._staging = self._staging, ()
-        return _finish(self._generations, self._ops, value, self._pending, staging)
+        return _finish(value, self._pending, staging)
 
 
 def _completed_staging(plan: Plan) -> tuple[Staging, ...]:
     """The staging buffers of ``plan``'s copies, to give back once its event is seen
-    done (every copy of the submission is before that event). None of a graph capture:
-    its buffers stay with the graph, whose replays copy through them again."""
-    if not plan.staging or plan.capture is not None:
+    done (every copy of the submission is before that event: the root lane joins every
+    fork first). None without an event, and none of a graph capture: its buffers stay
+    with the graph, whose replays copy through them again."""
+    if not plan.staging or plan.capture is not None or plan.event is None:
         return ()
     return tuple(slot.staging for slot in plan.staging if slot.staging is not None)
 
 
-def _finish(generations: Any, ops: Any, value: Any, pending: Any, staging: tuple[Staging, ...]) -> Any:
+def _finish(value: Any, pending: Any, staging: tuple[Staging, ...]) -> Any:
     """The output of a submission whose event was seen done: host values copied out,
     then its staging buffers back to their pools at once (not at the next submission),
     so idle pinned memory beyond the cap is let go before the caller resumes."""
     try:
-        if len(generations) > 1:
-            check_generations(generations, ops)
         return resolve(value) if pending else value
     finally:
         if staging:
@@ -1322,7 +1323,9 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
             await wait_event(ev)
         except DeviceError as err:
             raise plan.fault(err) from err
-    return _finish(plan.generations, plan.ops, value, plan.pending, _completed_staging(plan))
+    if len(plan.generations) > 1:
+        check_generations(plan.generations, plan.ops)
+    return _finish(value, plan.pending, _completed_staging(plan))
 
 
 def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
@@ -1442,4 +1445,6 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
             ev.device.wait_blocking(ev)
         except DeviceError as err:
             raise plan.fault(err) from err
-    return _finish(plan.generations, plan.ops, value, plan.pending, _completed_staging(plan))
+    if len(plan.generations) > 1:
+        check_generations(plan.generations, plan.ops)
+    return _finish(value, plan.pending, _completed_staging(plan))
