@@ -11,8 +11,9 @@ import trio
 
 import trio_cuda
 from trio_cuda import _interop, api, lowlevel, ops
+from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA
+from .conftest import ON_CUDA, counter
 
 
 @pytest.mark.sim_only
@@ -31,18 +32,22 @@ async def test_numpy_reads_the_simulated_devices_memory_without_a_copy() -> None
         t.__dlpack__(stream=1)
 
 
+async def _pending_add(x: trio_cuda.Tensor, value: float, ns: int = 200_000_000) -> lowlevel.Submitted:
+    """Queue ``x += value`` behind a kernel of ``ns`` on a stream of its own; not awaited."""
+    await sleep(counter(), 1000)  # loaded: the long one is queued at once
+    s = trio_cuda.current_device().create_stream()
+    return await lowlevel.submit(sleep(counter(), ns).then(lambda _, t=x: ops.add(t, value, out=t)), s)
+
+
 @pytest.mark.sim_only
-async def test_the_export_waits_for_the_pending_write_and_keeps_the_memory() -> None:
+async def test_the_export_waits_for_the_pending_write_in_a_thread_and_keeps_the_memory() -> None:
     x = await api.zeros((1 << 14,))
-    from trio_cuda.kernels import sleep
-
-    from .conftest import counter
-
-    await sleep(counter(), 1000)
-    dev = trio_cuda.current_device()
-    s = dev.create_stream()
-    await lowlevel.submit(sleep(counter(), 50_000_000).then(lambda _, t=x: ops.add(t, 5.0, out=t)), s)  # pending
-    view = np.from_dlpack(x)  # waits for the write
+    pending = await _pending_add(x, 5.0, 50_000_000)
+    # A worker thread waits for the write (the view is checked there: the thread may
+    # keep what it returned alive until its next job).
+    assert await trio.to_thread.run_sync(lambda t=x: bool((np.from_dlpack(t) == 5).all()))
+    assert pending.event is not None and pending.event.query()
+    view = np.from_dlpack(x)  # nothing pending now: fine in a trio task
     assert (view == 5).all()
     alive = len(_interop._alive)
     del x
@@ -148,3 +153,103 @@ async def test_empty_tensors_export_and_tensors_stay_on_their_device() -> None:
     if trio_cuda.device_count() > 1:
         with pytest.raises(ValueError, match=r"api\.dup"):
             api.asarray(empty, device=1)
+
+
+# -- exports never block the trio loop; adopted memory is aligned ---------------------------------
+@pytest.mark.sim_only
+async def test_an_export_in_a_trio_task_refuses_while_a_write_is_pending_and_ready_waits() -> None:
+    # On the simulated device the host reads the memory itself, so the export needs the
+    # write to be over: in a trio task it refuses (waiting would stall the whole loop)
+    # and names the awaitable way to wait.
+    x = await api.zeros((1 << 14,))
+    pending = await _pending_add(x, 5.0)
+    with pytest.raises(BufferError, match=r"pending write.*await t\.ready\(\)"):
+        np.from_dlpack(x)
+    with pytest.raises(BufferError, match=r"await t\.ready\(\)"):
+        x.__dlpack__()
+    assert pending.event is not None and not pending.event.query()  # refused, not waited
+    with trio.testing.assert_checkpoints():
+        await x.ready()
+    assert pending.event.query()
+    np.testing.assert_array_equal(np.from_dlpack(x), np.full(1 << 14, 5.0, np.float32))
+    with trio.testing.assert_checkpoints():
+        await x.ready()  # nothing pending: still a checkpoint
+    np.testing.assert_array_equal(np.from_dlpack(x[::2]), np.full(1 << 13, 5.0, np.float32))
+
+
+async def test_ready_is_cancellable_and_the_write_goes_on() -> None:
+    x = await api.zeros((1 << 10,))
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await x.ready()  # cancelled before it looks
+    assert scope.cancelled_caught
+    pending = await _pending_add(x, 3.0)
+    with trio.move_on_after(0.02) as scope:
+        await x.ready()
+    assert scope.cancelled_caught
+    assert pending.event is not None and not pending.event.query()
+    await x.ready()
+    assert pending.event.query()
+    np.testing.assert_array_equal(await x.to_host(), np.full(1 << 10, 3.0, np.float32))
+
+
+@pytest.mark.sim_only
+async def test_a_misaligned_array_is_refused_before_any_work() -> None:
+    dev = trio_cuda.current_device()
+    raw = np.zeros(65, np.uint8)
+    misaligned = raw[1:].view(np.float32)  # numpy exports it; the address is odd
+
+    class Producer:  # another library's CPU array, with an element-misaligned address
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (1, 0)
+
+        def __dlpack__(self, **kwargs: object) -> object:
+            return misaligned.__dlpack__()
+
+    before = dev.statistics()
+    for obj in (misaligned, Producer()):
+        with pytest.raises(ValueError, match=r"not aligned to its dtype float32 \(4 bytes\)"):
+            api.from_dlpack(obj)
+        with pytest.raises(ValueError, match="not aligned"):
+            api.asarray(obj)
+    after = dev.statistics()
+    assert (after.submissions, after.allocations, after.copies) == (before.submissions, before.allocations, before.copies)
+    assert api.from_dlpack(raw[1:]).shape == (64,)  # bytes are aligned to their size
+    assert api.from_dlpack(raw[1:1].view(np.float32)).shape == (0,)  # no element to misalign
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+async def test_a_misaligned_cuda_array_interface_is_refused() -> None:
+    t = await api.zeros((64,), np.uint8)
+
+    class Foreign:  # another library's device array
+        def __init__(self, **cai: object) -> None:
+            self.__cuda_array_interface__ = {"typestr": "<f4", "version": 3, **cai}
+
+    with pytest.raises(ValueError, match="not aligned to its dtype float32"):
+        api.asarray(Foreign(shape=(15,), data=(t.ptr + 2, False)))
+    with pytest.raises(ValueError, match="multiples"):
+        api.asarray(Foreign(shape=(8,), data=(t.ptr, False), strides=(6,)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+async def test_cuda_exports_in_a_trio_task_order_streams_or_refuse() -> None:
+    # DLPack with a consumer's stream: that stream waits on the device, the host does
+    # not, so it works in a trio task. The CUDA Array Interface leaves the wait to the
+    # consumer (numba's waits on the host): refused in a trio task while the write is
+    # pending, fine from a thread.
+    x = await api.zeros((1 << 16,))
+    pending = await _pending_add(x, 5.0)
+    dev = trio_cuda.current_device()
+    consumer = dev.create_stream()
+    capsule = x.__dlpack__(stream=int(consumer.__cuda_stream__()[1]))
+    assert pending.event is not None and not pending.event.query()
+    del capsule
+    with pytest.raises(BufferError, match=r"await t\.ready\(\)"):
+        x.__cuda_array_interface__  # noqa: B018
+    cai = await trio.to_thread.run_sync(lambda: x.__cuda_array_interface__)
+    assert cai["stream"] is not None  # names the writer's stream
+    await x.ready()
+    assert x.__cuda_array_interface__["stream"] is None

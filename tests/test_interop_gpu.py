@@ -1,11 +1,13 @@
 """Interop on CUDA (issue 11): PyTorch, CuPy and numba share trio-cuda's memory without a
-copy in both directions, exports wait for a pending write behind a long kernel, and
+copy in both directions, exports are ordered after a pending write behind a long kernel
+(the CUDA Array Interface from a thread: refused in a trio task while it is pending), and
 ``trio_cuda.external`` runs a PyTorch matmul inside an awaited DAG."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda
 from trio_cuda import api, lowlevel, ops
@@ -90,9 +92,15 @@ async def test_exports_wait_for_a_pending_write_behind_a_long_kernel() -> None:
     z = await api.zeros((1 << 16,))
     pending = await _pending_write(z, 7.0)
     assert not pending.event.query()
-    assert z.__cuda_array_interface__["stream"] is not None  # names the writer's stream
-    w = cp.asarray(z) * 2  # CuPy waits on that stream
-    assert (cp.asnumpy(w) == 14.0).all()
+    with pytest.raises(BufferError, match=r"await t\.ready\(\)"):  # in a trio task: refused
+        z.__cuda_array_interface__  # noqa: B018
+
+    def in_a_thread() -> bool:
+        assert z.__cuda_array_interface__["stream"] is not None  # names the writer's stream
+        w = cp.asarray(z) * 2  # CuPy waits on that stream
+        return bool((cp.asnumpy(w) == 14.0).all())
+
+    assert await trio.to_thread.run_sync(in_a_thread)
     await pending.wait()
 
 

@@ -15,6 +15,7 @@ from trio_cuda import api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
 from .conftest import ON_CUDA, counter, settle, started
+from .test_adversarial import child
 
 SLOW_NS = 500_000_000
 
@@ -152,3 +153,44 @@ async def test_memory_returns_to_baseline_after_cancelled_work(dev: trio_cuda.De
     gc.collect()
     await trio.to_thread.run_sync(settle)
     assert dev.memory_in_use() == baseline
+
+
+def test_idle_staging_beyond_the_cap_is_released_when_the_copies_complete() -> None:
+    # Read-backs (and an upload) of growing sizes under a 1 MiB cap: once each await
+    # returns, the pool holds at most the cap, with no further submission to take the
+    # buffers back. A child process: the cap is read when the device's pool is made.
+    r = child(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api
+        dev = trio_cuda.device(0)
+        cap = 1 << 20
+
+        def held():
+            return dev.statistics().staging_bytes
+
+        async def main():
+            for kib in (256, 512, 1024, 2048):
+                x = await api.full((kib << 8,), 2.0)
+                out = await x.to_host()
+                assert out[0] == 2.0 and out[-1] == 2.0
+                assert held() <= cap, (kib, held())
+            t = await api.from_host(np.ones(1 << 20, np.float32))  # 4 MiB up
+            assert held() <= cap, held()
+            # The driver calls that unpin run in the janitor thread (they may wait for
+            # the device, so never on the trio thread nor under the runtime lock): that
+            # part is asynchronous, and the statistic says when it is over.
+            with trio.fail_after(30):
+                while dev.statistics().staging_unpinning:
+                    await trio.sleep(0.01)
+            assert (await t.to_host() == 1).all()
+
+        trio.run(main)
+        big = api.full((1 << 20,), 3.0).sync()
+        assert (big.to_host().sync() == 3).all()  # 4 MiB back, through sync()
+        assert held() <= cap, held()
+        print("OK")
+        """,
+        TRIO_CUDA_STAGING_CAP_MB="1",
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-4000:]

@@ -31,6 +31,7 @@ from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed
 from ._notifier import _paths as _notifier_paths
+from ._staging import drain as _staging_drain
 from ._stream import Event, Stream, dropped_stream
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class DeviceStatistics:
         staging_bytes: Pinned host staging memory held for this device (idle or lent).
         staging_pins: Pinned buffers allocated for it so far.
         staging_unpins: Pinned buffers released (idle beyond the cap).
+        staging_unpinning: Bytes of those buffers the janitor thread has not unpinned
+            yet (unpinning may wait for the device, so it runs in the background; 0
+            once it is done). They no longer count in ``staging_bytes``.
         faulted: Whether the device is faulted (and refuses work until reset).
         bytes_allocated: Bytes of device memory allocated so far (all allocations).
         bytes_freed: Bytes of device memory whose free was enqueued so far.
@@ -102,6 +106,7 @@ class DeviceStatistics:
     queue_depths: tuple[int, ...] = ()
     notifier_fast_path: int = 0
     notifier_slow_path: int = 0
+    staging_unpinning: int = 0
 
 
 class _Released:
@@ -132,6 +137,7 @@ class _Counters:
         "launches",
         "staging_bytes",
         "staging_pins",
+        "staging_unpinning",
         "staging_unpins",
         "stream_waits",
         "streams_destroyed",
@@ -141,7 +147,7 @@ class _Counters:
     def __init__(self) -> None:
         self.submissions = self.launches = self.graph_launches = self.allocations = 0
         self.frees = self.copies = self.stream_waits = self.streams_destroyed = 0
-        self.staging_bytes = self.staging_pins = self.staging_unpins = 0
+        self.staging_bytes = self.staging_pins = self.staging_unpins = self.staging_unpinning = 0
         self.bytes_allocated = self.bytes_freed = 0
 
 
@@ -819,6 +825,7 @@ class Device:
                     s.retire()
             if self._lingering:
                 self._housekeeping()  # dropped streams whose work just finished are destroyed
+            _staging_drain(self)  # the buffers of the copies just retired: idle beyond the cap let go
 
     def pending_events(self) -> list[Event]:
         """An event at the current point of each stream with unfinished work (under LOCK).
@@ -864,4 +871,5 @@ class Device:
             queue_depths=tuple(max(0, st.seq - st.done_seq) for st in list(self._streams)),
             notifier_fast_path=_notifier_paths[0],
             notifier_slow_path=_notifier_paths[1],
+            staging_unpinning=c.staging_unpinning,
         )

@@ -8,6 +8,11 @@ synchronization, otherwise a ``cudaStream_t``) is made to wait for the tensor's 
 write. The CUDA Array Interface names the stream of the pending write instead (or none
 when the data is ready), and consumers wait on it.
 
+An export never blocks the trio loop: one that needs the host to wait for the pending
+write (DLPack on the simulated device; the CUDA Array Interface, whose consumers may
+synchronize the stream on the host) refuses in a trio task while the write is pending,
+naming ``await t.ready()``; in a worker thread or plain code it waits, as before.
+
 On the simulated device a tensor's memory is host memory, so DLPack exports it as a CPU
 tensor (``numpy.from_dlpack(t)`` is a view of the simulated device's memory, taken after
 the pending write completed); there is no CUDA Array Interface there.
@@ -18,7 +23,8 @@ a ``__cuda_array_interface__`` one (numba), on the simulated device of a CPU DLP
 producer (numpy). The tensor's stream of first use is ordered after the producer's
 pending work (DLPack: the producer makes the stream wait; the CUDA Array Interface: an
 event on its ``stream``), the owner is kept alive while trio-cuda uses the memory, and
-let go once the last view is dropped and trio-cuda's accesses are done.
+let go once the last view is dropped and trio-cuda's accesses are done. Arrays whose
+elements are not aligned to their size are refused before anything is done.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import threading
 from typing import Any
 
 import numpy as np
+import trio
 
 from ._checks import BFLOAT16
-from ._guard import LOCK
+from ._guard import LOCK, in_trio
+from ._notifier import wait_event
 from ._op import extensions
 from ._tensor import Tensor, c_strides
 
@@ -130,13 +138,13 @@ def _dtype(t: Tensor) -> _DLDataType:
     return _DLDataType(code, dt.itemsize * 8, 1)
 
 
-def _pending_write(t: Tensor) -> Any:
+def _pending_write(t: Tensor, what: str = "DLPack") -> Any:
     """The event of the tensor's pending write, or None (under the runtime lock)."""
     buf = t._buffer
     if buf.ptr is None:
-        raise BufferError("DLPack: the tensor's submission has not allocated it yet; await it first")
+        raise BufferError(f"{what}: the tensor's submission has not allocated it yet; await it first")
     if buf.generation != t.device.generation:
-        raise BufferError("DLPack: the tensor's device was reset; its memory is gone")
+        raise BufferError(f"{what}: the tensor's device was reset; its memory is gone")
     w = buf.writer
     if w is None:
         return None
@@ -144,6 +152,34 @@ def _pending_write(t: Tensor) -> Any:
     if seq <= stream.done_seq or stream.generation != stream.device.generation:
         return None
     return stream.event_at(seq)
+
+
+def _refuse_on_trio_thread(t: Tensor, ev: Any, what: str) -> None:
+    """Raise if ``ev`` (the tensor's pending write) is still pending and the caller is a
+    trio task: the export would have the host wait for it, and on the trio thread that
+    wait would stall every task of the loop for as long as the write takes."""
+    if ev is None or not in_trio() or t.device.poll(ev):  # (a non-blocking look)
+        return
+    raise BufferError(
+        f"{what} of a tensor with a pending write would block the trio event loop until the "
+        "write completes; wait for it first with 'await t.ready()' (or export from a worker "
+        "thread: await trio.to_thread.run_sync(...))"
+    )
+
+
+async def ready(t: Tensor) -> None:
+    """``Tensor.ready()``: wait in trio until the tensor's pending write has completed.
+
+    The same checkpoint as ``await op``: a cancellation check first, then a wait on the
+    write's event (or, with nothing pending, a cancel-shielded schedule point).
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    with LOCK:
+        ev = _pending_write(t, "Tensor.ready()")
+    if ev is None:
+        await trio.lowlevel.cancel_shielded_checkpoint()
+    else:
+        await wait_event(ev)
 
 
 def dlpack(t: Tensor, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
@@ -160,7 +196,10 @@ def dlpack(t: Tensor, stream: Any = None, max_version: Any = None, dl_device: An
         if ev is not None and cuda and stream != -1:  # the consumer's stream waits for the write
             dev._driver.wait_event(dev._driver.foreign_stream(1 if stream is None else int(stream)), ev.handle)
     if ev is not None and not cuda:
-        dev.wait_blocking(ev)  # the simulated device: the host reads the memory itself
+        # The simulated device: the host reads the memory itself, so the write must be
+        # over; in a trio task only if it is already (a thread or plain code waits).
+        _refuse_on_trio_thread(t, ev, "DLPack export")
+        dev.wait_blocking(ev)
     managed = _DLManagedTensor()
     shape = (ctypes.c_int64 * max(t.ndim, 1))(*t.shape)
     strides = (ctypes.c_int64 * max(t.ndim, 1))(*(s // t.dtype.itemsize for s in t.strides))
@@ -184,12 +223,15 @@ def cuda_array_interface(t: Tensor) -> dict[str, Any]:
     if _backend(t) != "cuda":
         raise AttributeError("the simulated device's tensors have no CUDA Array Interface (use numpy.from_dlpack)")
     with LOCK:
-        ev = _pending_write(t)
+        ev = _pending_write(t, "__cuda_array_interface__")
         stream = None
         if ev is not None:
             w = t._buffer.writer
             assert w is not None
             stream = int(w[0].handle) or None
+    # A consumer of the interface may synchronize the named stream on the host (numba
+    # does by default): not on the trio thread.
+    _refuse_on_trio_thread(t, ev, "__cuda_array_interface__")
     return {
         "shape": t.shape,
         "typestr": t.dtype.str if t.dtype != BFLOAT16 else "<V2",
@@ -212,6 +254,23 @@ def _layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> 
     lo = sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st < 0)
     hi = sum((n - 1) * st for n, st in zip(shape, strides, strict=True) if st > 0) + itemsize
     return lo, hi - lo
+
+
+def _check_aligned(what: str, address: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    """Refuse memory whose elements are not aligned to their size: the kernels access
+    whole elements (a misaligned one faults on CUDA, and the simulated device, which
+    maps adopted memory at an aligned address of its own, would hide it); cuBLASLt is
+    told the operands' alignment from their addresses. An empty array has no element."""
+    size = dtype.itemsize
+    if 0 in shape:
+        return
+    if address % size:
+        raise ValueError(
+            f"{what}: the array's data pointer {address:#x} is not aligned to its dtype "
+            f"{dtype} ({size} bytes); trio-cuda needs each element aligned to its size"
+        )
+    if any(st % size for st in strides):
+        raise ValueError(f"{what}: the array's byte strides {strides} are not multiples of its dtype's size ({size} bytes)")
 
 
 def _adopt(
@@ -269,6 +328,8 @@ def from_dlpack(obj: Any, *, device: Any = None) -> Tensor:
         raise TypeError(f"from_dlpack: DLPack type (code {code}, {bits} bits, {lanes} lanes) is not supported")
     dtype = np.dtype(BFLOAT16) if (code, bits) == (4, 16) else np.dtype(_FROM_DL[(code, bits)])
     shape = tuple(int(dl.shape[i]) for i in range(dl.ndim))
+    # Before the capsule is taken: refused, it stays the producer's (its destructor frees it).
+    _check_aligned("from_dlpack", int(dl.data or 0) + int(dl.byte_offset), shape, (), dtype)
     if dl.strides:
         strides = tuple(int(dl.strides[i]) * dtype.itemsize for i in range(dl.ndim))
     else:
@@ -294,6 +355,7 @@ def _from_cai(obj: Any, dev: Any) -> Tensor:
     dtype = np.dtype(cai["typestr"])
     shape = tuple(cai["shape"])
     strides = tuple(cai["strides"]) if cai.get("strides") else c_strides(shape, dtype.itemsize)
+    _check_aligned("asarray", int(cai["data"][0] or 0), shape, strides, dtype)
     t = _adopt(dev, int(cai["data"][0]), shape, strides, dtype, obj, lambda: None)
     producer = cai.get("stream")
     if producer:
@@ -305,4 +367,6 @@ def _from_cai(obj: Any, dev: Any) -> Tensor:
     return t
 
 
-extensions.update({"dlpack": dlpack, "dlpack_device": dlpack_device, "cuda_array_interface": cuda_array_interface})
+extensions.update(
+    {"dlpack": dlpack, "dlpack_device": dlpack_device, "cuda_array_interface": cuda_array_interface, "ready": ready}
+)

@@ -11,8 +11,12 @@ janitor thread.
 Each device has a pool of idle buffers in power-of-two sizes. A buffer returns to the
 pool when its copy has completed *and*, for a read-back, the host value was copied
 out (or abandoned). Idle buffers beyond the cap (``TRIO_CUDA_STAGING_CAP_MB``,
-default 64 MiB per device) are unpinned. Everything here runs under the runtime
-lock except the finalizers, which only append to lock-free queues.
+default 64 MiB per device) are unpinned. A submission whose completion its caller saw
+(``await``, ``sync()``, ``Submitted.wait()``) gives its buffers back at once
+(:func:`copies_completed`), so the pool is within its cap when the caller resumes; the
+buffers of copies nobody waited for go back when their stream is next seen past them.
+Everything here runs under the runtime lock except the finalizers, which only append
+to lock-free queues, and the janitor's driver calls.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,7 +35,7 @@ from ._guard import LOCK
 if TYPE_CHECKING:
     from ._device import Device
 
-__all__ = ["Staging", "StagingPool", "pool_of"]
+__all__ = ["Staging", "StagingPool", "copies_completed", "drain", "pool_of"]
 
 _MIN_SIZE = 1 << 12
 # The first pinned allocation of a device makes a set at once (about 9 MiB), so that
@@ -153,7 +158,8 @@ class StagingPool:
         stats = self.device._stats
         stats.staging_bytes = self._pinned
         stats.staging_unpins += 1
-        _janitor.free(self.device, self._generation, buf)
+        stats.staging_unpinning += size
+        _janitor.free(self.device, self._generation, buf, size)
 
     def take(self, nbytes: int, host_hold: bool) -> Staging | None:
         """An idle buffer for a copy of ``nbytes`` (> 0), or None if the pool has none."""
@@ -219,6 +225,29 @@ class StagingPool:
         return self._idle
 
 
+def copies_completed(stagings: Iterable[Staging]) -> None:
+    """The copies that used ``stagings`` are known complete (their submission's event
+    was seen done, and it follows every copy of the submission): the buffers go back to
+    their pools now, not when their streams are next retired, and idle memory beyond a
+    pool's cap is handed to the janitor. Takes :data:`LOCK` (call it with no lock held,
+    after the host values were copied out)."""
+    pools: list[StagingPool] = []
+    with LOCK:
+        for st in stagings:
+            st.stream_done()  # again when the stream retires its keep-alive: a no-op then
+            if st.pool not in pools:
+                pools.append(st.pool)
+        for pool in pools:
+            pool.drain()
+
+
+def drain(device: Device) -> None:
+    """Take back the returned buffers of ``device``'s pool, if it has one (under LOCK)."""
+    pool = _pools.get(device.ordinal)
+    if pool is not None:
+        pool.drain()
+
+
 def pin(device: Device, sizes: list[int]) -> None:
     """Pin buffers for copies of ``sizes`` bytes into the device's pool (slow; no LOCK held).
 
@@ -252,13 +281,15 @@ class _Janitor:
     """Unpins buffers in a background thread (unpinning may wait for the device)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, int, np.ndarray]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, int, np.ndarray, int]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # leaf: guards _thread
         self.freed = 0
 
-    def free(self, device: Device, generation: int, buf: np.ndarray) -> None:
-        self._queue.put((device, generation, buf))
+    def free(self, device: Device, generation: int, buf: np.ndarray, size: int) -> None:
+        """Unpin ``buf`` soon (under LOCK; ``size`` bytes are counted in the device's
+        ``staging_unpinning`` until then)."""
+        self._queue.put((device, generation, buf, size))
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="trio-cuda-janitor", daemon=True)
@@ -266,13 +297,17 @@ class _Janitor:
 
     def _run(self) -> None:
         while True:
-            device, generation, buf = self._queue.get()
+            device, generation, buf, size = self._queue.get()
+            stats = device._stats
             with device._slow_lock:
                 if generation == device.generation:
                     try:
                         device._driver.host_free(buf)
                     except Exception:  # a faulted device: the memory goes with the process
                         pass
+            del buf
+            with LOCK:  # after the slow lock, never inside it (the lock order)
+                stats.staging_unpinning -= size
             self.freed += 1
 
 

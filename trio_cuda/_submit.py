@@ -44,7 +44,7 @@ from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
 from ._notifier import wait_event, wait_pending
 from ._registry import current_device
-from ._staging import Staging, pin, pool_of
+from ._staging import Staging, copies_completed, pin, pool_of
 from ._stream import dropped_stream
 
 if TYPE_CHECKING:
@@ -1254,7 +1254,7 @@ class Submitted:
         event: The event its work completes at (None if it enqueued no device work).
     """
 
-    __slots__ = ("_generations", "_ops", "_ordinal", "_pending", "_taken", "event", "value")
+    __slots__ = ("_generations", "_ops", "_ordinal", "_pending", "_staging", "_taken", "event", "value")
 
     def __init__(self, plan: Plan, value: Any) -> None:
         self.value = value
@@ -1264,6 +1264,7 @@ class Submitted:
         self._ops = plan.ops
         self._ordinal = plan.root.device.ordinal
         self._taken = False
+        self._staging = _completed_staging(plan)
 
     async def wait(self) -> Any:
         """Wait for the work (a checkpoint) and return the op's output (once)."""
@@ -1281,7 +1282,29 @@ class Submitted:
             check_generations(self._generations, self._ops)
         self._taken = True
         value, self.value = self.value, None
-        return resolve(value) if self._pending else value
+        staging, self._staging = self._staging, ()
+        return _finish(value, self._pending, staging)
+
+
+def _completed_staging(plan: Plan) -> tuple[Staging, ...]:
+    """The staging buffers of ``plan``'s copies, to give back once its event is seen
+    done (every copy of the submission is before that event: the root lane joins every
+    fork first). None without an event, and none of a graph capture: its buffers stay
+    with the graph, whose replays copy through them again."""
+    if not plan.staging or plan.capture is not None or plan.event is None:
+        return ()
+    return tuple(slot.staging for slot in plan.staging if slot.staging is not None)
+
+
+def _finish(value: Any, pending: Any, staging: tuple[Staging, ...]) -> Any:
+    """The output of a submission whose event was seen done: host values copied out,
+    then its staging buffers back to their pools at once (not at the next submission),
+    so idle pinned memory beyond the cap is let go before the caller resumes."""
+    try:
+        return resolve(value) if pending else value
+    finally:
+        if staging:
+            copies_completed(staging)
 
 
 async def _enqueue_async(plan: Plan, need: Need | None) -> None:
@@ -1363,7 +1386,7 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
             raise plan.fault(err) from err
     if len(plan.generations) > 1:
         check_generations(plan.generations, plan.ops)
-    return resolve(value) if plan.pending else value
+    return _finish(value, plan.pending, _completed_staging(plan))
 
 
 def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
@@ -1485,4 +1508,4 @@ def run_sync(op: Any, stream: Stream | None = None) -> Any:
             raise plan.fault(err) from err
     if len(plan.generations) > 1:
         check_generations(plan.generations, plan.ops)
-    return resolve(value) if plan.pending else value
+    return _finish(value, plan.pending, _completed_staging(plan))

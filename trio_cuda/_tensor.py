@@ -11,6 +11,7 @@ from the tile grid and treats a partition argument as written.
 from __future__ import annotations
 
 import math
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -135,10 +136,26 @@ class Tensor(TensorMath):
         extra = "" if self._tracked else " untracked"
         return f"<trio_cuda.Tensor shape={self.shape} dtype={self.dtype} device={self.device.ordinal}{extra}>"
 
+    def ready(self) -> Coroutine[Any, Any, None]:
+        """Wait in trio until the tensor's pending write (the last op that wrote its
+        memory) has completed: ``await t.ready()``. A checkpoint, like ``await op``
+        (cancellable; cancelling it leaves the write running). Needed before exporting a
+        tensor on the trio thread where the export would make the host wait for the
+        write: ``numpy.from_dlpack(t)`` on the simulated device, the CUDA Array
+        Interface (see docs/interop.md).
+
+        Raises:
+            DeviceFault: The write failed.
+            DeviceReset: The device was reset while the write was pending.
+        """
+        return _ext("ready")(self)  # type: ignore[no-any-return]
+
     def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
         """DLPack export without a copy (see trio_cuda._interop): ``torch.from_dlpack(t)``,
         ``cupy.from_dlpack(t)``; on the simulated device ``numpy.from_dlpack(t)``. The
-        consumer's ``stream`` waits for the tensor's pending write."""
+        consumer's ``stream`` waits for the tensor's pending write. An export that would
+        make the host wait for that write (the simulated device's) refuses in a trio
+        task while it is pending (``BufferError``): ``await t.ready()`` first."""
         return _ext("dlpack")(self, stream, max_version, dl_device, copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -147,7 +164,9 @@ class Tensor(TensorMath):
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """The CUDA Array Interface, version 3 (CUDA only), with the stream of the pending
-        write (consumers wait on it), or None when the data is ready."""
+        write (consumers wait on it), or None when the data is ready. In a trio task it
+        refuses while a write is pending (``BufferError``; consumers may wait for the
+        stream on the host): ``await t.ready()`` first."""
         return _ext("cuda_array_interface")(self)  # type: ignore[no-any-return]
 
     def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
