@@ -109,6 +109,15 @@ def walking(name: str) -> Iterator[Walks]:
         trio.lowlevel.remove_instrument(w)
 
 
+@pytest.mark.parametrize("path", ["compiled"], indirect=True)
+def test_the_compiled_await_has_no_frame_before_it_hands_over(path: str) -> None:
+    aw = api.zeros((N,)).__await__()
+    assert type(aw).__name__ == "Await"
+    assert not hasattr(aw, "gi_frame") and not hasattr(aw, "gi_yieldfrom")
+    aw.close()
+    assert not hasattr(aw, "gi_frame")
+
+
 async def test_frames_inside_a_kernel_launch(path: str) -> None:
     x = await api.arange(N)
     z = await api.zeros((N,))
@@ -122,7 +131,7 @@ async def test_frames_inside_a_kernel_launch(path: str) -> None:
 async def test_frames_inside_a_sleeping_kernel(path: str) -> None:
     c = await counter()
     with walking(my_name()) as w:
-        await sleep(c, 20_000_000)
+        await sleep(c, 200_000_000)
     w.check(path)
     if path == "compiled":
         # parked in the wait for the event: the walk goes on into the Python handed over to
@@ -221,7 +230,7 @@ async def test_a_task_tree_dump_sees_the_tasks_parked_in_awaits(path: str) -> No
     async with trio.open_nursery() as n:
         n.start_soon(parked_in_a_planned_op)
         n.start_soon(dump_when_all_are_blocked)
-        await sleep(c, 200_000_000)
+        await sleep(c, 500_000_000)  # (long: the dump is made while it runs)
     await trio.to_thread.run_sync(trio_cuda.current_device().synchronize)
     assert my_name() in tree[me], tree[me]
     if path == "compiled":
