@@ -2819,7 +2819,8 @@ static PyObject *run_context, *trap, *Value_T, *DeviceOp_T, *DeviceError_T, *Tas
 static Py_ssize_t task_status_off, task_runner_off, task_points_off, status_cancelled_off, runner_ki_off,
     runner_main_off;
 static PyObject *s_task, *s_unwrap, *s_on, *s_direct_on, *s_active, *s__budget_ns, *s__paths, *s__submit_now,
-    *s__submission_stream, *s_reached, *s_poll, *s_throw, *s_close;
+    *s__submission_stream, *s_reached, *s_poll, *s_throw, *s_close, *s_gi_frame, *s_cr_frame, *s_gi_yieldfrom,
+    *s_cr_await;
 /* awaits begun here, handed to await_op before any effect, handed to await_rest */
 static unsigned long long n_awaits, n_awaits_python, n_awaits_rest;
 
@@ -3614,12 +3615,25 @@ static void await_dealloc(PyObject *self) {
     PyObject_GC_Del(self);
 }
 
-/* for trio's Task.iter_await_frames: no frame here, then the Python handed over to */
-static PyObject *await_frame(PyObject *self, void *unused) { Py_RETURN_NONE; }
+/* For introspection (trio's Task.iter_await_frames yields an awaited object's gi_frame,
+ * then walks on into its gi_yieldfrom; trio before 0.32 reads gi_frame.f_lineno without
+ * a None check). This await runs in no frame of its own: until it hands over, it has
+ * neither attribute, so a walk ends at the frame that awaits it. Once it drives a
+ * Python generator or coroutine, its frame is where the await stands and what that one
+ * awaits is what this one waits on: the walk goes on as if the caller awaited it. */
+static PyObject *await_sub_attr(PyObject *self, PyObject *gen_name, PyObject *coro_name) {
+    Await *a = (Await *)self;
+    if (a->state != A_SUB || a->sub == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, gen_name);
+        return NULL;
+    }
+    return PyObject_GetAttr(a->sub, PyCoro_CheckExact(a->sub) ? coro_name : gen_name);
+}
+
+static PyObject *await_frame(PyObject *self, void *unused) { return await_sub_attr(self, s_gi_frame, s_cr_frame); }
 
 static PyObject *await_yieldfrom(PyObject *self, void *unused) {
-    PyObject *sub = ((Await *)self)->sub;
-    return Py_NewRef(sub != NULL ? sub : Py_None);
+    return await_sub_attr(self, s_gi_yieldfrom, s_cr_await);
 }
 
 static PyMethodDef await_methods[] = {
@@ -3630,8 +3644,8 @@ static PyMethodDef await_methods[] = {
 };
 
 static PyGetSetDef await_getset[] = {
-    {"gi_frame", await_frame, NULL, "None: compiled.", NULL},
-    {"gi_yieldfrom", await_yieldfrom, NULL, "The Python generator or coroutine handed over to, or None.", NULL},
+    {"gi_frame", await_frame, NULL, "The frame of the Python generator or coroutine handed over to (absent before).", NULL},
+    {"gi_yieldfrom", await_yieldfrom, NULL, "What the Python handed over to awaits (absent before).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -4205,6 +4219,10 @@ PyMODINIT_FUNC PyInit__hotpath(void) {
     NAME(s_poll, "poll");
     NAME(s_throw, "throw");
     NAME(s_close, "close");
+    NAME(s_gi_frame, "gi_frame");
+    NAME(s_cr_frame, "cr_frame");
+    NAME(s_gi_yieldfrom, "gi_yieldfrom");
+    NAME(s_cr_await, "cr_await");
     NAME(s_hits, "hits");
     NAME(s__foreign_streams, "_foreign_streams");
     NAME(s__foreign, "_foreign");
