@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
-from ._guard import LOCK, check_blocking_allowed
+from ._guard import LOCK, check_blocking_allowed, check_not_forked
 from ._notifier import _paths as _notifier_paths
 from ._staging import drain as _staging_drain
 from ._stream import Event, Stream, dropped_stream
@@ -470,8 +470,9 @@ class Device:
         return self._driver.fault() is not None
 
     def check_usable(self) -> None:
-        """Raise if the device cannot take work now (faulted, or being reset)."""
+        """Raise if the device cannot take work now (faulted, being reset, or in a forked child)."""
         if self._resetting:
+            check_not_forked()
             raise DeviceUnavailable("the device is being reset; submit again once reset() returns", device=self.ordinal)
         fault = self._driver.fault()
         if fault is not None:
@@ -504,6 +505,7 @@ class Device:
         check_blocking_allowed("Device.reset()")
         with LOCK:
             if self._resetting:
+                check_not_forked()
                 raise DeviceUnavailable("a reset of this device is already in progress", device=self.ordinal)
             self._resetting = True
             self.generation += 1
@@ -539,6 +541,16 @@ class Device:
         finally:
             with LOCK:
                 self._resetting = False
+
+    def _orphan(self) -> None:
+        """In a forked child (see _guard): the device refuses new work for good, as if a
+        reset began that never ends, and everything of the parent's generation is stale.
+        The checks that refuse work during a reset then raise ForkedProcessError; nothing
+        reaches the driver (or waits for a stream thread), housekeeping and the exit hook
+        skip the device, and finalizers only queue. Called without LOCK: the child has one
+        thread."""
+        self._resetting = True
+        self.generation += 1
 
     def _read_by_peer(self, ev: Event) -> None:
         """Note work of another device (done at ``ev``) that reads this device's memory:
@@ -686,6 +698,7 @@ class Device:
                     return True
         with LOCK:
             if ev.generation != self.generation:
+                check_not_forked()
                 raise DeviceReset(
                     "the device was reset while this work was pending; its results are gone",
                     device=self.ordinal,

@@ -17,6 +17,7 @@ __all__ = [
     "DeviceReset",
     "DeviceUnavailable",
     "ExternalCallError",
+    "ForkedProcessError",
     "GraphCaptureError",
     "LaunchError",
     "NestedExecutionError",
@@ -113,6 +114,17 @@ class DeviceReset(DeviceError):
 
 class DeviceUnavailable(DeviceError):
     """The device cannot take work: it is gone, or is being reset right now."""
+
+
+class ForkedProcessError(DeviceUnavailable):
+    """This process is a child made by ``os.fork`` of a process that had started trio-cuda.
+
+    A forked child has none of its parent's threads (the simulated device's streams, the
+    notifier, the staging janitor) and, on CUDA, cannot use the driver context the parent
+    initialized: every use of the runtime in it raises this error instead of hanging.
+    Start child processes with ``multiprocessing.get_context("spawn")`` or
+    ``"forkserver"``, which begin a fresh interpreter.
+    """
 
 
 class GraphCaptureError(DeviceError):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._capture import Capture
 from ._errors import GraphCaptureError
-from ._guard import LOCK, check_not_nested
+from ._guard import LOCK, check_not_forked, check_not_nested
 from ._op import DeviceOp, extensions
 from ._registry import current_device
 from ._stream import Stream
@@ -134,6 +134,7 @@ class CudaGraph(Generic[T]):
 
     def _check_live(self) -> None:
         if self._generation != self.device.generation:
+            check_not_forked()  # (a forked child's devices are stale too)
             raise ValueError(f"{self!r} was captured before device {self.device.ordinal} was reset")
 
     def __del__(self) -> None:

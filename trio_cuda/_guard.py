@@ -17,19 +17,89 @@ The lock order of the whole runtime (documented in docs/runtime.md):
 
 No lock is taken in a finalizer (``__del__``): finalizers append to lock-free queues
 that the owner drains under :data:`LOCK`.
+
+Fork. A child made by ``os.fork`` after the runtime started has none of the parent's
+threads (the simulated device's streams, the notifier, the staging janitor), and on CUDA
+cannot use the driver the parent initialized. :func:`check_not_forked` makes every use
+of the runtime in such a child raise :class:`ForkedProcessError` instead of waiting
+forever. :data:`LOCK` is held across the fork, so the child never inherits it held by a
+thread that does not exist there (it is never held while blocking: the wait is short).
 """
 
 from __future__ import annotations
 
+import os
 import threading
+from collections.abc import Callable
 
 import trio
 
-from ._errors import NestedExecutionError
+from ._errors import ForkedProcessError, NestedExecutionError
 
-__all__ = ["LOCK", "check_blocking_allowed", "check_not_nested", "in_trio", "submitting"]
+__all__ = [
+    "LOCK",
+    "check_blocking_allowed",
+    "check_not_forked",
+    "check_not_nested",
+    "in_trio",
+    "mark_started",
+    "on_fork_child",
+    "submitting",
+]
 
 LOCK = threading.RLock()
+
+_started = False  # this process opened the backend (or initialized the CUDA driver)
+_forked_from: int | None = None  # in a forked child of a started process: the parent's pid
+_child_hooks: list[Callable[[], None]] = []
+
+
+def mark_started() -> None:
+    """Note that the runtime holds state a forked child cannot inherit (called before the
+    backend is opened, and once the CUDA driver is initialized)."""
+    global _started
+    _started = True
+
+
+def on_fork_child(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` in a forked child of a started process, after the fork flag is set
+    (the device registry makes its devices refuse work there). It must not block."""
+    _child_hooks.append(hook)
+
+
+def check_not_forked() -> None:
+    """Raise ForkedProcessError in a child forked from a process that had started trio-cuda."""
+    parent = _forked_from
+    if parent is not None:
+        raise ForkedProcessError(
+            f"this process was forked (os.fork) from process {parent}, which had started trio-cuda: "
+            "the devices, streams and helper threads of that process do not exist here "
+            "(and a CUDA context cannot be used after a fork); start child processes with "
+            "multiprocessing.get_context('spawn') or multiprocessing.get_context('forkserver'), "
+            "or fork before the first use of trio-cuda"
+        )
+
+
+def _before_fork() -> None:
+    LOCK.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    LOCK.release()
+
+
+def _after_fork_in_child() -> None:
+    global _forked_from
+    # Held by this thread across the fork; its ident is the same in the child.
+    LOCK.release()
+    if _started:
+        _forked_from = os.getppid()
+        for hook in _child_hooks:
+            hook()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 class _ThreadState(threading.local):
@@ -67,7 +137,9 @@ def in_trio() -> bool:
 
 
 def check_blocking_allowed(what: str) -> None:
-    """Raise if a blocking call would stall a running trio loop (or nest in a submission)."""
+    """Raise if a blocking call would stall a running trio loop (or nest in a submission),
+    or in a forked child (see :func:`check_not_forked`)."""
+    check_not_forked()
     check_not_nested(what)
     if in_trio():
         raise RuntimeError(

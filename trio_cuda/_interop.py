@@ -37,7 +37,7 @@ import numpy as np
 import trio
 
 from ._checks import BFLOAT16
-from ._guard import LOCK, in_trio
+from ._guard import LOCK, check_not_forked, in_trio
 from ._notifier import wait_event
 from ._op import extensions
 from ._tensor import Tensor, c_strides
@@ -144,6 +144,7 @@ def _pending_write(t: Tensor, what: str = "DLPack") -> Any:
     if buf.ptr is None:
         raise BufferError(f"{what}: the tensor's submission has not allocated it yet; await it first")
     if buf.generation != t.device.generation:
+        check_not_forked()  # (a forked child's devices are stale too)
         raise BufferError(f"{what}: the tensor's device was reset; its memory is gone")
     w = buf.writer
     if w is None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from ._backends import backend
 from ._checks import is_int
 from ._device import Device
-from ._guard import LOCK
+from ._guard import LOCK, check_not_forked, on_fork_child
 
 __all__ = ["as_device", "current_device", "device", "device_count", "devices", "use_device"]
 
@@ -25,14 +25,32 @@ _current: contextvars.ContextVar[Device | None] = contextvars.ContextVar("trio_c
 
 
 def devices() -> list[Device]:
-    """All devices of the selected backend (the first call opens the backend)."""
+    """All devices of the selected backend (the first call opens the backend).
+
+    Raises:
+        ForkedProcessError: This process was forked from one that had started trio-cuda.
+    """
     global _devices
+    check_not_forked()
     if _devices is None:
+        # The backend is opened (and the process marked started) before the lock is
+        # taken: a fork while another thread holds it then makes a child that refuses.
+        b = backend()
         with _devices_lock:
             if _devices is None:
-                b = backend()
                 _devices = [Device._new(i, b.driver(i), b.name, b.new_waker) for i in range(b.device_count())]
     return list(_devices)
+
+
+def _orphan_devices() -> None:
+    """In a forked child: every device refuses work, and the work of the parent that it
+    still names is stale, so nothing there waits for a thread or a driver context that the
+    child does not have (the compiled hot path hands such calls to the Python methods)."""
+    for d in _devices or ():
+        d._orphan()
+
+
+on_fork_child(_orphan_devices)
 
 
 @atexit.register

@@ -19,6 +19,7 @@ import threading
 
 from .._config import env_choice, env_flag
 from .._errors import DeviceUnavailable
+from .._guard import check_not_forked, mark_started
 from ._boundary import Backend
 
 __all__ = ["backend", "backend_name", "select"]
@@ -37,6 +38,7 @@ def _cuda_device_count() -> int:
         (err,) = driver.cuInit(0)
         if err != driver.CUresult.CUDA_SUCCESS:
             return 0
+        mark_started()  # a forked child cannot use an initialized CUDA driver
         err, count = driver.cuDeviceGetCount()
         return count if err == driver.CUresult.CUDA_SUCCESS else 0
     except Exception:
@@ -94,10 +96,16 @@ def backend_name() -> str:
 
 
 def backend() -> Backend:
-    """The process-wide backend, created (and announced on stderr) on first use."""
+    """The process-wide backend, created (and announced on stderr) on first use.
+
+    Raises:
+        ForkedProcessError: This process was forked from one that had started trio-cuda.
+    """
     global _backend
+    check_not_forked()
     if _backend is not None:
         return _backend
+    mark_started()  # before the lock: a child forked while it is held refuses to use it
     with _lock:
         if _backend is None:
             name, reason = select()
