@@ -112,3 +112,13 @@ def test_the_package_and_its_metadata_agree_on_the_version() -> None:
 
     meta = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     assert meta["project"]["version"] == trio_cuda.__version__
+
+
+def test_ops_namespace_holds_no_planning_helpers() -> None:
+    from trio_cuda import ops
+
+    # copy_into(plan, lane, dst, src, name) and contiguous(plan, lane, src) plan steps of
+    # other ops; they are not ops themselves
+    for name in ("copy_into", "contiguous"):
+        assert not hasattr(ops, name), name
+    assert callable(ops.copy)  # the public copy stays

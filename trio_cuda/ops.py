@@ -23,7 +23,6 @@ import numpy as np
 from . import _op
 from ._op import DeviceOp
 from ._ops import _create, _elementwise, _matmul, _random, _reduce
-from ._ops._elementwise import contiguous, copy_into
 from ._tensor import Partition, Tensor
 
 # abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
@@ -346,7 +345,8 @@ _op.extensions.update(
         "log_softmax": log_softmax,
         "astype": astype,
         "copy": copy,
-        "contiguous": contiguous,
-        "copy_into": copy_into,
+        # planning helpers for the layers below (api.memcpy, dup): not part of this namespace
+        "contiguous": _elementwise.contiguous,
+        "copy_into": _elementwise.copy_into,
     }
 )
