@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 import trio_cuda
 from trio_cuda import api
@@ -224,3 +225,24 @@ async def test_staging_memory_is_recycled_across_streams(dev: trio_cuda.Device) 
     after = dev.statistics()
     assert after.staging_pins - before.staging_pins < 10, "new pinned allocations for 200 small copies"
     assert after.staging_bytes <= before.staging_bytes + (1 << 20)
+
+
+async def test_an_op_given_to_start_soon_says_how_to_run_it_in_a_nursery() -> None:
+    op = api.full((4,), 2.0)
+    hint = r"not a function \(nor an async function\).*nursery\.start_soon\(run, op\) with 'async def run\(op\): return await op'"
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(TypeError, match=hint):
+            nursery.start_soon(op)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=hint):
+            await nursery.start(op)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=hint):
+            nursery.start_soon(op.schedule())  # type: ignore[arg-type]
+
+        async def run(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> None:
+            assert (await op.to_host() == 2.0).all()
+
+        nursery.start_soon(run, op)  # the op was not consumed by the refused calls
+    with pytest.raises(TypeError, match="then\\(\\) needs a callable"):
+        api.zeros((2,)).then(api.zeros((2,)))
+    with pytest.raises(TypeError, match="map\\(\\) needs a callable"):
+        api.zeros((2,)).map(api.zeros((2,)))

@@ -98,3 +98,75 @@ async def test_tensors_refuse_host_conversion_with_a_pointer_to_to_host() -> Non
     with pytest.raises(TypeError, match="to_host"):
         bool(await api.ones(()))
     assert "shape=(3,)" in repr(t) and "float32" in repr(t) and "device=0" in repr(t)
+
+
+def _foreign(module: str, name: str, protocol: str) -> object:
+    """An array of another library as trio-cuda sees it: a type of that library's module
+    with one of the array protocols (their methods are never called here)."""
+
+    def never(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a refused argument was used")
+
+    attrs: dict[str, object] = {"__module__": module}
+    if protocol == "dlpack":
+        attrs.update(__dlpack__=never, __dlpack_device__=never)
+    else:
+        attrs["__cuda_array_interface__"] = property(never)
+    return type(name, (), attrs)()
+
+
+FOREIGN = [("torch", "Tensor", "dlpack", "torch.Tensor"), ("cupy._core.core", "ndarray", "cai", "cupy.ndarray")]
+
+
+@pytest.mark.parametrize(("module", "name", "protocol", "shown"), FOREIGN)
+async def test_another_librarys_array_is_named_with_the_call_that_adopts_it(
+    dev: trio_cuda.Device, module: str, name: str, protocol: str, shown: str
+) -> None:
+    from trio_cuda import ops
+    from trio_cuda.kernels import add
+
+    x = await api.ones((4,))
+    y = await api.zeros((4,))
+    before = snapshot(dev)
+    foreign = _foreign(module, name, protocol)
+    hint = rf"{shown} \(another library's array: api\.asarray\(x\), or api\.from_dlpack\(x\), makes it a tensor"
+    makers = [
+        lambda: add(y.partition((4,)), foreign, x),  # a kernel launch
+        lambda: ops.add(x, foreign),
+        lambda: ops.matmul(x.reshape(2, 2), x.reshape(2, 2), out=foreign),
+        lambda: ops.sum(foreign),
+        lambda: ops.concatenate([x, foreign]),
+        lambda: api.memcpy(y, foreign),
+        lambda: api.memcpy(foreign, x),
+        lambda: api.from_host(foreign),
+        lambda: api.dup(foreign),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=hint):
+            make()
+    # an op whose output is one, found when the submission is planned
+    with pytest.raises(TypeError, match=hint):
+        await add(y.partition((4,)), trio_cuda.value(foreign), x)
+    with pytest.raises(TypeError, match=hint):
+        await ops.add(x, trio_cuda.value(foreign))
+    assert snapshot(dev) == before
+
+
+async def test_a_numpy_array_as_a_device_argument_points_to_from_host(dev: trio_cuda.Device) -> None:
+    from trio_cuda import ops
+    from trio_cuda.kernels import add
+
+    x = await api.ones((4,))
+    y = await api.zeros((4,))
+    before = snapshot(dev)
+    host = np.ones(4, np.float32)  # (numpy arrays export DLPack too: still host memory)
+    hint = r"numpy\.ndarray \(a numpy array is host memory: upload it with api\.from_host\(array\)\)"
+    with pytest.raises(TypeError, match=hint):
+        add(y.partition((4,)), host, x)
+    with pytest.raises(TypeError, match=hint):
+        ops.add(x, host)
+    with pytest.raises(TypeError, match=hint):
+        api.dup(host)
+    with pytest.raises(TypeError, match=hint):
+        await add(y.partition((4,)), trio_cuda.value(host), x)
+    assert snapshot(dev) == before

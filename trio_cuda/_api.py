@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_dtype, check_shape, is_scalar, nbytes_of
+from ._checks import arg_type, check_dtype, check_shape, is_scalar, nbytes_of
 from ._device import Device
 from ._memory import Buffer
 from ._op import DeviceOp, _ext, _tensor_of
@@ -198,7 +198,7 @@ def arange(
 def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     """A new tensor holding a copy of a numpy array (read when the op is submitted)."""
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"from_host() needs a numpy array, got {type(array).__name__}")
+        raise TypeError(f"from_host() needs a numpy array, got {arg_type(array)}")
     dt = check_dtype(array.dtype)
     return _Alloc(array.shape, dt, None, array, _explicit_device(device))
 
@@ -221,7 +221,7 @@ def _as_copy_end(x: Any, what: str) -> Any:
     if isinstance(x, np.ndarray):
         check_dtype(x.dtype)
         return x
-    raise TypeError(f"memcpy() {what} must be a Tensor, a numpy array or a DeviceOp, got {type(x).__name__}")
+    raise TypeError(f"memcpy() {what} must be a Tensor, a numpy array or a DeviceOp, got {arg_type(x)}")
 
 
 def _check_host_dst(dst: np.ndarray) -> None:
@@ -349,5 +349,5 @@ class _Dup(DeviceOp[Tensor]):
 def dup(tensor: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
     """A copy of ``tensor`` (a tensor, partition or op producing one) on ``device`` (default: its own)."""
     if not isinstance(tensor, (Tensor, Partition, DeviceOp)):
-        raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {type(tensor).__name__}")
+        raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {arg_type(tensor)}")
     return _Dup(tensor, _explicit_device(device))

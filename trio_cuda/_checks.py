@@ -7,6 +7,7 @@ scalars are.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from typing import Any
@@ -17,6 +18,7 @@ __all__ = [
     "BFLOAT16",
     "MAX_BYTES",
     "SUPPORTED_DTYPES",
+    "arg_type",
     "as_int",
     "check_dtype",
     "check_shape",
@@ -128,3 +130,20 @@ def is_scalar(x: Any) -> bool:
     if t is float or t is int:
         return True
     return isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, np.ndarray)
+
+
+def arg_type(x: Any) -> str:
+    """The type of a refused argument, for its error message: named with its library
+    (``torch.Tensor``, not ``Tensor``, which reads as trio-cuda's own), and for an array
+    of numpy or of another library, with the call that makes it a trio-cuda tensor."""
+    t = type(x)
+    lib = t.__module__.partition(".")[0]
+    name = t.__qualname__ if lib == "builtins" else f"{lib}.{t.__qualname__}"
+    if lib == "trio_cuda":  # (its tensors export DLPack too)
+        return name
+    if isinstance(x, np.ndarray):
+        return f"{name} (a numpy array is host memory: upload it with api.from_host(array))"
+    # (looked up without running a property: a library may compute its interface on access)
+    if any(inspect.getattr_static(x, p, None) is not None for p in ("__dlpack__", "__cuda_array_interface__")):
+        return f"{name} (another library's array: api.asarray(x), or api.from_dlpack(x), makes it a tensor without a copy)"
+    return name

@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ._checks import arg_type
 from ._errors import ExternalCallError
-from ._op import DeviceOp
+from ._op import DeviceOp, is_function
 from ._ops._core import TensorOp, device_of, tensor_arg
 from ._submit import Lane, Pending, Plan
 from ._tensor import Partition, Tensor
@@ -140,7 +141,7 @@ def external(
     """An op that calls ``fn(stream)`` to enqueue foreign work on the op's stream,
     ordered after the pending accesses to ``reads`` and ``writes`` (tensors or
     tensor-producing ops, all on one device) and before later ones (see the module doc)."""
-    if not callable(fn):
+    if not is_function(fn):
         raise TypeError(f"external: fn must be callable (it gets the stream), not {type(fn).__name__}")
     label = f"external {name or getattr(fn, '__name__', 'call')}"
 
@@ -152,7 +153,7 @@ def external(
             if isinstance(x, Partition):
                 x = x.tensor
             if not isinstance(x, (Tensor, DeviceOp)):
-                raise TypeError(f"{label}: {what} entries must be tensors or ops producing them, not {type(x).__name__}")
+                raise TypeError(f"{label}: {what} entries must be tensors or ops producing them, not {arg_type(x)}")
             out.append(x)
         return tuple(out)
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import _submit
 from ._backends._boundary import signature_of
-from ._checks import as_int, is_scalar
+from ._checks import arg_type, as_int, is_scalar
 from ._config import env_switch
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
@@ -171,7 +171,7 @@ class Kernel:
                 ops.append(a)
             elif not (isinstance(a, (Tensor, Partition)) or is_scalar(a)):
                 raise TypeError(
-                    f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, got {type(a).__name__}"
+                    f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, got {arg_type(a)}"
                 )
         return _Launch(self, args, tuple(ops))
 
@@ -334,7 +334,7 @@ def _validate(k: Kernel, args: tuple[Any, ...], device: Device) -> _Config:
             proto.append(a)
             continue
         else:
-            raise TypeError(f"kernel {name} argument {i}: an op produced {type(a).__name__}, not a Tensor, Partition or scalar")
+            raise TypeError(f"kernel {name} argument {i}: an op produced {arg_type(a)}, not a Tensor, Partition or scalar")
         complex_arrays = complex_arrays or t.dtype.kind == "c"
         if t.device is not device:
             raise ValueError(
@@ -394,7 +394,8 @@ def _blocks_for(
 
 
 def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """The identity of a launch's exact arguments, or None if some memory is not allocated yet.
+    """The identity of a launch's exact arguments, or None if some memory is not allocated
+    yet (or an argument is not a tensor, partition or scalar).
 
     Tensors contribute their cached descriptors (a new buffer, even at a recycled
     address, has new ones), so the key holds no device memory alive.
@@ -417,8 +418,10 @@ def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
                 key.append(a._arg(False))
             else:
                 key.append(d[0])
-        else:
+        elif is_scalar(a):
             key.append(_scalar_key(a))
+        else:
+            return None  # (an op's output that a launch does not take: _config says why)
     return tuple(key)
 
 

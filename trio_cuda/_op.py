@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 
-from ._checks import as_int, check_shape
+from ._checks import arg_type, as_int, check_shape
 from ._errors import fresh
 from ._stream import Stream
 from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, await_op, contains_pending, resolve, run_sync
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from ._tensor import Partition, Tensor
 
-__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "value", "zip"]
+__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "is_function", "value", "zip"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -54,6 +54,21 @@ def _ext(name: str) -> Callable[..., Any]:
         return extensions[name]
     except KeyError:
         raise RuntimeError(f"trio_cuda is not fully imported ({name} is missing); import trio_cuda") from None
+
+
+def not_a_function(op: object) -> TypeError:
+    """The error for calling an op (``nursery.start_soon(op)``, ``trio.run(op)``)."""
+    return TypeError(
+        f"{op!r} is an op to await, not a function (nor an async function): 'await op' runs it; "
+        "to run it in a nursery, wrap it in an async function: nursery.start_soon(run, op) "
+        "with 'async def run(op): return await op'"
+    )
+
+
+def is_function(fn: object) -> bool:
+    """True if ``fn`` can be called for a result: callable, and not an op (whose
+    ``__call__`` only raises, to explain how to run it)."""
+    return callable(fn) and not isinstance(fn, DeviceOp)
 
 
 class TensorMath:
@@ -194,7 +209,7 @@ class DeviceOp(TensorMath, Generic[T]):
         the host when the DAG is planned, before any of its device work is enqueued:
         it sees device handles (tensors), not data, and must not execute ops itself.
         """
-        if not callable(fn):
+        if not is_function(fn):
             raise TypeError(f"then() needs a callable, got {fn!r}")
         return _Then(self, fn)
 
@@ -204,7 +219,7 @@ class DeviceOp(TensorMath, Generic[T]):
         Over a host value that device work produces (``to_host``), ``fn`` is applied
         once that value exists, after the work completes.
         """
-        if not callable(fn):
+        if not is_function(fn):
             raise TypeError(f"map() needs a callable, got {fn!r}")
         return _Map(self, fn)
 
@@ -282,6 +297,13 @@ class DeviceOp(TensorMath, Generic[T]):
     def __iter__(self) -> Any:
         raise TypeError("a DeviceOp is not iterable: await it first (or unzip() an op with a tuple output)")
 
+    # trio calls what start_soon() / trio.run() are given: without this an op reached
+    # there fails with "'_Alloc' object is not callable", which says nothing of the fix.
+    # Annotated None, not NoReturn: NoReturn would match the awaitable that a type
+    # checker expects there, and hide the mistake from it.
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise not_a_function(self)
+
     def __array__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError("a DeviceOp is lazy device work: 'await op.to_host()' gives a numpy array")
 
@@ -346,6 +368,9 @@ class ScheduledOp(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         return await_op(self.op, self.stream)
+
+    def __call__(self, *args: object, **kwargs: object) -> None:  # (see DeviceOp.__call__)
+        raise not_a_function(self)
 
     def sync(self) -> T:
         """Submit on the bound stream and block until done (plain code only)."""
@@ -566,5 +591,5 @@ def zip(*ops: Any) -> DeviceOp[tuple[Any, ...]]:
 def _tensor_of(v: Any, what: str) -> Any:
     as_tensor = getattr(v, "_as_tensor", None)
     if as_tensor is None:
-        raise TypeError(f"{what} needs an op whose output is a tensor or partition, got {type(v).__name__}")
+        raise TypeError(f"{what} needs an op whose output is a tensor or partition, got {arg_type(v)}")
     return as_tensor()

@@ -38,7 +38,7 @@ import trio
 
 from ._backends import backend
 from ._backends._boundary import CollectiveCall
-from ._checks import BFLOAT16, is_int
+from ._checks import BFLOAT16, arg_type, is_int
 from ._device import Device
 from ._errors import GraphCaptureError
 from ._guard import LOCK
@@ -216,7 +216,7 @@ def _reduction(op: Any) -> str:
 def _operand(x: Any, name: str) -> Any:
     if isinstance(x, (Tensor, DeviceOp)):
         return x
-    raise TypeError(f"{name}: expected a tensor or a tensor-producing op per rank, not {type(x).__name__}")
+    raise TypeError(f"{name}: expected a tensor or a tensor-producing op per rank, not {arg_type(x)}")
 
 
 class Group(_Base):

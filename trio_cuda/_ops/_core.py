@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _kernel, _submit
-from .._checks import BFLOAT16, check_dtype, is_scalar, nbytes_of
+from .._checks import BFLOAT16, arg_type, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
@@ -68,11 +68,7 @@ def operand(x: Any, name: str, what: str = "argument") -> Any:
         if isinstance(x, (complex, np.complexfloating)):
             raise TypeError(f"{name}: complex {what}s are not supported by trio_cuda.ops ({x!r})")
         return x
-    if isinstance(x, np.ndarray):
-        raise TypeError(
-            f"{name}: the {what} is a numpy array (host memory); upload it with api.from_host(array), or pass a scalar"
-        )
-    raise TypeError(f"{name}: the {what} must be a Tensor, a DeviceOp or a scalar, not {type(x).__name__}")
+    raise TypeError(f"{name}: the {what} must be a Tensor, a DeviceOp or a scalar, not {arg_type(x)}")
 
 
 def tensor_arg(x: Any, name: str, what: str = "argument") -> Tensor:
@@ -83,7 +79,7 @@ def tensor_arg(x: Any, name: str, what: str = "argument") -> Tensor:
         return x
     if isinstance(x, tuple):
         raise TypeError(f"{name}: the {what} is a tuple (the output of a kernel launch?); pick the tensor with .first()")
-    raise TypeError(f"{name}: the {what} must be a tensor, not {type(x).__name__}")
+    raise TypeError(f"{name}: the {what} must be a tensor, not {arg_type(x)}")
 
 
 def resolved(v: Any, name: str) -> Any:
@@ -95,7 +91,7 @@ def resolved(v: Any, name: str) -> Any:
         return v
     if isinstance(v, tuple):
         raise TypeError(f"{name}: an input op's output is a tuple (a kernel launch?); pick the tensor with .first()")
-    raise TypeError(f"{name}: an input op's output must be a tensor or a scalar, not {type(v).__name__}")
+    raise TypeError(f"{name}: an input op's output must be a tensor or a scalar, not {arg_type(v)}")
 
 
 class TensorOp(DeviceOp[Tensor]):

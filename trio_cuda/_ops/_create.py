@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from .. import _api as api
-from .._checks import check_dtype, is_int
+from .._checks import arg_type, check_dtype, is_int
 from .._op import DeviceOp
 from .._submit import Lane, Plan
 from .._tensor import Partition, Tensor, index_view, normalize_axis
@@ -39,7 +39,7 @@ def like(kind: str, x: Any, dtype: Any, fill: Any = None) -> DeviceOp[Tensor]:
         return make(x)
     if isinstance(x, DeviceOp):
         return x.then(make)
-    raise TypeError(f"{name}: needs a tensor or an op producing one, not {type(x).__name__}")
+    raise TypeError(f"{name}: needs a tensor or an op producing one, not {arg_type(x)}")
 
 
 class Concatenate(TensorOp):
@@ -107,13 +107,13 @@ class Concatenate(TensorOp):
 def concatenate(xs: Any, axis: Any = 0, *, out: Any = None, new_axis: bool = False) -> Concatenate:
     name = "ops.stack" if new_axis else "ops.concatenate"
     if isinstance(xs, (Tensor, DeviceOp, Partition)) or not hasattr(xs, "__iter__"):
-        raise TypeError(f"{name}: needs a sequence of tensors (or ops), not {type(xs).__name__}")
+        raise TypeError(f"{name}: needs a sequence of tensors (or ops), not {arg_type(xs)}")
     items = [operand(x, name, "input") for x in xs]
     if not items:
         raise ValueError(f"{name}: needs at least one input")
     for x in items:
         if not isinstance(x, (Tensor, DeviceOp)):
-            raise TypeError(f"{name}: inputs must be tensors or ops, not {type(x).__name__}")
+            raise TypeError(f"{name}: inputs must be tensors or ops, not {arg_type(x)}")
     if not is_int(axis):
         raise TypeError(f"{name}: axis must be an int, not {axis!r}")
     return Concatenate((*items, int(axis), None if out is None else operand(out, name)), len(items), new_axis)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import BFLOAT16
+from .._checks import BFLOAT16, arg_type
 from .._submit import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel
@@ -359,7 +359,7 @@ class AsType(TensorOp):
     def _check(self, *args: Any) -> None:
         x, dtype, _copy, out = args
         if not isinstance(x, Tensor):
-            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
         if out is not None:
             t = check_out(self.name, out, x.shape, dtype, x.device)
             if t.dtype != dtype:

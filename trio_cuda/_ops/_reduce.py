@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import BFLOAT16, is_int, is_scalar
+from .._checks import BFLOAT16, arg_type, is_int, is_scalar
 from .._submit import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import block_reduce, row_kernel, row_loop
@@ -184,7 +184,7 @@ class Reduce(TensorOp):
     def _shape(self, x: Tensor, axis: Any, keepdims: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(reduced axes, result shape)."""
         if not isinstance(x, Tensor):
-            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
         if x.dtype == BFLOAT16 or x.dtype.kind not in "biuf":
             raise TypeError(f"{self.name}: tensors of dtype {x.dtype} are not supported (convert with astype)")
         if self._kind == "argmax" and isinstance(axis, (tuple, list)):
@@ -282,7 +282,7 @@ class Softmax(TensorOp):
     def _check(self, *args: Any) -> None:
         x, axis, out = args
         if not isinstance(x, Tensor):
-            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
         _check_float(self.name, x)
         if x.ndim == 0:
             raise ValueError(f"{self.name}: needs at least one dimension")
@@ -407,7 +407,7 @@ class Norm(TensorOp):
     def _check(self, *args: Any) -> None:
         x, w, b, _eps, out = args
         if not isinstance(x, Tensor):
-            raise TypeError(f"{self.name}: needs a tensor, got {type(x).__name__}")
+            raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
         _check_float(self.name, x)
         if x.ndim == 0:
             raise ValueError(f"{self.name}: needs at least one dimension")
@@ -416,7 +416,7 @@ class Norm(TensorOp):
             if p is None:
                 continue
             if not isinstance(p, Tensor):
-                raise TypeError(f"{self.name}: the {what} must be a tensor, not {type(p).__name__}")
+                raise TypeError(f"{self.name}: the {what} must be a tensor, not {arg_type(p)}")
             if p.dtype.kind != "f":
                 raise TypeError(f"{self.name}: the {what} must be floating, not {p.dtype}")
             if p.device is not x.device:
