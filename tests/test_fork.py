@@ -106,6 +106,7 @@ def test_forked_child_refuses_sync_and_the_other_entry_points() -> None:
         lambda: x.to_host().sync(),
         trio_cuda.devices,
         lambda: trio_cuda.device(0),
+        trio_cuda.current_device,
         lambda: trio_cuda.current_device().create_stream(),
         lambda: lowlevel.record(stream),
         lambda: trio_cuda.current_device().synchronize(),

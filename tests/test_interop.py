@@ -193,6 +193,35 @@ async def test_ready_is_cancellable_and_the_write_goes_on() -> None:
     np.testing.assert_array_equal(await x.to_host(), np.full(1 << 10, 3.0, np.float32))
 
 
+async def test_ready_and_exports_of_a_tensor_without_memory_say_why() -> None:
+    # A tensor of an op that did not run (its submission failed at an external call
+    # before it): ready() refuses it as any op taking it does, and an export says the
+    # same; neither tells the caller to await something that will never come.
+    kept: list[trio_cuda.Tensor] = []
+
+    def refuse(stream: object) -> None:
+        raise TypeError("the library refuses its arguments")
+
+    late = api.zeros((4,)).map(lambda z: (kept.append(z), z)[1])
+    with pytest.raises(trio_cuda.ExternalCallError):
+        await trio_cuda.zip(trio_cuda.external(refuse), late)
+    (orphan,) = kept
+    with pytest.raises(ValueError, match="did not run"):
+        await orphan.ready()
+    with pytest.raises(BufferError, match="did not run"):
+        orphan.__dlpack__()
+
+
+async def test_ready_of_a_tensor_from_before_a_reset_refuses_it_as_ops_do() -> None:
+    dev = trio_cuda.current_device()
+    x = await api.full((4,), 1.0)
+    await trio.to_thread.run_sync(dev.reset)
+    with pytest.raises(ValueError, match="was reset"):
+        await x.ready()
+    with pytest.raises(ValueError, match="was reset"):
+        await x.to_host()
+
+
 @pytest.mark.sim_only
 async def test_a_misaligned_array_is_refused_before_any_work() -> None:
     dev = trio_cuda.current_device()

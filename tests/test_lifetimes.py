@@ -194,3 +194,55 @@ def test_idle_staging_beyond_the_cap_is_released_when_the_copies_complete() -> N
         TRIO_CUDA_STAGING_CAP_MB="1",
     )
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-4000:]
+
+
+def test_buffers_pinned_for_a_read_back_cancelled_while_they_were_made_are_trimmed_to_the_cap() -> None:
+    # A read-back is cancelled while its pinned buffer is being made (the pinning held at
+    # a gate in its worker thread): the buffer arrives after the submission gave up, and
+    # nothing will take it; the pool still ends within its cap, with no later submission.
+    r = child(
+        """
+        import threading
+        import trio, trio_cuda
+        from trio_cuda import api
+        from trio_cuda._backends import backend
+        dev = trio_cuda.device(0)
+        cap = 1 << 20
+        driver_type = type(backend().driver(0))
+        real_alloc = driver_type.host_alloc
+        pinning, gate = threading.Event(), threading.Event()
+
+        def gated(self, size):
+            pinning.set()
+            gate.wait(30)
+            return real_alloc(self, size)
+
+        driver_type.host_alloc = gated
+
+        async def main():
+            x = await api.full((1 << 20,), 2.0)  # 4 MiB: four times the cap
+            pins = dev.statistics().staging_pins
+
+            async def read_back():
+                await x.to_host()
+
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_back)
+                    await trio.to_thread.run_sync(pinning.wait, 30)
+                    scope.cancel()
+            assert scope.cancelled_caught
+            gate.set()  # the abandoned worker thread finishes pinning now
+            with trio.fail_after(30):  # its pins land asynchronously, then the janitor's unpins
+                while dev.statistics().staging_pins == pins or dev.statistics().staging_unpinning:
+                    await trio.sleep(0.01)
+            assert dev.statistics().staging_bytes <= cap, dev.statistics().staging_bytes
+            assert (await x.to_host() == 2).all()
+            assert dev.statistics().staging_bytes <= cap, dev.statistics().staging_bytes
+
+        trio.run(main)
+        print("OK")
+        """,
+        TRIO_CUDA_STAGING_CAP_MB="1",
+    )
+    assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-4000:]

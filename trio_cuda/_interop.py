@@ -138,14 +138,23 @@ def _dtype(t: Tensor) -> _DLDataType:
     return _DLDataType(code, dt.itemsize * 8, 1)
 
 
-def _pending_write(t: Tensor, what: str = "DLPack") -> Any:
-    """The event of the tensor's pending write, or None (under the runtime lock)."""
+def _pending_write(t: Tensor, what: str = "DLPack", unusable: type[Exception] = BufferError) -> Any:
+    """The event of the tensor's pending write, or None (under the runtime lock).
+
+    A tensor without memory (of a reset device, or of an op that did not run) raises
+    ``unusable``: an export's BufferError, or the ValueError any op taking it raises.
+    """
     buf = t._buffer
-    if buf.ptr is None:
-        raise BufferError(f"{what}: the tensor's submission has not allocated it yet; await it first")
     if buf.generation != t.device.generation:
         check_not_forked()  # (a forked child's devices are stale too)
-        raise BufferError(f"{what}: the tensor's device was reset; its memory is gone")
+        raise unusable(f"{what}: the tensor was allocated before device {t.device.ordinal} was reset; its memory is gone")
+    if buf.ptr is None:
+        if buf.owner is None:
+            raise unusable(
+                f"{what}: the tensor belongs to a submission that was cancelled or failed before it ran "
+                "(or to an op of it that did not run); it has no memory"
+            )
+        raise BufferError(f"{what}: the tensor's submission has not allocated it yet; await it first")
     w = buf.writer
     if w is None:
         return None
@@ -176,7 +185,7 @@ async def ready(t: Tensor) -> None:
     """
     await trio.lowlevel.checkpoint_if_cancelled()
     with LOCK:
-        ev = _pending_write(t, "Tensor.ready()")
+        ev = _pending_write(t, "Tensor.ready()", ValueError)
     if ev is None:
         await trio.lowlevel.cancel_shielded_checkpoint()
     else:

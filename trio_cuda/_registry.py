@@ -94,7 +94,12 @@ def device(ordinal: int) -> Device:
 
 
 def current_device() -> Device:
-    """The device that ``await op`` uses in this task or thread (device 0 unless changed)."""
+    """The device that ``await op`` uses in this task or thread (device 0 unless changed).
+
+    Raises:
+        ForkedProcessError: This process was forked from one that had started trio-cuda.
+    """
+    check_not_forked()
     d = _current.get()
     if d is not None:
         return d

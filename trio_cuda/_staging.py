@@ -117,6 +117,9 @@ class StagingPool:
         self._generation = device.generation
         self._returned: collections.deque[tuple[int, int, np.ndarray]] = collections.deque()
         self.pinned_peak = 0
+        # Submissions between asking for pinned buffers and taking them: while there are
+        # any, idle buffers beyond the cap may be theirs (pinned, not yet taken).
+        self._waiting = 0
 
     # -- under LOCK ----------------------------------------------------------------
     def _sync_generation(self) -> None:
@@ -142,16 +145,32 @@ class StagingPool:
     def _put(self, size: int, buf: np.ndarray) -> None:
         if self._idle + size > self.cap:
             self._unpin(size, buf)
-            # Idle buffers pinned for a submission that did not take them (it was
-            # cancelled) may exceed the cap too: trim them now.
-            free = self._free
-            while self._idle > self.cap:
-                big = max(k for k, v in free.items() if v)
-                self._idle -= big
-                self._unpin(big, free[big].pop())
+            self._trim()
             return
         self._free[size].append(buf)
         self._idle += size
+
+    def _trim(self) -> None:
+        """Unpin idle buffers beyond the cap, unless a submission waiting for pinned
+        memory may be about to take them (it trims when it stops waiting)."""
+        if self._waiting:
+            return
+        free = self._free
+        while self._idle > self.cap:
+            big = max(k for k, v in free.items() if v)
+            self._idle -= big
+            self._unpin(big, free[big].pop())
+
+    def wait_begin(self) -> None:
+        """A submission asks for pinned buffers and will take them (under LOCK)."""
+        self._waiting += 1
+
+    def wait_end(self) -> None:
+        """That submission took its buffers, or gave up (cancelled, failed): buffers it
+        had pinned and did not take are trimmed to the cap now (under LOCK)."""
+        self._waiting -= 1
+        self._sync_generation()
+        self._trim()
 
     def _unpin(self, size: int, buf: np.ndarray) -> None:
         self._pinned -= size
@@ -214,6 +233,7 @@ class StagingPool:
         stats = self.device._stats
         stats.staging_bytes = self._pinned
         stats.staging_pins += len(bufs)
+        self._trim()  # pinned for a submission that gave up while the pins were made
 
     @property
     def pinned_bytes(self) -> int:

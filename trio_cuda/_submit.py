@@ -44,7 +44,7 @@ from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
 from ._notifier import wait_event, wait_pending
 from ._registry import current_device
-from ._staging import Staging, copies_completed, pin, pool_of
+from ._staging import Staging, StagingPool, copies_completed, pin, pool_of
 from ._stream import dropped_stream
 
 if TYPE_CHECKING:
@@ -636,6 +636,7 @@ class Plan:
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
     holds: list[Hold] = ()  # type: ignore[assignment]
+    staging_waits: list[StagingPool] = ()  # type: ignore[assignment]  # pools it waits to take from
     sources: dict[Device, int] = {}  # noqa: RUF012  # devices read without a lane (never mutated here)
     reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
     dependents = 0
@@ -898,7 +899,15 @@ class Plan:
                 slot.staging = st
                 taken.append(slot)
         if not short:
+            self._end_staging_waits()
             return None
+        for dev in short:
+            pool = pool_of(dev)
+            if pool not in self.staging_waits:
+                if not self.staging_waits:
+                    self.staging_waits = []
+                self.staging_waits.append(pool)
+                pool.wait_begin()
         for slot in taken:  # give them back: the retry takes everything in one hold
             st = slot.staging
             assert st is not None
@@ -908,6 +917,14 @@ class Plan:
         # (asking about the missing sizes alone counts a returned buffer for two slots,
         # and the retry would find the same shortage forever)
         return Need("staging", [(d, pool_of(d).missing(wanted[d])) for d in short])
+
+    def _end_staging_waits(self) -> None:
+        """No longer waiting to take pinned buffers (under LOCK): see StagingPool.wait_end."""
+        waits = self.staging_waits
+        if waits:
+            self.staging_waits = ()  # type: ignore[assignment]
+            for pool in waits:
+                pool.wait_end()
 
     def _enqueue(self) -> Need | None:
         lanes = self.lanes
@@ -1104,6 +1121,7 @@ class Plan:
         if self.holds:
             for h in self.holds:
                 h.done()
+        self._end_staging_waits()
         lanes = self.lanes
         if len(lanes) == 1:
             lanes[0].plan = None  # type: ignore[assignment]

@@ -147,6 +147,8 @@ class Tensor(TensorMath):
         Raises:
             DeviceFault: The write failed.
             DeviceReset: The device was reset while the write was pending.
+            ValueError: The tensor has no memory (it was allocated before a reset of its
+                device, or belongs to an op that did not run), as for any op taking it.
         """
         return _ext("ready")(self)  # type: ignore[no-any-return]
 
