@@ -10,7 +10,7 @@ import pytest
 
 import trio_cuda
 
-from .conftest import ON_CUDA
+from ..helpers.devices import ON_CUDA
 
 PROGRAM = (
     "import trio_cuda; from trio_cuda import api; api.ones((2,)).sync(); api.ones((2,)).sync(); print(trio_cuda.backend_name())"

@@ -28,6 +28,8 @@ from trio_cuda.kernels import add
 
 from numba import cuda
 
+from ..helpers.fakes import GRAPH_LAUNCH, LAUNCH, QUERY, RECORD, VP, FakeDriver, address, fake_cuda_driver
+
 try:
     from trio_cuda._backends import _cudafast
 except ImportError:
@@ -43,18 +45,6 @@ def _built() -> None:
     every test here fails, instead of skipping, when the module is missing."""
     if _cudafast is None:
         pytest.fail("TRIO_CUDA_REQUIRE_FASTPATH=1 but trio_cuda._backends._cudafast was not built (see the build_ext output)")
-
-
-VP = ctypes.c_void_p
-U = ctypes.c_uint
-LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, U, U, U, U, U, U, U, VP, VP, VP)
-RECORD = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
-QUERY = ctypes.CFUNCTYPE(ctypes.c_int, VP)
-GRAPH_LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, VP, VP)
-
-
-def address(cb: Any) -> int:
-    return int(ctypes.cast(cb, VP).value or 0)
 
 
 def test_launch_passes_every_argument_and_returns_the_driver_result() -> None:
@@ -305,48 +295,13 @@ def test_a_bad_trio_cuda_fastpath_is_an_error(monkeypatch: pytest.MonkeyPatch) -
         _cuda.fast_path()
 
 
-class _FakeDriver:
-    """ctypes stand-ins for the three entry points: they record their arguments and
-    return the result codes a test sets."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.answer = {"launch": 0, "record": 0, "query": 0}
-        self._cbs = (
-            LAUNCH(lambda *a: self._call("launch", a)),
-            RECORD(lambda *a: self._call("record", a)),
-            QUERY(lambda *a: self._call("query", a)),
-        )
-        self.entry_points = tuple(address(cb) for cb in self._cbs)
-
-    def _call(self, name: str, args: tuple[Any, ...]) -> int:
-        self.calls.append((name, *args))
-        return self.answer[name]
-
-
-def fake_cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A CUDA backend driver object without a context whose entry points are ``fake``'s
-    (only the launch, record and query can run; also used by tests/test_hotpath.py)."""
-    from trio_cuda._backends import _cuda
-
-    d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
-    d.ordinal = 0
-    d._fault = None
-    d._lock = threading.Lock()
-    d._token = object()
-    monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
-    d._flag_dev = 0
-    d._fast = fake.entry_points
-    return d
-
-
 def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA backend's launch, record and query on the fast path, with the driver's
     entry points replaced by fakes (no GPU needed): what they pass, and how result codes
     become the project's errors, as on the cuda.bindings path."""
     from cuda.bindings import driver as cu
 
-    fake = _FakeDriver()
+    fake = FakeDriver()
     d = fake_cuda_driver(fake, monkeypatch)
     ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
 

@@ -18,8 +18,8 @@ import trio_cuda
 from trio_cuda import api, collectives, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA, counter, needs_devices
-from .test_faults import scribble
+from ..helpers.devices import ON_CUDA, counter, needs_devices
+from ..helpers.faults import scribble
 
 pytestmark = needs_devices(2)
 RNG = np.random.default_rng(11)

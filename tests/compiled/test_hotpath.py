@@ -7,7 +7,7 @@ with the compiled methods and with the Python ones, and compares what can be obs
 results, the runtime's counters, the buffers' pending accesses, the streams' points,
 errors. Counters of the module say that the compiled code did the work (it did not
 just hand everything to the Python). Its direct driver calls (the CUDA backend's entry
-points) are driven with ctypes stand-ins, as tests/test_fastpath.py does for
+points) are driven with ctypes stand-ins, as tests/backends/test_fastpath.py does for
 _cudafast; on a GPU the whole suite runs through them.
 """
 
@@ -34,7 +34,7 @@ from trio_cuda._op import DeviceOp, ScheduledOp
 from trio_cuda._stream import Event
 from trio_cuda.kernels import add, saxpy, sleep
 
-from .test_fastpath import _FakeDriver, fake_cuda_driver
+from ..helpers.fakes import FakeDriver, fake_cuda_driver
 
 try:
     from trio_cuda import _hotpath
@@ -644,7 +644,7 @@ class _Prepared:
         self.gx, self.gy, self.gz, self.bx, self.by, self.bz = 7, 6, 5, 4, 3, 2
 
 
-def _cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
+def _cuda_driver(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
     from trio_cuda._backends import _cuda
 
     d = fake_cuda_driver(fake, monkeypatch)
@@ -655,7 +655,7 @@ def _cuda_driver(fake: _FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_direct_calls_pass_handles_and_map_results(monkeypatch: pytest.MonkeyPatch) -> None:
     from cuda.bindings import driver as cu
 
-    fake = _FakeDriver()
+    fake = FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     ev, st = cu.CUevent(0x100), cu.CUstream(0x200)
     assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
@@ -693,7 +693,7 @@ def test_direct_calls_follow_every_change_after_a_cached_answer(monkeypatch: pyt
 
     from trio_cuda._backends import _cuda
 
-    fake, fake2 = _FakeDriver(), _FakeDriver()
+    fake, fake2 = FakeDriver(), FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     ev = cu.CUevent(0x100)
 
@@ -824,7 +824,7 @@ def test_direct_calls_only_where_the_python_would_make_them(monkeypatch: pytest.
 
     from trio_cuda._backends import _cuda
 
-    fake = _FakeDriver()
+    fake = FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     st = cu.CUstream(0x200)
     monkeypatch.setattr(_cuda._tls, "token", object())
@@ -881,9 +881,9 @@ def _gemm_driver(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[tuple[int, 
     cuGraphLaunch that records (exec, stream) and returns answer[0]."""
     from trio_cuda._backends._cublaslt import Gemms
 
-    from .test_fastpath import GRAPH_LAUNCH, address
+    from ..helpers.fakes import GRAPH_LAUNCH, address
 
-    d = _cuda_driver(_FakeDriver(), monkeypatch)
+    d = _cuda_driver(FakeDriver(), monkeypatch)
     seen: list[tuple[int, int]] = []
     answer = [0]
     cb = GRAPH_LAUNCH(lambda g, st: seen.append((g, st)) or answer[0])
@@ -989,7 +989,7 @@ def test_a_prepared_type_without_a_slot_leaves_the_known_offsets_alone(monkeypat
 
     from trio_cuda._backends import _cuda
 
-    fake = _FakeDriver()
+    fake = FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     st = cu.CUstream(0x200)
     assert _hotpath.direct_call("launch", d, _Prepared(), st) == 1
@@ -1905,7 +1905,7 @@ async def test_step_functions_replaced_in_the_module_are_called(monkeypatch: pyt
 # Its behaviour against the Python generator's, scenario by scenario (cancels at each
 # point, KeyboardInterrupt, throw/close/send at the trap, errors from the policy and
 # from _submit_now, faults, guest mode, frames, references), is in
-# tests/test_traps_equivalence.py, which runs each scenario three ways.
+# tests/compiled/test_traps_equivalence.py, which runs each scenario three ways.
 
 
 def drive(aw: Any) -> tuple[int, Any]:
@@ -2393,7 +2393,7 @@ def fake_handled_stream(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, 
 
     dev = trio_cuda.current_device()
     s = wordless_stream(dev)
-    fake = _FakeDriver()
+    fake = FakeDriver()
     d = _cuda_driver(fake, monkeypatch)
     real, real_generation = s.handle, s.generation
     never = -(1 << 40)

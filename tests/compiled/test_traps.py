@@ -18,8 +18,9 @@ import trio_cuda
 from trio_cuda import _traps, api, lowlevel
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter
-from .test_stream_polls import wordless_stream
+from ..helpers.compiled import operands
+from ..helpers.devices import counter
+from ..helpers.fakes import wordless_stream
 
 
 @pytest.fixture(params=["traps-wordless", "traps-words", "public-wordless", "public-words"])
@@ -80,16 +81,8 @@ class _CancelWhenResumed(trio.abc.Instrument):
                 self.cancelled_at_enqueued = enqueued
 
 
-async def _operands() -> tuple[Any, Any, Any]:
-    x = await api.full((64,), 2.0, np.float32)
-    y = await api.full((64,), 3.0, np.float32)
-    z = await api.zeros((64,), np.float32)
-    await add(z.partition((32,)), x, y)  # compiled, and its arguments seen: the next one is direct
-    return x, y, z
-
-
 async def test_an_await_is_a_checkpoint_and_a_schedule_point(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    x, y, z = await _operands()
+    x, y, z = await operands()
     polls = first_poll_done(monkeypatch)
     with trio.testing.assert_checkpoints():
         await add(z.partition((32,)), x, y)
@@ -111,7 +104,7 @@ class _Steps(trio.abc.Instrument):
 
 async def test_an_await_is_resumed_by_the_scheduler(path: str) -> None:
     # It yields to trio (a schedule point) even when the work is done at the first poll.
-    x, y, z = await _operands()
+    x, y, z = await operands()
     inst = _Steps(trio.lowlevel.current_task())
     trio.lowlevel.add_instrument(inst)
     try:
@@ -122,7 +115,7 @@ async def test_an_await_is_resumed_by_the_scheduler(path: str) -> None:
 
 
 async def test_cancelled_before_the_await_submits_nothing(path: str) -> None:
-    _, y, _ = await _operands()
+    _, y, _ = await operands()
     acc = await api.zeros((64,), np.float32)
     await add(acc.partition((32,)), acc, y)  # acc = 3; the same call goes direct next time
     op = add(acc.partition((32,)), acc, y)
@@ -139,7 +132,7 @@ async def test_cancelled_before_the_await_submits_nothing(path: str) -> None:
 
 
 async def test_cancelled_at_the_schedule_point_after_submitting(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    x, y, _ = await _operands()
+    x, y, _ = await operands()
     zz = await api.zeros((64,), np.float32)
     await add(zz.partition((32,)), x, y)  # warm: direct next time
     await add(zz.partition((32,)), zz, y)  # and with zz as an input too
@@ -185,7 +178,7 @@ async def test_work_done_at_submission_is_returned_even_if_cancelled_meanwhile(
     dev = trio_cuda.current_device()
     if dev._flags is None:
         pytest.skip("completion words are off (CUDA: TRIO_CUDA_COMPLETION_WORDS=1 turns them on)")
-    _, y, _ = await _operands()
+    _, y, _ = await operands()
     acc = await api.zeros((64,), np.float32)
     await add(acc.partition((32,)), acc, y)  # acc = 3, and direct next time
     reached = dev.reached
@@ -217,7 +210,7 @@ def test_a_pending_keyboard_interrupt_is_delivered_at_the_await(path: str) -> No
     submitted = []
 
     async def main() -> None:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         op = add(z.partition((32,)), x, y)
         before = lowlevel.submission_statistics().enqueued
         runner = trio.lowlevel.current_task()._runner  # type: ignore[attr-defined]
@@ -241,7 +234,7 @@ def test_outside_trio_the_await_says_so(path: str) -> None:
 
 async def test_a_fault_at_the_first_poll_names_the_kernel(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     dev = trio_cuda.current_device()
-    x, y, z = await _operands()
+    x, y, z = await operands()
     calls = []
 
     def query(handle: object) -> bool:

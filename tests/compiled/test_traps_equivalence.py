@@ -25,9 +25,9 @@ from trio_cuda import _kernel, _traps, api, lowlevel
 from trio_cuda._op import DeviceOp
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter
-from .test_stream_polls import wordless_stream
-from .test_traps import _operands
+from ..helpers.compiled import operands
+from ..helpers.devices import counter
+from ..helpers.fakes import wordless_stream
 
 MODES = [(True, True), (True, False), (False, True), (False, False)]  # (traps on, wordless)
 #: trio 0.31 and later say why a Cancelled was raised; the oldest trio allowed does not.
@@ -175,7 +175,7 @@ def one_pass_later(traps: dict[str, Any], public: dict[str, Any]) -> None:
 # checkpoint(): still one pass more (one_pass_later), on the planned path's wait too.
 def _cancel_at_schedule_point(planned: bool) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         make = (lambda: add(z.partition((32,)), x, y).then(lambda _: z)) if planned else (lambda: add(z.partition((32,)), x, y))
         await make()
         dev = trio_cuda.current_device()
@@ -210,7 +210,7 @@ def _deadline_at_schedule_point() -> dict[str, Any]:
     clock = trio.testing.MockClock()
 
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         with first_poll_done():
             with trio.CancelScope(deadline=trio.current_time() + 1) as scope:
@@ -235,7 +235,7 @@ def test_deadline_expiring_at_the_schedule_point_counts_the_same() -> None:
 # and the await its value.
 def _cancel_then_shielded() -> dict[str, Any]:
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         with first_poll_done():
             with trio.CancelScope() as outer:
@@ -264,7 +264,7 @@ def _ki_at_schedule_point(in_main: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     async def body() -> None:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         runner = trio.lowlevel.current_task()._runner  # type: ignore[attr-defined]
 
@@ -308,7 +308,7 @@ def test_keyboard_interrupt_at_the_schedule_point_is_the_same(in_main: bool) -> 
 # -- 5. awaits that are not cancelled: the same steps and counters, all paths -------------
 def _plain_awaits() -> list[dict[str, Any]]:
     async def main() -> list[dict[str, Any]]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         got = []
         with first_poll_done():
@@ -340,7 +340,7 @@ def _fault_keeps() -> dict[str, Any]:
     refs: dict[str, Any] = {}
 
     async def main() -> BaseException:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         refs["task"] = weakref.ref(trio.lowlevel.current_task())
         refs["runner"] = weakref.ref(trio.lowlevel.current_task()._runner)  # type: ignore[attr-defined]
         mp = pytest.MonkeyPatch()
@@ -397,7 +397,7 @@ def _error_keeps(make_error: Callable[[Any, Any, Any], Awaitable[Any]]) -> dict[
     refs: dict[str, Any] = {}
 
     async def main() -> BaseException:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         refs["task"] = weakref.ref(trio.lowlevel.current_task())
         refs["runner"] = weakref.ref(trio.lowlevel.current_task()._runner)  # type: ignore[attr-defined]
         try:
@@ -433,7 +433,7 @@ def _manual(action: str) -> dict[str, Any]:
     dev = trio_cuda.current_device()
 
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         op = add(z.partition((32,)), x, y)
 
@@ -491,7 +491,7 @@ def _raises_in(where: str) -> dict[str, Any]:
     dev = trio_cuda.current_device()
 
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         await add(z.partition((32,)), x, y)
         op = add(z.partition((32,)), x, y)
         mp = pytest.MonkeyPatch()
@@ -540,7 +540,7 @@ def test_an_exception_from_the_policy_or_submit_now_is_the_same(where: str) -> N
 # -- 10. a shielded await inside a cancelled scope; a cancelled one; checkpoints ----------
 def _shielded() -> dict[str, Any]:
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         out: dict[str, Any] = {}
         with trio.CancelScope() as outer:
             outer.cancel()
@@ -569,7 +569,7 @@ def test_a_shielded_await_in_a_cancelled_scope_is_the_same(wordless: bool) -> No
 
 # -- 11. nursery.start, trio.from_thread, guest mode --------------------------------------
 async def _values() -> list[Any]:
-    x, y, z = await _operands()
+    x, y, z = await operands()
     got = []
 
     async def child(task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED) -> None:
@@ -679,7 +679,7 @@ def test_the_awaiting_task_frames_are_the_same() -> None:
 # -- 14. nothing of an await outlives it -------------------------------------------------
 def _outlives() -> dict[str, int]:
     async def main() -> dict[str, int]:
-        _x, y, z = await _operands()
+        _x, y, z = await operands()
         w = await api.full((64,), 1.0, np.float32)
         p = z.partition((32,))
         await add(p, w, y)  # warm
@@ -744,7 +744,7 @@ def _spun_await(
             pass
 
     async def main() -> dict[str, Any]:
-        x, y, z = await _operands()
+        x, y, z = await operands()
         mp = pytest.MonkeyPatch()
         mp.setattr(_notifier, "_spin_ns", spin_ns)
         mp.setattr(_notifier, "_budget_ns", budget_ns)  # (by default: polls between passes, never parks)

@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_api_reference_is_current() -> None:
@@ -26,5 +26,5 @@ def test_api_reference_is_current() -> None:
 
 
 def test_api_reference_has_no_runnable_blocks() -> None:
-    # tests/test_docs.py runs every ```python block of docs/*.md; the reference has none.
+    # tests/docs/test_docs.py runs every ```python block of docs/*.md; the reference has none.
     assert "```python" not in (ROOT / "docs" / "api.md").read_text()

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_host.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host.py"
 
 # The row labels of --smoke's sizes (2 layers: 8 kernels; 8 tasks, extra rows 1, 2, 4).
 LABELS = [

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from ..helpers.examples import EXAMPLES
 
 
 @pytest.mark.parametrize(

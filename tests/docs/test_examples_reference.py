@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .test_examples import EXAMPLES
+from ..helpers.examples import EXAMPLES
 
 
 @pytest.mark.parametrize("name", ["async_gemm.py", "async_and_then.py"])

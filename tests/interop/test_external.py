@@ -3,14 +3,18 @@ stream protocol of trio_cuda.Stream."""
 
 from __future__ import annotations
 
+import gc
+from typing import Any
+
 import numpy as np
 import pytest
 import trio
 
 import trio_cuda
 from trio_cuda import api, lowlevel, ops
+from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA, needs_devices
+from ..helpers.devices import ON_CUDA, counter, needs_devices
 
 
 async def test_fn_gets_the_ops_stream_once_and_its_result_is_the_output() -> None:
@@ -208,3 +212,79 @@ async def test_a_call_that_raises_under_sync_and_in_a_graph_capture() -> None:
     np.testing.assert_array_equal(await x.to_host(), np.ones(32, np.float32))  # the capture ran nothing
     await ops.add(x, 1.0, out=x)  # the stream and the tensors are usable again
     np.testing.assert_array_equal(await x.to_host(), np.full(32, 2.0, np.float32))
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial4.py)
+# ======================================================================================
+# ======================================================================================
+# 3. frees, foreign streams, words and resets
+# ======================================================================================
+def _spy_stream_uses(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Device) -> list[tuple[str, Any]]:
+    """Record (driver call, stream handle) for the calls that name a stream."""
+    drv = dev._driver
+    uses: list[tuple[str, Any]] = []
+    for name, pos in (("free", 1), ("record", 1), ("destroy_stream", 0), ("wait_event", 0), ("alloc", 1)):
+        orig = getattr(drv, name)
+
+        def wrapper(*args: Any, _orig: Any = orig, _name: str = name, _pos: int = pos, **kw: Any) -> Any:
+            if len(args) > _pos:
+                uses.append((_name, args[_pos]))
+            return _orig(*args, **kw)
+
+        monkeypatch.setattr(drv, name, wrapper)
+    return uses
+
+
+@pytest.mark.sim_only
+async def test_memory_used_only_on_another_librarys_stream_is_freed_on_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    dev = trio_cuda.current_device()
+    s = dev.create_stream()
+    s._foreign = True  # stands in for an external stream (the simulator has none)
+    handle = s.handle
+    c = await counter()
+    await sleep(c, 1000)
+    sub = await lowlevel.submit(api.zeros((64,)), s)
+    x = await sub.wait()
+    await (await lowlevel.submit(sleep(c, 50_000_000).then(lambda _, x=x: ops.add(x, 1.0, out=x)), s)).wait()
+    uses = _spy_stream_uses(monkeypatch, dev)
+    del x, sub
+    gc.collect()
+    await api.zeros((1,))  # flushes the free
+    frees = [h for name, h in uses if name == "free"]
+    assert frees, "the dropped tensor was not freed"
+    assert handle not in frees, "memory freed on another library's stream"
+    s._foreign = False
+
+
+@pytest.mark.sim_only
+async def test_a_dropped_foreign_stream_with_pending_work_is_never_named_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After the last reference goes, trio-cuda must not record on, wait on, free on or
+    # destroy another library's stream (the library may have destroyed it); its word
+    # comes back once its work is done; the memory it used is freed after that work.
+    dev = trio_cuda.current_device()
+    s = dev.create_stream()
+    s._foreign = True
+    handle, word = s.handle, s._flag
+    c = await counter()
+    await sleep(c, 1000)
+    x = await (await lowlevel.submit(api.zeros((64,)), s)).wait()
+    await lowlevel.submit(sleep(c, 100_000_000).then(lambda _, x=x: ops.add(x, 1.0, out=x)), s)
+    uses = _spy_stream_uses(monkeypatch, dev)
+    del s
+    gc.collect()
+    y = await api.zeros((4,))  # housekeeping: the stream lingers (its work is pending)
+    if word >= 0:
+        assert word not in dev._flag_free
+    np.testing.assert_array_equal(await x.to_host(), np.ones(64, np.float32))  # waits for the add
+    del x
+    for _ in range(3):
+        gc.collect()
+        await ops.add(y, 1.0, out=y)
+    await trio.to_thread.run_sync(dev.synchronize)
+    await api.zeros((1,))
+    named = [(name, h) for name, h in uses if h is handle]
+    assert not named, f"another library's dropped stream was used: {named}"
+    if word >= 0:
+        holders = dev._flag_free.count(word) + sum(1 for st in list(dev._streams) if st._flag == word)
+        assert holders == 1, "the word of the dropped stream was lost or given back twice"

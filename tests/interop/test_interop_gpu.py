@@ -13,7 +13,7 @@ import trio_cuda
 from trio_cuda import api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA, counter
+from ..helpers.devices import ON_CUDA, counter
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")]
 

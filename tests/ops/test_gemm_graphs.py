@@ -27,7 +27,7 @@ import trio
 import trio_cuda
 from trio_cuda import Tensor, api, ops
 
-from .conftest import ON_CUDA, settle
+from ..helpers.devices import ON_CUDA, settle
 
 RNG = np.random.default_rng(12)
 

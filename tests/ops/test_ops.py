@@ -1,7 +1,7 @@
 """trio_cuda.ops against numpy: dtypes, broadcasting, axes, views, out=, laziness, errors.
 
 The same tests run on CUDA (tolerances per dtype); on the simulated device every op runs
-its numpy twin (tests/test_ops_numba.py runs the generated numba kernels themselves).
+its numpy twin (tests/ops/test_ops_numba.py runs the generated numba kernels themselves).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_adversarial import child
+from ..helpers.faults import child
 
 PROGRAM = """
 import math

@@ -20,7 +20,7 @@ from trio_cuda._checks import BFLOAT16
 from trio_cuda._ops import _core, _matmul
 from trio_cuda.kernels import sleep
 
-from .conftest import Resetter, counter, run_with_deadline, settle
+from ..helpers.devices import Resetter, counter, run_with_deadline, settle
 
 RNG = np.random.default_rng(2026)
 SLOW_NS = 30_000_000

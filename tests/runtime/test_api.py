@@ -9,7 +9,7 @@ import trio
 import trio_cuda
 from trio_cuda import api
 
-from .conftest import needs_devices
+from ..helpers.devices import needs_devices
 
 REQUIRED = [np.float16, np.float32, np.float64, np.int32, np.int64]
 OTHERS = [np.bool_, np.int8, np.uint8, np.uint16, np.uint32, np.uint64, np.int16, np.complex64, np.complex128]

@@ -11,11 +11,10 @@ import pytest
 
 import trio_cuda
 from trio_cuda import api
+from trio_cuda.kernels import add
 
-
-def snapshot(dev: trio_cuda.Device) -> tuple[int, ...]:
-    s = dev.statistics()
-    return (s.submissions, s.launches, s.allocations, s.copies, s.bytes_in_use)
+from ..helpers.devices import snapshot
+from ..helpers.faults import child
 
 
 def test_full_follows_numpys_fill_rules(dev: trio_cuda.Device) -> None:
@@ -123,7 +122,6 @@ async def test_another_librarys_array_is_named_with_the_call_that_adopts_it(
     dev: trio_cuda.Device, module: str, name: str, protocol: str, shown: str
 ) -> None:
     from trio_cuda import ops
-    from trio_cuda.kernels import add
 
     x = await api.ones((4,))
     y = await api.zeros((4,))
@@ -154,7 +152,6 @@ async def test_another_librarys_array_is_named_with_the_call_that_adopts_it(
 
 async def test_a_numpy_array_as_a_device_argument_points_to_from_host(dev: trio_cuda.Device) -> None:
     from trio_cuda import ops
-    from trio_cuda.kernels import add
 
     x = await api.ones((4,))
     y = await api.zeros((4,))
@@ -170,3 +167,86 @@ async def test_a_numpy_array_as_a_device_argument_points_to_from_host(dev: trio_
     with pytest.raises(TypeError, match=hint):
         await add(y.partition((4,)), trio_cuda.value(host), x)
     assert snapshot(dev) == before
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial.py)
+# ======================================================================================
+# -- lazy ops and bad input ------------------------------------------------------------
+async def test_arange_is_lazy_and_too_large_fails_at_submission(dev: trio_cuda.Device) -> None:
+    # repro_arange_eager_host_alloc: constructing an op allocates nothing. An arange of
+    # 2**47 bytes (under the addressable limit) built its whole host array when it was
+    # made: the call itself raised numpy's MemoryError, outside any submission.
+    before = snapshot(dev)
+    op = api.arange(2**45)
+    assert snapshot(dev) == before
+    with pytest.raises(trio_cuda.DeviceOutOfMemory):
+        await api.zeros((2**45,))
+    # Run, its device allocation fails first, before its host values or their pinned
+    # staging memory are made.
+    with pytest.raises(trio_cuda.DeviceOutOfMemory):
+        await op
+    assert snapshot(dev)[1:4] == before[1:4]  # no launch, allocation or copy
+    # The values of small aranges are made when they enqueue, and are right.
+    np.testing.assert_array_equal(await api.arange(3, 11, 2).to_host(), [3, 5, 7, 9])
+    np.testing.assert_array_equal(await api.arange(0, 1, 0.25).to_host(), [0, 0.25, 0.5, 0.75])
+    np.testing.assert_array_equal(await api.arange(5, dtype=np.int64).to_host(), np.arange(5))
+
+
+@pytest.mark.parametrize("value", ["inf", "1e999"])
+def test_an_infinite_poll_budget_is_refused_naming_the_variable(value: str) -> None:
+    # repro_env_poll_budget_inf: "inf" passed the >= 0 check, then int(inf * 1000) raised
+    # a bare OverflowError that names nothing.
+    r = child(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api
+        from trio_cuda.kernels import sleep
+        async def main():
+            c = await api.zeros((1,), np.int32)
+            await sleep(c.partition((1,)), 5_000_000)
+        trio.run(main)
+        """,
+        TRIO_CUDA_POLL_BUDGET_US=value,
+    )
+    last = (r.stderr.strip().splitlines() or [""])[-1]
+    assert r.returncode != 0, r.stdout
+    assert "ValueError" in last and "TRIO_CUDA_POLL_BUDGET_US" in last, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "value,dtype",
+    [
+        (2**63, np.int64),
+        (2**64 - 1, np.int64),
+        (-1, np.uint64),
+        (-(2**63), np.uint64),
+        (300, np.uint8),
+        (-1, np.uint32),
+        (2**31, np.int32),
+    ],
+)
+def test_full_refuses_integers_out_of_the_dtypes_range(dev: trio_cuda.Device, value: int, dtype: type) -> None:
+    # repro_full_int64_wraparound: for 64-bit dtypes the range check round-tripped through
+    # the other 64-bit type and wrapped, so the tensor silently held another number.
+    before = snapshot(dev)
+    with pytest.raises(ValueError, match="out of range"):
+        api.full((2,), value, dtype)
+    assert snapshot(dev) == before
+
+
+@pytest.mark.parametrize("value,dtype", [(2**63 - 1, np.int64), (-(2**63), np.int64), (2**64 - 1, np.uint64), (0, np.uint64)])
+def test_full_keeps_the_extreme_integers_of_64_bit_dtypes(value: int, dtype: type) -> None:
+    # The other half of the range check: the limits themselves are accepted, exactly.
+    got = api.full((2,), value, dtype).to_host().sync()
+    assert got.dtype == np.dtype(dtype) and [int(v) for v in got] == [value, value]
+
+
+def test_unzip_accepts_numpy_integers() -> None:
+    # repro_numpy_scalar_unzip: numpy scalars are accepted wherever Python ints are;
+    # unzip(np.int64(2)) was refused ("needs a positive int").
+    for n in (2, np.int64(2), np.int32(2), np.uint8(2)):
+        a, b = trio_cuda.value((1, 2)).unzip(n)
+        assert (a.sync(), b.sync()) == (1, 2)
+    with pytest.raises(ValueError):
+        trio_cuda.value((1, 2)).unzip(np.int64(0))

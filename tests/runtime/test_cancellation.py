@@ -13,7 +13,8 @@ import trio_cuda
 from trio_cuda import api
 from trio_cuda.kernels import add, sleep
 
-from .conftest import counter, settle, started
+from ..helpers.devices import counter, settle, started
+from ..helpers.faults import child, child_ok
 
 SLOW_NS = 500_000_000
 
@@ -107,3 +108,56 @@ async def test_cancelled_during_a_long_dag_keeps_every_intermediate_alive() -> N
     # The intermediates are referenced by nothing here; the GPU finishes with them anyway.
     out = await api.dup(x).to_host()
     np.testing.assert_array_equal(out, np.arange(8, dtype=np.float32))
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial2.py)
+# ======================================================================================
+# -- cancellation ---------------------------------------------------------------------
+@pytest.mark.sim_only
+def test_cancelled_submission_completes_for_one_that_relies_on_it() -> None:
+    # repro_cancel_dependents_race: the cancel path read plan.dependents without the lock;
+    # a submission starting to rely on the cancelled one meanwhile (planning in another
+    # thread) failed with a placeholder DeviceError("cancelled"), as did every later
+    # consumer of the shared op. Whatever the interleaving, both must get the tensor.
+    r = child(
+        """
+        import threading, time, numpy as np, trio, trio_cuda
+        from trio_cuda import api, lowlevel
+        from trio_cuda.kernels import sleep
+        async def main():
+            s = trio_cuda.device(0).create_stream()                   # not the shared op's stream
+            c = await api.zeros((1,), np.int32)
+            h = await api.zeros((13 << 18,), np.int32)               # 13 of 16 MiB
+            await lowlevel.submit(sleep(c.partition((1,)), 1_000_000_000), s)
+            await lowlevel.submit(api.memcpy(h, h), s)                # h in use behind the sleep
+            del h
+            sh = api.full((1 << 20,), 5, np.int32).shared()          # waits for memory
+            planning = threading.Event()
+            out = {}
+            def relying():
+                def callback(_):
+                    planning.set()
+                    time.sleep(0.3)                                   # plans, holding the lock
+                    return 0
+                t = trio_cuda.zip(trio_cuda.value(0).then(callback), sh).sync()[1]
+                out["relying"] = t.to_host().sync()[:2].tolist()
+            th = threading.Thread(target=relying)
+            async with trio.open_nursery() as n:
+                async def cancelled(task_status=trio.TASK_STATUS_IGNORED):
+                    with trio.CancelScope() as cs:
+                        task_status.started(cs)
+                        await sh
+                cs = await n.start(cancelled)
+                th.start()
+                await trio.to_thread.run_sync(planning.wait)
+                cs.cancel()
+            await trio.to_thread.run_sync(th.join)
+            assert out["relying"] == [5, 5], out
+            assert (await (await sh).to_host())[:2].tolist() == [5, 5]
+            print("OK")
+        trio.run(main)
+        """,
+        TRIO_CUDA_SIM_MEMORY=str(16 << 20),
+    )
+    child_ok(r)

@@ -24,7 +24,7 @@ from trio_cuda._config import env_switch
 from trio_cuda._ops import _core
 from trio_cuda.kernels import add, sleep
 
-from .conftest import Resetter, counter, run_with_deadline, settle
+from ..helpers.devices import Resetter, counter, run_with_deadline, settle
 
 RNG = np.random.default_rng(12)
 SLOW_NS = 30_000_000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -9,19 +10,13 @@ import pytest
 import trio
 
 import trio_cuda  # before numba.cuda: it chooses the backend
-from trio_cuda import api
-from trio_cuda.kernels import sleep
+from trio_cuda import api, lowlevel
+from trio_cuda.kernels import add, sleep
 
 from numba import cuda
 
-from .conftest import ON_CUDA, counter, needs_devices, started
-
-
-@trio_cuda.kernel
-def scribble(z):  # type: ignore[no-untyped-def]
-    # Far out of bounds: an IndexError on the simulated device, an illegal address on a GPU.
-    i = cuda.grid(1)
-    z[i + (1 << 40)] = 1.0
+from ..helpers.devices import ON_CUDA, counter, needs_devices, settle, started
+from ..helpers.faults import child, child_ok, ready_to_fault, scribble
 
 
 def bad_op() -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
@@ -237,3 +232,229 @@ async def test_a_fault_stays_on_its_device_and_fails_only_the_ops_waiting_for_it
     await trio.to_thread.run_sync(d1.reset)
     with trio_cuda.use_device(1):
         np.testing.assert_array_equal(await api.full((3,), 5.0).to_host(), [5, 5, 5])
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial.py, test_adversarial2.py)
+# ======================================================================================
+MB = 1 << 20
+
+
+# -- faults of another device ------------------------------------------------------------
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+async def test_memory_of_an_op_failed_by_another_devices_fault_is_freed(dev: trio_cuda.Device) -> None:
+    # repro_failed_wait_leaks_tensors: an op on device 0 that waited for faulted device-1
+    # work fails with DeviceFault; afterwards device 0's memory in use must return to its
+    # baseline. The simulated driver raised the same exception object on every query,
+    # whose growing traceback kept the failed submission's tensors alive.
+    d1 = trio_cuda.device(1)
+    n = MB  # 4 MiB of int32
+    c1s, z = await ready_to_fault(1)
+    c1 = await api.zeros((n,), np.int32, device=1)
+    await trio.to_thread.run_sync(settle)
+    await api.zeros((1,))
+    baseline = dev.memory_in_use()
+    sa, sb = d1.create_stream(), d1.create_stream()
+    write_c1 = sleep(c1s.partition((4,)), 300_000_000).then(lambda _: api.memcpy(c1, np.zeros(n, np.int32)))
+    await lowlevel.submit(write_c1, sa)
+    failures: list[type[BaseException]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            # Allocates 4 MiB on device 0, then waits for c1's writer on device 1.
+            await nursery.start(started, api.dup(c1, device=0))
+            await lowlevel.submit(scribble(z.partition((32,))), sb)  # device 1 faults
+    except BaseExceptionGroup as eg:
+        failures = [type(e) for e in eg.exceptions]  # keep no exception (nor its frames)
+    assert failures == [trio_cuda.DeviceFault]
+    assert d1.is_faulted and not dev.is_faulted
+    gc.collect()
+    await api.zeros((1,))  # flushes deferred frees
+    gc.collect()
+    await api.zeros((1,))
+    assert dev.memory_in_use() == baseline, "the memory of the failed submission was never freed"
+
+
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+async def test_a_foreign_fault_does_not_stick_to_the_healthy_device(dev: trio_cuda.Device) -> None:
+    # repro_foreign_fault_sticks_to_healthy_device: after an op on device 0 failed because
+    # it waited for faulted device-1 work, device0.synchronize() raised that DeviceFault
+    # again and again, and an allocation too large for device 0 raised it instead of
+    # DeviceOutOfMemory (its retry waited for the failed event).
+    d1 = trio_cuda.device(1)
+    t_stream, s_stream = dev.create_stream(), dev.create_stream()
+    on_t = trio_cuda.SingleStream(stream=t_stream)
+    c1, z = await ready_to_fault(1)
+    b = await api.ones((4,), np.int32).schedule(on_t)  # device 0, written on T
+    out = await api.zeros((4,), np.int32)
+    await add(out.partition((4,)), b, b)  # compiled
+    sa, sb = d1.create_stream(), d1.create_stream()
+    await lowlevel.submit(sleep(c1.partition((4,)), 300_000_000), sa)  # long work on device 1
+    # On device 0's stream S: copy c1 over (waits for device 1), then read b.
+    sub = await lowlevel.submit(api.dup(c1, device=0).then(lambda d: add(out.partition((4,)), d, b)), s_stream)
+    await lowlevel.submit(scribble(z.partition((32,))), sb)  # device 1 faults
+    with trio.fail_after(5), pytest.raises(trio_cuda.DeviceFault, match="device 1"):
+        await sub.wait()
+    assert d1.is_faulted and not dev.is_faulted
+    problems = []
+    for i in range(3):
+        try:
+            await trio.to_thread.run_sync(dev.synchronize)
+        except trio_cuda.DeviceFault as err:
+            problems.append(f"device0.synchronize() #{i} raised {err!r}")
+    try:
+        await api.empty((dev.total_memory // 4 + 1,))
+        problems.append("allocating more than the device has succeeded")
+    except trio_cuda.DeviceOutOfMemory:
+        pass
+    except trio_cuda.DeviceFault as err:
+        problems.append(f"a too large allocation raised {err!r}, not DeviceOutOfMemory")
+    assert not problems, problems
+    np.testing.assert_array_equal(await api.full((3,), 5.0).to_host(), [5, 5, 5])
+
+
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+async def test_a_free_after_an_op_failed_by_another_devices_fault_does_not_poison_its_stream(dev: trio_cuda.Device) -> None:
+    # repro_foreign_fault_free_poisons_stream: b (written on stream T) is read by an op on
+    # stream S that fails because it waited for faulted device-1 work. b's free on T then
+    # waits for that failed access: the wait marked T failed, so the next, unrelated op on
+    # T failed with "waited for work of device 1, which faulted".
+    d1 = trio_cuda.device(1)
+    t_stream, s_stream = dev.create_stream(), dev.create_stream()
+    on_t = trio_cuda.SingleStream(stream=t_stream)
+    c1, z = await ready_to_fault(1)
+    b = await api.ones((4,), np.int32).schedule(on_t)  # written on T
+    out = await api.zeros((4,), np.int32)
+    await add(out.partition((4,)), b, b).schedule(on_t)  # compiled
+    sa, sb = d1.create_stream(), d1.create_stream()
+    await lowlevel.submit(sleep(c1.partition((4,)), 300_000_000), sa)
+    # On S: copy c1 from device 1 (waits for it), then read b. Nobody awaits this one.
+    held = [b]  # what the callback reads b from: dropping b below drops the tensor
+    await lowlevel.submit(api.dup(c1, device=0).then(lambda d: add(out.partition((4,)), d, held[0])), s_stream)
+    _, readers = lowlevel.accesses(b)
+    assert s_stream in readers  # b's free will wait for this access
+    await lowlevel.submit(scribble(z.partition((32,))), sb)  # device 1 faults
+    with trio.fail_after(5):
+        while not d1.is_faulted:
+            await trio.sleep(0.005)  # observing the fault, not ordering
+    assert not dev.is_faulted
+    frees = dev.statistics().frees
+    del b
+    held.clear()
+    gc.collect()
+    # The next submission enqueues b's free on T; then an unrelated op runs on T.
+    with trio.fail_after(5):
+        out_t = await api.full((3,), 5.0).to_host().schedule(on_t)
+    np.testing.assert_array_equal(out_t, [5, 5, 5])
+    assert dev.statistics().frees > frees  # b's free was enqueued (the scenario happened)
+    assert not dev.is_faulted
+
+
+SEC = 1_000_000_000
+
+
+# -- faults and resets ----------------------------------------------------------------------
+@pytest.mark.faults_device
+@pytest.mark.sim_only
+@needs_devices(2)
+async def test_failed_peer_copy_marks_its_destination() -> None:
+    # repro_failed_peer_copy_dst_not_poisoned: a device-1 -> device-0 copy that failed
+    # because device 1 faulted before it ran left its destination unmarked: reads
+    # returned the old contents without an error.
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    c1s, z = await ready_to_fault(1)
+    y = await api.full((8,), 1.0)
+    x1 = await api.full((8,), 2.0, device=1)
+    c = await api.zeros((1,), np.int32)
+    s = d0.create_stream()
+    await lowlevel.submit(sleep(c.partition((1,)), 300_000_000), s)
+    copy = await lowlevel.submit(api.memcpy(y, x1), s)  # runs after the sleep
+    await lowlevel.submit(scribble(z.partition((32,))), d1.create_stream())  # device 1 faults
+    with pytest.raises(trio_cuda.DeviceFault):
+        await copy.wait()
+    assert d1.is_faulted and not d0.is_faulted
+    for _ in range(2):
+        with pytest.raises(trio_cuda.DeviceFault, match="did not write"):
+            await y.to_host()
+    await api.memcpy(y, np.full(8, 4.0, np.float32))  # rewritten: readable again
+    np.testing.assert_array_equal(await y.to_host(), [4.0] * 8)
+    del c1s
+
+
+@needs_devices(2)
+async def test_reset_waits_for_copies_on_other_devices_that_read_its_memory() -> None:
+    # Code review: a reset released the device's memory while a copy queued on another
+    # device still had to read it (on CUDA an illegal address on that other device,
+    # sticky for the process). The reset now waits for such copies first.
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    y = await api.full((8,), 1.0)
+    x1 = await api.full((8,), 2.0, device=1)
+    c = await api.zeros((1,), np.int32)
+    await sleep(c.partition((1,)), 1000)
+    s = d0.create_stream()
+    await lowlevel.submit(sleep(c.partition((1,)), SEC // 4), s)
+    copy = await lowlevel.submit(api.memcpy(y, x1), s)  # reads device 1 after the sleep
+    await trio.to_thread.run_sync(d1.reset)
+    assert copy.event is not None and copy.event.query()  # the reset waited for it
+    await copy.wait()
+    np.testing.assert_array_equal(await y.to_host(), [2.0] * 8)
+    assert not d0.is_faulted and not d1.is_faulted
+
+
+@pytest.mark.sim_only
+def test_reset_of_a_copy_source_before_it_enqueues_is_a_device_reset() -> None:
+    # repro_peer_copy_source_reset: the plan did not record the generation of a peer
+    # copy's source device (it has no lane there): enqueued after that device's reset,
+    # the copy read released memory and faulted device 0.
+    r = child(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api, lowlevel
+        from trio_cuda.kernels import sleep
+        d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+        async def main():
+            s = d0.create_stream()                                     # not the dup's stream
+            x1 = await api.full((1 << 20,), 7, np.int32, device=1)
+            c = await api.zeros((1,), np.int32)
+            h = await api.zeros((13 << 18,), np.int32)                # 13 of 16 MiB of device 0
+            await lowlevel.submit(sleep(c.partition((1,)), 300_000_000), s)
+            await lowlevel.submit(api.memcpy(h, h), s)
+            del h
+            async with trio.open_nursery() as n:
+                async def reset_when_waiting():
+                    while lowlevel.submission_statistics().waited_for_memory == 0:
+                        await trio.sleep(0.001)
+                    await trio.to_thread.run_sync(d1.reset)
+                n.start_soon(reset_when_waiting)
+                try:
+                    await api.dup(x1, device=0)                        # waits for memory
+                    raise AssertionError("the copy of released memory completed")
+                except trio_cuda.DeviceReset as err:
+                    assert err.device == 1, err
+            assert not d0.is_faulted
+            np.testing.assert_array_equal(await api.full((2,), 1.0).to_host(), [1.0, 1.0])
+            print("OK")
+        trio.run(main)
+        """,
+        TRIO_CUDA_SIM_MEMORY=str(16 << 20),
+    )
+    child_ok(r)
+
+
+async def test_device_reset_raised_to_a_waiter_names_the_op(dev: trio_cuda.Device) -> None:
+    # repro_reset_error_names_no_op: name_fault renamed DeviceFault only.
+    c = await api.zeros((1,), np.int32)
+    await sleep(c.partition((1,)), 1000)
+    for form in ("alone", "zip"):
+        op = sleep(c.partition((1,)), SEC // 2)
+        sub = await lowlevel.submit(op if form == "alone" else trio_cuda.zip(op, api.zeros((1,))))
+        await trio.to_thread.run_sync(dev.reset)
+        with pytest.raises(trio_cuda.DeviceReset) as info:
+            await sub.wait()
+        assert info.value.op is not None and "sleep" in info.value.op, info.value
+        c = await api.zeros((1,), np.int32)

@@ -15,12 +15,12 @@ import trio_cuda
 from trio_cuda import _notifier, api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import WORDS, counter
+from ..helpers.devices import counter, words_only
 
 # The simulated device has completion words unless TRIO_CUDA_COMPLETION_WORDS=0; CUDA only
 # with TRIO_CUDA_COMPLETION_WORDS=1 (they cost more than they save there: see
 # trio_cuda/_backends/_cuda.py).
-pytestmark = pytest.mark.skipif(not WORDS, reason="completion words are off (TRIO_CUDA_COMPLETION_WORDS)")
+pytestmark = words_only
 
 
 async def test_awaited_work_is_seen_done_through_its_word() -> None:

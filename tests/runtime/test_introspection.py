@@ -22,7 +22,7 @@ from trio_cuda.kernels import add, saxpy, sleep
 
 from numba import cuda
 
-from .conftest import counter
+from ..helpers.devices import counter
 
 N = 8
 _FRESH = itertools.count()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import enum
+import gc
+import math
+
 import numpy as np
 import pytest
 import trio
 
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api
-from trio_cuda.kernels import add, saxpy
+from trio_cuda.kernels import add, saxpy, sleep
 
 from numba import cuda
 
-from .conftest import ON_CUDA, needs_devices
+from ..helpers.devices import ON_CUDA, needs_devices, settle, snapshot
 
 
 @trio_cuda.kernel
@@ -313,7 +317,7 @@ def test_kernel_scalars_the_kernel_cannot_represent_are_refused() -> None:
 
 
 def test_library_kernel_arguments_follow_numpy_scalars() -> None:
-    from trio_cuda.kernels import rms_norm, sleep
+    from trio_cuda.kernels import rms_norm
 
     x = api.ones((2, 8)).sync()
     w = api.ones((8,)).sync()
@@ -329,3 +333,72 @@ def test_library_kernel_arguments_follow_numpy_scalars() -> None:
     c = api.zeros((1,), np.int32).sync()
     sleep(c.partition((1,)), np.int64(1000)).sync()
     np.testing.assert_array_equal(c.to_host().sync(), [1])
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial.py)
+# ======================================================================================
+@trio_cuda.kernel(block=(64, 64))  # 4096 threads: more than a block can have
+def set_one_too_wide(z):  # type: ignore[no-untyped-def]
+    i, j = cuda.grid(2)
+    if i < z.shape[0] and j < z.shape[1]:
+        z[i, j] = 1.0
+
+
+@trio_cuda.kernel
+def sign_of(z, a):  # type: ignore[no-untyped-def]
+    i = cuda.grid(1)
+    if i < z.shape[0]:
+        z[i] = math.copysign(1.0, a)
+
+
+# -- kernels ---------------------------------------------------------------------------
+def _make_enum_kernel(c: int) -> trio_cuda.Kernel:
+    class Scale(enum.IntEnum):  # a local class: the same qualified name on every call
+        VALUE = c
+
+    @trio_cuda.kernel
+    def fill(z):  # type: ignore[no-untyped-def]
+        i = cuda.grid(1)
+        if i < z.shape[0]:
+            z[i] = Scale.VALUE
+
+    return fill
+
+
+async def test_kernels_reading_a_local_enum_run_their_own_code() -> None:
+    # repro_kernel_identity_local_class: the fingerprint hashed classes by module and
+    # qualified name only, so every kernel after the first ran the first one's code.
+    for c in range(1, 6):
+        k = _make_enum_kernel(c)
+        out = await k(api.zeros((4,), np.int32).partition((4,))).first().to_host()
+        np.testing.assert_array_equal(out, [c] * 4, err_msg=f"the kernel made with {c} ran another kernel's code")
+        del k
+        gc.collect()
+
+
+async def test_a_negative_zero_scalar_reaches_the_kernel_as_negative_zero() -> None:
+    # repro_kernel_scalar_negative_zero: the prepared-launch cache keyed scalars by
+    # (type, value), and -0.0 == 0.0, so a launch with -0.0 reused the parameters of 0.0.
+    z = await api.zeros((4,))
+    for a, sign in [(0.0, 1.0), (-0.0, -1.0), (0.0, 1.0), (-0.0, -1.0)]:
+        out = await sign_of(z.partition((4,)), a).first().to_host()
+        np.testing.assert_array_equal(out, [sign] * 4, err_msg=f"the launch with a={a!r} ran with another scalar")
+    fresh = await api.zeros((4,))
+    np.testing.assert_array_equal(await sign_of(fresh.partition((4,)), -0.0).first().to_host(), [-1.0] * 4)
+
+
+async def test_a_launch_config_error_late_in_a_dag_means_nothing_of_it_ran(dev: trio_cuda.Device) -> None:
+    # repro_launch_error_half_run: a DAG whose kernel has an invalid block (64x64:
+    # 4096 threads) must run nothing; the fill of x before the launch had run.
+    x = await api.zeros((4,))
+    big = await api.zeros((64, 64))
+    await trio.to_thread.run_sync(settle)
+    before = snapshot(dev)
+    dag = trio_cuda.zip(api.memcpy(x, np.full(4, 7.0, np.float32)), set_one_too_wide(big.partition((64, 64))))
+    with pytest.raises(trio_cuda.LaunchError, match="threads per block"):
+        await dag
+    await trio.to_thread.run_sync(settle)
+    assert snapshot(dev) == before
+    np.testing.assert_array_equal(await x.to_host(), np.zeros(4, np.float32))
+    assert not dev.is_faulted

@@ -110,7 +110,7 @@ def test_public_faces() -> None:
 def test_the_package_and_its_metadata_agree_on_the_version() -> None:
     import tomllib
 
-    meta = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    meta = tomllib.loads((pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert meta["project"]["version"] == trio_cuda.__version__
 
 

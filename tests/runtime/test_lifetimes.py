@@ -14,8 +14,8 @@ import trio_cuda
 from trio_cuda import api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import ON_CUDA, counter, settle, started
-from .test_adversarial import child
+from ..helpers.devices import ON_CUDA, counter, settle, started
+from ..helpers.faults import child, child_ok
 
 SLOW_NS = 500_000_000
 
@@ -194,3 +194,145 @@ def test_idle_staging_beyond_the_cap_is_released_when_the_copies_complete() -> N
         TRIO_CUDA_STAGING_CAP_MB="1",
     )
     assert r.returncode == 0 and "OK" in r.stdout, (r.stdout + r.stderr)[-4000:]
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial.py, test_adversarial2.py)
+# ======================================================================================
+# -- lifetimes -------------------------------------------------------------------------
+async def test_streams_of_dropped_policies_waited_on_by_other_streams_are_destroyed(dev: trio_cuda.Device) -> None:
+    # repro_dropped_policy_stream_leak: a default-policy stream that waited for a policy's
+    # stream kept it alive (as a key of its waits), so it was never destroyed.
+    await api.zeros((1,))  # the default policy is set up
+    await trio.to_thread.run_sync(settle)
+    destroyed_before = dev.statistics().streams_destroyed
+    rounds = 5
+    refs = []
+    for _ in range(rounds):
+        policy = trio_cuda.SingleStream(dev)
+        c = await api.zeros((1,), np.int32).schedule(policy)
+        await lowlevel.submit(sleep(c.partition((1,)), 50_000_000), policy.streams[0])  # not awaited
+        # Read on the default policy: its stream waits for the policy's stream.
+        np.testing.assert_array_equal(await c.to_host(), [1])
+        refs.append(weakref.ref(policy.streams[0]))
+        del policy, c
+    gc.collect()
+    await trio.to_thread.run_sync(settle)
+    await api.zeros((1,))  # any submission does the housekeeping
+    await trio.to_thread.run_sync(settle)
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} of {rounds} streams of dropped policies are still referenced"
+    assert dev.statistics().streams_destroyed - destroyed_before >= rounds
+
+
+SEC = 1_000_000_000
+
+
+# -- streams ----------------------------------------------------------------------------
+def test_dropped_stream_is_not_brought_back_by_weak_references(dev: trio_cuda.Device) -> None:
+    # repro_event_stream_resurrected_destroyed: Stream.__del__ keeps the object until the
+    # device destroys its driver stream, and weak references still reached it: the next
+    # submission destroyed it and then enqueued on a None handle (an AttributeError on the
+    # simulated device, the legacy default stream on CUDA).
+    s = dev.create_stream()
+    ev = lowlevel.record(s)
+    ref = weakref.ref(s)
+    del s
+    assert ev.stream is None
+    again = ref()
+    if again is not None:  # CPython clears weak references only after the finalizer
+        for use in (
+            lambda: api.full((8,), 2.0).sync_on(again),
+            lambda: lowlevel.record(again),
+            again.synchronize,
+        ):
+            with pytest.raises(ValueError, match="dropped"):
+                use()
+        del again
+    # The device is fine: the driver stream went away, other streams work.
+    np.testing.assert_array_equal(api.full((4,), 3.0).to_host().sync(), [3.0] * 4)
+
+
+def test_synchronize_waits_for_work_of_destroyed_streams(dev: trio_cuda.Device) -> None:
+    # repro_oom_ignores_dropped_stream_free: once housekeeping destroyed a dropped
+    # stream, its pending work was waited for by nobody: Device.synchronize() returned
+    # at once (and an out-of-memory retry did not wait for the free behind it).
+    c = api.zeros((1,), np.int32).sync()
+    sleep.prepare(c.partition((1,)), 1)
+
+    async def submit_on_dropped_stream() -> lowlevel.Submitted:
+        p = trio_cuda.SingleStream(dev)
+        return await lowlevel.submit(sleep(c.partition((1,)), SEC // 2), p.streams[0])
+
+    sub = trio.run(submit_on_dropped_stream)
+    gc.collect()
+    api.zeros((1,)).sync()  # housekeeping destroys the dropped stream (its work pending)
+    assert sub.event is not None
+    dev.synchronize()
+    assert sub.event.query()  # done: synchronize() waited for it
+
+
+@pytest.mark.sim_only
+def test_out_of_memory_retry_waits_for_free_on_destroyed_stream() -> None:
+    r = child(
+        """
+        import gc, numpy as np, trio, trio_cuda
+        from trio_cuda import api, lowlevel
+        from trio_cuda.kernels import sleep
+        dev = trio_cuda.device(0)
+        async def main():
+            c = await api.zeros((1,), np.int32)
+            p = lowlevel.SingleStream(dev)
+            h = await api.zeros((13 << 18,), np.int32).schedule(p)     # 13 of 16 MiB
+            await lowlevel.submit(sleep(c.partition((1,)), 500_000_000), p.streams[0])
+            await lowlevel.submit(api.memcpy(h, h), p.streams[0])     # h in use behind it
+            del h, p
+            gc.collect()
+            y = await api.zeros((1 << 20,), np.int32)                 # 4 MiB: fits after the free
+            assert y.shape == (1 << 20,)
+            print("OK")
+        trio.run(main)
+        """,
+        TRIO_CUDA_SIM_MEMORY=str(16 << 20),
+    )
+    child_ok(r)
+
+
+# -- lifetimes and nesting -----------------------------------------------------------------
+async def test_failed_shared_read_back_keeps_no_consumer_frames(dev: trio_cuda.Device) -> None:
+    # repro_failed_pending_keeps_frames: the stored failure was the exception that
+    # reached the first consumer, with its traceback: that task's locals stayed alive.
+    def boom(a: object) -> object:
+        raise ValueError("bad value in the read-back")
+
+    x = await api.full((4,), 1.0)
+    sh = x.to_host().map(boom).shared()
+    refs: list[weakref.ref[object]] = []
+
+    async def consumer() -> None:
+        big = await api.zeros((1 << 20,))
+        refs.append(weakref.ref(big._buffer))
+        with pytest.raises(ValueError, match="bad value"):
+            await sh
+
+    await consumer()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad value"):
+            await sh
+    gc.collect()
+    assert refs[0]() is None
+
+
+def test_map_over_a_read_back_refuses_nested_execution() -> None:
+    # repro_map_over_readback_nested_execution: the callback of a map over to_host() ran
+    # after the wait, where executing ops was not refused.
+    x = api.full((4,), 1.0).sync()
+
+    def callback(_: object) -> object:
+        return api.full((4,), 9.0).sync()
+
+    for op in (trio_cuda.value(x).map(callback), x.to_host().map(callback)):
+        with pytest.raises(trio_cuda.NestedExecutionError):
+            op.sync()
+    # A callback that executes nothing still works.
+    np.testing.assert_array_equal(x.to_host().map(lambda a: a * 2).sync(), [2.0] * 4)

@@ -16,7 +16,7 @@ import trio_cuda
 from trio_cuda import api, lowlevel
 from trio_cuda.kernels import sleep
 
-from .conftest import counter, started
+from ..helpers.devices import counter, started
 
 
 async def test_long_waits_park_on_the_helper_thread() -> None:

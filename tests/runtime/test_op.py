@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -11,14 +13,10 @@ import trio.testing
 
 import trio_cuda
 from trio_cuda import api, lowlevel
-from trio_cuda.kernels import add, saxpy
+from trio_cuda.kernels import add, saxpy, sleep
 
-from .conftest import counter
-
-
-def snapshot(dev: trio_cuda.Device) -> tuple[int, ...]:
-    s = dev.statistics()
-    return (s.submissions, s.launches, s.allocations, s.copies, s.stream_waits, s.bytes_in_use)
+from ..helpers.devices import counter, snapshot
+from ..helpers.faults import child
 
 
 async def test_constructing_ops_does_nothing(dev: trio_cuda.Device) -> None:
@@ -322,9 +320,101 @@ def test_sync_from_several_threads() -> None:
 
 
 async def test_sleep_kernel_counts(dev: trio_cuda.Device) -> None:
-    from trio_cuda.kernels import sleep
 
     c = await counter()
     for _ in range(3):
         await sleep(c, 1000)
     np.testing.assert_array_equal(await c.to_host(), [3])
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial.py)
+# ======================================================================================
+T = TypeVar("T")
+MB = 1 << 20
+
+
+# -- shared ops ------------------------------------------------------------------------
+def _sync_in_threads_at_once(op: trio_cuda.SharedOp[np.ndarray], n: int, look: Callable[[np.ndarray], T]) -> list[T | None]:
+    """``op.sync()`` in ``n`` threads released together: what each saw of the result at
+    the moment it got it (None: no result)."""
+    barrier = threading.Barrier(n)
+    seen: list[T | None] = [None] * n
+
+    def worker(i: int) -> None:
+        barrier.wait(30)
+        seen[i] = look(op.sync())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return seen
+
+
+def test_a_shared_read_back_awaited_by_threads_at_once_gives_each_the_full_data(dev: trio_cuda.Device) -> None:
+    # repro_shared_to_host_race: the pending value was marked resolved before the data was
+    # copied out of the staging buffer, so a second thread could get a partly copied array.
+    n = 8 << 20  # 32 MiB: copying out takes long enough for the threads to overlap
+    x = api.full((n,), 7.0).sync()
+    for rnd in range(20):
+        wrong = _sync_in_threads_at_once(x.to_host().shared(), 3, lambda r: int((r != 7.0).sum()))
+        assert wrong == [0, 0, 0], f"round {rnd}: wrong elements seen by each thread (None: no result): {wrong}"
+
+
+@pytest.mark.sim_only
+def test_a_submission_relying_on_a_failed_shared_op_runs_nothing() -> None:
+    # repro_shared_failed_half_run (64 MiB device): submission A claims shared op s and
+    # waits for memory, then fails with DeviceOutOfMemory. Submission B = zip(memcpy(x),
+    # s), planned meanwhile, waits for A: it must fail too, and its memcpy must not run.
+    r = child(
+        """
+        import numpy as np, trio, trio.testing, trio_cuda
+        from trio_cuda import api, lowlevel
+        from trio_cuda.kernels import sleep
+        MB = 1 << 20
+        async def main():
+            dev = trio_cuda.device(0)
+            x = await api.zeros((4,))
+            c = await api.zeros((1,), np.int32)
+            await sleep(c.partition((1,)), 1000)
+            hog = await api.empty((40 * MB,), np.uint8)
+            # Pending work: A waits for it before its one retry.
+            await lowlevel.submit(sleep(c.partition((1,)), 300_000_000))
+            s = api.full((4,), 3.0).shared()
+            out = {}
+
+            async def a():
+                try:
+                    await trio_cuda.zip(s, api.empty((40 * MB,), np.uint8))  # never fits
+                    out["a"] = "ok"
+                except trio_cuda.DeviceOutOfMemory:
+                    out["a"] = "DeviceOutOfMemory"
+
+            async def b():
+                before = dev.statistics().copies
+                try:
+                    await trio_cuda.zip(api.memcpy(x, np.full(4, 7.0, np.float32)), s)
+                    out["b"] = "ok"
+                except trio_cuda.DeviceOutOfMemory:
+                    out["b"] = "DeviceOutOfMemory"
+                out["b_copies"] = dev.statistics().copies - before
+
+            with trio.fail_after(10):
+                async with trio.open_nursery() as n:
+                    n.start_soon(a)
+                    await trio.testing.wait_all_tasks_blocked()  # A waits for memory
+                    assert "a" not in out, out
+                    n.start_soon(b)
+            await trio.to_thread.run_sync(dev.synchronize)
+            xs = await x.to_host()
+            assert out == {"a": "DeviceOutOfMemory", "b": "DeviceOutOfMemory", "b_copies": 0}, out
+            assert (xs == 0).all(), f"B failed but its memcpy into x ran: {xs}"
+            del hog
+            print("ok")
+        trio.run(main)
+        """,
+        TRIO_CUDA_SIM_MEMORY=str(64 * MB),
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr[-3000:]

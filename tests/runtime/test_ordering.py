@@ -9,7 +9,7 @@ import trio_cuda
 from trio_cuda import api, lowlevel
 from trio_cuda.kernels import saxpy, sleep
 
-from .conftest import counter, started
+from ..helpers.devices import counter, started
 
 SLOW_NS = 300_000_000
 

@@ -12,7 +12,7 @@ import trio_cuda
 from trio_cuda import api, ops
 from trio_cuda.kernels import saxpy, sleep
 
-from .conftest import counter, needs_devices
+from ..helpers.devices import counter, needs_devices
 
 SLOW_NS = 300_000_000  # 0.3 s
 

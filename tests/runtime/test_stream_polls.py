@@ -20,23 +20,14 @@ import trio
 
 import trio_cuda
 from trio_cuda import _device, _notifier, _submit, api, lowlevel, ops
-from trio_cuda._guard import LOCK
+from trio_cuda import _notifier as notifier_mod
 from trio_cuda.kernels import sleep
 
 from numba import cuda
 
-from .conftest import WORDS, Resetter, counter, needs_devices
-from .test_adversarial import ready_to_fault, scribble
-
-
-def wordless_stream(dev: trio_cuda.Device) -> trio_cuda.Stream:
-    """A stream without a completion word (as every CUDA stream by default), so its
-    polls go to the driver on the simulated device too."""
-    s = dev.create_stream()
-    with LOCK:  # a new stream has nothing pending: its word may go back at once
-        dev._give_flag(s)
-    assert s._flag < 0
-    return s
+from ..helpers.devices import ON_CUDA, WORDS, Resetter, counter, needs_devices
+from ..helpers.fakes import wordless_stream
+from ..helpers.faults import ready_to_fault, scribble
 
 
 class Queries:
@@ -559,3 +550,166 @@ async def test_events_of_a_dropped_wordless_stream(fresh_device: trio_cuda.Devic
         assert peek(dev, c) == 1
     for sub in subs:
         await sub.wait()
+
+
+# ======================================================================================
+# Regressions found by the adversarial reviews (formerly test_adversarial4.py)
+# ======================================================================================
+# ======================================================================================
+# 2. wait_event
+# ======================================================================================
+def _poll_not_done_at_first(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Device) -> list[int]:
+    """The trio thread's first poll of each event answers 'not done' (the op completes
+    just after it); the notifier thread's polls and later ones ask the device."""
+    trio_thread = threading.get_ident()
+    seen: dict[int, Any] = {}  # the events themselves are kept: an id is not reused meanwhile
+    polls: list[int] = []
+    orig = dev.poll
+
+    def poll(ev: Any) -> bool:
+        if threading.get_ident() == trio_thread:
+            polls.append(id(ev))
+            if id(ev) not in seen:
+                seen[id(ev)] = ev
+                return False
+        return orig(ev)
+
+    monkeypatch.setitem(vars(dev), "poll", poll)  # (setattr would leave a bound method behind)
+    return polls
+
+
+async def _five_waits_pending_at_first_poll(monkeypatch: pytest.MonkeyPatch, budget_ns: int) -> tuple[int, int, int]:
+    """Five awaited adds whose first poll says 'not done', under ``budget_ns``:
+    (waits done on the fast path, waits parked, polls made in the trio thread)."""
+    dev = trio_cuda.current_device()
+    x = await api.zeros((4,))
+    await ops.add(x, 1.0, out=x)
+    monkeypatch.setattr(notifier_mod, "_budget_ns", budget_ns)
+    monkeypatch.setattr(notifier_mod, "_spin_ns", 0)
+    polls = _poll_not_done_at_first(monkeypatch, dev)
+    before = lowlevel.notifier_statistics()
+    for _ in range(5):
+        await ops.add(x, 1.0, out=x)
+    after = lowlevel.notifier_statistics()
+    monkeypatch.undo()
+    np.testing.assert_array_equal(await x.to_host(), np.full(4, 6.0, np.float32))
+    return after.fast_path - before.fast_path, after.slow_path - before.slow_path, len(polls)
+
+
+async def test_zero_budget_parks_every_wait_not_complete_at_its_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docs/notifier.md: "TRIO_CUDA_POLL_BUDGET_US=0 parks every wait that is not complete
+    # at its first poll".
+    n_fast, n_slow, n_polls = await _five_waits_pending_at_first_poll(monkeypatch, 0)
+    assert (n_fast, n_slow) == (0, 5), (
+        f"budget 0: {n_fast} waits not complete at their first poll stayed on the fast path "
+        f"({n_polls} polls in the trio thread for 5 waits)"
+    )
+
+
+async def test_budget_still_covers_waits_not_complete_at_their_first_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The other side: a budget keeps such waits on the fast path (no parking).
+    n_fast, n_slow, _ = await _five_waits_pending_at_first_poll(monkeypatch, 10_000_000_000)
+    assert (n_fast, n_slow) == (5, 0)
+
+
+@pytest.mark.parametrize("budget_ns", [0, 10_000_000_000])
+async def test_move_on_after_zero_around_a_long_op_submits_nothing_and_returns(
+    monkeypatch: pytest.MonkeyPatch, budget_ns: int, dev: trio_cuda.Device
+) -> None:
+    monkeypatch.setattr(notifier_mod, "_budget_ns", budget_ns)
+    c = await counter()
+    await sleep(c, 1000)  # loaded
+    before = lowlevel.notifier_statistics()
+    launches = dev.statistics().launches
+    with trio.move_on_after(0) as scope:
+        await sleep(c, 300_000_000)
+    assert scope.cancelled_caught
+    after = lowlevel.notifier_statistics()
+    assert after.parked == 0 and after.slow_path == before.slow_path
+    assert dev.statistics().launches == launches  # cancelled before it was submitted
+    monkeypatch.undo()
+    np.testing.assert_array_equal(await c.to_host(), [1])
+
+
+@pytest.mark.parametrize("budget_ns", [0, 10_000_000_000])
+async def test_cancelled_at_the_first_pass_then_parked_then_cancelled(monkeypatch: pytest.MonkeyPatch, budget_ns: int) -> None:
+    # Cancelled while in the first scheduling pass, and (budget 0) while parked: the
+    # wait ends with Cancelled promptly, nothing stays parked, the submitted work runs.
+    monkeypatch.setattr(notifier_mod, "_budget_ns", budget_ns)
+    c = await counter()
+    await sleep(c, 1000)
+    cancel_first = trio.CancelScope()
+
+    async def waiter(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with cancel_first:
+            sub = await lowlevel.submit(sleep(c, 1_000_000_000))
+            task_status.started()
+            await sub.wait()  # runs to wait_event's first checkpoint before we resume
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        await n.start(waiter)
+        cancel_first.cancel()
+    assert cancel_first.cancelled_caught
+    with trio.move_on_after(0.05) as scope:
+        await sleep(c, 1_000_000_000)
+    assert scope.cancelled_caught
+    assert trio.current_time() - t0 < 0.6, "a cancelled wait waited for its 1 s of work"
+    with trio.fail_after(2):
+        while lowlevel.notifier_statistics().parked:
+            await trio.sleep(0.005)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(await c.to_host(), [3])
+
+
+@pytest.mark.faults_device
+@pytest.mark.parametrize("budget_ns", [0, 10_000_000_000])
+async def test_a_fault_is_reported_by_the_first_poll_and_by_the_parked_path(
+    monkeypatch: pytest.MonkeyPatch, budget_ns: int, dev: trio_cuda.Device
+) -> None:
+    monkeypatch.setattr(notifier_mod, "_budget_ns", budget_ns)
+    t = await api.zeros((32,))
+    try:
+        with trio.fail_after(10):
+            with pytest.raises(trio_cuda.DeviceFault):
+                await scribble(t.partition((32,)))
+            # known faulted now: a later wait reports it too, it never hangs
+            with pytest.raises((trio_cuda.DeviceFault, trio_cuda.DeviceUnavailable)):
+                await api.zeros((4,))
+    finally:
+        monkeypatch.undo()
+    if ON_CUDA:
+        # The CUDA driver keeps an illegal-address error for the whole process.
+        with pytest.raises(trio_cuda.DeviceFault, match="restart the process"):
+            await trio.to_thread.run_sync(dev.reset)
+        return
+    await trio.to_thread.run_sync(dev.reset)
+    np.testing.assert_array_equal(await (await api.ones((4,))).to_host(), np.ones(4, np.float32))
+
+
+@pytest.mark.faults_device
+async def test_a_reset_during_the_first_pass_is_reported(monkeypatch: pytest.MonkeyPatch, dev: trio_cuda.Device) -> None:
+    # The reset lands between the submission and the first poll (the poll after the
+    # first scheduling pass): the wait reports DeviceReset, it neither hangs nor says done.
+    c = await counter()
+    await sleep(c, 1000)
+    orig = dev.poll
+    trio_thread = threading.get_ident()
+    state = {"reset": False}
+
+    def poll(ev: Any) -> bool:
+        if threading.get_ident() == trio_thread and not state["reset"]:
+            state["reset"] = True
+            threading.Thread(target=dev.reset).start()
+            while dev.generation == ev.generation:
+                pass
+        return orig(ev)
+
+    monkeypatch.setitem(vars(dev), "poll", poll)  # (setattr would leave a bound method behind)
+    with trio.fail_after(10):
+        with pytest.raises(trio_cuda.DeviceReset):
+            await sleep(c, 300_000_000)
+    monkeypatch.undo()
+    while dev._resetting:
+        await trio.sleep(0.001)
+    np.testing.assert_array_equal(await (await api.ones((4,))).to_host(), np.ones(4, np.float32))

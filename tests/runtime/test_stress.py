@@ -25,7 +25,7 @@ import trio_cuda
 from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add, saxpy, sleep
 
-from .conftest import ON_CUDA, settle
+from ..helpers.devices import ON_CUDA, settle
 
 SIZE = 16
 N_TENSORS = 6

@@ -15,7 +15,7 @@ from trio_cuda import api
 from trio_cuda._guard import LOCK
 from trio_cuda.kernels import add, sleep
 
-from .conftest import ON_CUDA, counter, settle
+from ..helpers.devices import ON_CUDA, counter, settle
 
 
 def _run_trio(fn: object, seconds: float) -> object:

@@ -17,7 +17,7 @@ import trio_cuda
 from trio_cuda import _trace, api, lowlevel, ops
 from trio_cuda.kernels import sleep
 
-from .conftest import counter, needs_devices
+from ..helpers.devices import counter, needs_devices
 
 
 def spans(events: dict, cat: str) -> list[dict]:

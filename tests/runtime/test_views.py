@@ -13,7 +13,7 @@ from trio_cuda.kernels import add, sleep
 
 from numba import cuda
 
-from .conftest import needs_devices, started
+from ..helpers.devices import needs_devices, started
 
 KEYS = [
     (slice(1, 3), slice(None, None, 2)),
