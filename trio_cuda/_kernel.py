@@ -549,7 +549,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         ``await kernel(tensors...)``). None: take the general path.
 
         trio_cuda/_hotpath.c does the same in C (installed in place of this method when
-        built): a change here must be made there too; tests/test_hotpath.py compares them."""
+        built): a change here must be made there too; tests/compiled/test_hotpath.py compares them."""
         if self._inputs or _tls.submitting:
             return None
         args = self._args

@@ -457,7 +457,7 @@ class _Recipe:
 # (a GEMM), in C, installed while the runtime's compiled path is in use (see
 # _kernel.use_hotpath). It hands every other case, before any effect, to the Python
 # methods above, which stay the reference: a change there must be made there too
-# (tests/test_hotpath.py runs both).
+# (tests/compiled/test_hotpath.py runs both).
 _submit_now_py = TensorOp._submit_now
 
 

@@ -1,0 +1,178 @@
+"""Completion wake-ups: fast path, slow path (one helper thread), batching, idleness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import trio
+
+import trio_cuda
+from trio_cuda import api, lowlevel
+from trio_cuda.kernels import sleep
+
+from ..helpers.devices import counter, started
+
+
+async def test_long_waits_park_on_the_helper_thread() -> None:
+    c = await counter()
+    before = lowlevel.notifier_statistics()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_await, sleep(c, 200_000_000))
+        # Wait until the task has parked (the helper thread then holds it), not a guess.
+        while lowlevel.notifier_statistics().parked == 0:
+            await trio.sleep(0.001)
+        assert lowlevel.notifier_statistics().parked == 1
+    after = lowlevel.notifier_statistics()
+    assert after.slow_path == before.slow_path + 1
+    assert after.parked == 0
+    np.testing.assert_array_equal(await c.to_host(), [1])
+
+
+async def test_no_thread_per_wait() -> None:
+    for s in trio_cuda.current_device().policy.streams:  # start every pool stream
+        await (await lowlevel.submit(sleep(counter(), 1000), s)).wait()
+    await sleep(counter(), 1_000_000)  # and park once, so the helper thread exists
+    threads_before = threading.active_count()
+    parked_peak = 0
+    thread_peak = threads_before
+
+    async def watch() -> None:
+        nonlocal parked_peak, thread_peak
+        while True:
+            thread_peak = max(thread_peak, threading.active_count())
+            parked_peak = max(parked_peak, lowlevel.notifier_statistics().parked)
+            await trio.sleep(0.005)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        async with trio.open_nursery() as waiters:
+            for _ in range(40):
+                waiters.start_soon(_await, sleep(counter(), 100_000_000))
+        nursery.cancel_scope.cancel()
+    assert parked_peak >= 10, f"only {parked_peak} waits parked at once: the test lost its point"
+    # 40 concurrent parked waits, no new thread (the pool's streams and the helper exist).
+    assert thread_peak == threads_before
+
+
+async def test_wakeups_are_batched(dev: trio_cuda.Device) -> None:
+    # Eight waits queued behind one long op on the same stream complete together and are
+    # woken in fewer trio callbacks than waits: each callback serves a batch.
+    policy = trio_cuda.SingleStream(dev)
+    slow_before = lowlevel.notifier_statistics().slow_path
+    batches_before = lowlevel.notifier_statistics().batches
+    async with trio.open_nursery() as nursery:
+        await nursery.start(started, sleep(counter(), 200_000_000), policy)
+        for i in range(1, 9):
+            await nursery.start(started, api.full((1,), i), policy)
+    stats = lowlevel.notifier_statistics()
+    parked = stats.slow_path - slow_before
+    batches = stats.batches - batches_before
+    assert parked == 9, f"{parked} of 9 waits parked"
+    assert 1 <= batches < 9, f"{batches} batches for 9 parked waits"
+
+
+async def _await(op: object) -> None:
+    await op  # type: ignore[misc]
+
+
+def _cpu_of_thread(name: str) -> float:
+    for t in threading.enumerate():
+        if t.name == name and t.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+    raise AssertionError(f"no thread {name}")
+
+
+async def test_idle_runtime_uses_no_cpu() -> None:
+    await sleep(counter(), 50_000_000)  # parks: the helper thread exists and has worked
+    assert lowlevel.notifier_statistics().parked == 0
+    before = lowlevel.notifier_statistics().wakeups
+    helper_cpu = _cpu_of_thread("trio-cuda-notifier")
+    process_cpu = time.process_time()
+    await trio.sleep(0.5)
+    assert lowlevel.notifier_statistics().wakeups == before, "the helper thread woke up while nothing was in flight"
+    assert _cpu_of_thread("trio-cuda-notifier") - helper_cpu < 0.002
+    # Nothing else of the runtime spins either (stream workers, janitor).
+    assert time.process_time() - process_cpu < 0.05
+
+
+async def test_cancelled_parked_wait_leaves_no_waiter() -> None:
+    c = await counter()
+    with trio.move_on_after(0.5) as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_await, sleep(c, 2_000_000_000))
+            while lowlevel.notifier_statistics().parked == 0:
+                await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+    assert not scope.cancelled_caught
+    # The abandoned waiter leaves the helper's list at its next pass (within 20 ms).
+    with trio.fail_after(1):
+        while lowlevel.notifier_statistics().parked:
+            await trio.sleep(0.005)
+    np.testing.assert_array_equal(await c.to_host(), [1])
+
+
+def _run_child(budget_us: str) -> str:
+    # 30 awaits of a 1 ms kernel (loaded first, outside the count).
+    code = textwrap.dedent(
+        """
+        import numpy as np, trio, trio_cuda
+        from trio_cuda import api, lowlevel
+        from trio_cuda.kernels import sleep
+        async def main():
+            c = await api.zeros((1,), np.int32)
+            await sleep(c.partition((1,)), 1000)
+            before = lowlevel.notifier_statistics()
+            for _ in range(30):
+                await sleep(c.partition((1,)), 1_000_000)
+            s = lowlevel.notifier_statistics()
+            print(s.fast_path - before.fast_path, s.slow_path - before.slow_path)
+        trio.run(main)
+        """
+    )
+    env = dict(os.environ, TRIO_CUDA_POLL_BUDGET_US=budget_us, TRIO_CUDA_QUIET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_poll_budget_chooses_the_path() -> None:
+    # A budget longer than the waits: all on the fast path. No budget: every wait that is
+    # not complete at its first poll (a 1 ms kernel never is) parks.
+    fast, slow = map(int, _run_child("2000000").split())
+    assert (fast, slow) == (30, 0)
+    fast, slow = map(int, _run_child("0").split())
+    assert (fast, slow) == (0, 30)
+
+
+def test_bad_poll_budget_names_the_variable() -> None:
+    code = "import trio, trio_cuda; from trio_cuda import api\nasync def m(): await api.ones((1,))\ntrio.run(m)"
+    env = dict(os.environ, TRIO_CUDA_POLL_BUDGET_US="fast", TRIO_CUDA_QUIET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "TRIO_CUDA_POLL_BUDGET_US" in r.stderr
+
+
+def test_armed_event_posts_the_waker_on_completion(dev: trio_cuda.Device) -> None:
+    # The backend contract the slow path relies on: arm() posts the waker once the
+    # event completes (on CUDA: a host function that is sem_post), not before.
+    from trio_cuda._backends import backend
+    from trio_cuda._submit import submit_blocking
+
+    waker = backend().new_waker()
+    policy = trio_cuda.SingleStream(dev)
+    c = counter().schedule(policy).sync()
+    sleep(c, 1000).schedule(policy).sync()  # loaded: the next launch starts at once
+    t0 = time.perf_counter()
+    plan, _ = submit_blocking(sleep(c, 300_000_000), policy.streams[0])
+    ev = plan.event
+    assert ev is not None and dev.arm(ev, waker)
+    assert not waker.wait(0.1), "posted before the work completed"
+    assert waker.wait(10.0), "never posted"
+    assert time.perf_counter() - t0 >= 0.25
+    assert ev.query()
+    np.testing.assert_array_equal(api.memcpy(np.zeros(1, np.int32), c).sync(), [2])

@@ -1,0 +1,179 @@
+"""Scheduling policies, stream overlap, devices and the current device."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import trio_cuda
+from trio_cuda import api, ops
+from trio_cuda.kernels import saxpy, sleep
+
+from ..helpers.devices import counter, needs_devices
+
+SLOW_NS = 300_000_000  # 0.3 s
+
+
+async def slow_op(ns: int = SLOW_NS) -> np.ndarray:
+    return await sleep(counter(), ns).first().to_host()
+
+
+def test_default_policy_is_round_robin_over_4_streams(dev: trio_cuda.Device) -> None:
+    p = dev.policy
+    assert isinstance(p, trio_cuda.StreamPoolRoundRobin)
+    assert len(p.streams) == 4
+    picks = [p.next_stream() for _ in range(8)]
+    assert picks[:4] == picks[4:]
+    assert len(set(picks[:4])) == 4
+
+
+def test_single_stream_pins(dev: trio_cuda.Device) -> None:
+    p = trio_cuda.SingleStream(dev)
+    assert {p.next_stream() for _ in range(5)} == {p.streams[0]}
+    s = dev.create_stream()
+    assert trio_cuda.SingleStream(stream=s).next_stream() is s
+
+
+def test_policy_arguments_are_checked(dev: trio_cuda.Device) -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        trio_cuda.StreamPoolRoundRobin(dev, 0)
+    with pytest.raises(TypeError, match="num_streams"):
+        trio_cuda.StreamPoolRoundRobin(dev, 2.0)  # type: ignore[arg-type]
+    assert len(trio_cuda.StreamPoolRoundRobin(dev, np.int64(2)).streams) == 2
+    with pytest.raises(TypeError, match="SchedulingPolicy"):
+        dev.policy = "fast"  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="Stream"):
+        trio_cuda.SingleStream(stream=3)  # type: ignore[arg-type]
+
+
+async def test_independent_slow_ops_overlap_on_the_pool(dev: trio_cuda.Device) -> None:
+    await slow_op(1000)  # warm up
+    start = time.perf_counter()
+    async with trio.open_nursery() as n:
+        n.start_soon(slow_op)
+        n.start_soon(slow_op)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.6 * SLOW_NS / 1e9, f"two slow ops took {elapsed:.3f} s: no overlap"
+
+
+async def test_single_stream_serializes(dev: trio_cuda.Device) -> None:
+    old = dev.policy
+    dev.policy = trio_cuda.SingleStream(dev)
+    try:
+        start = time.perf_counter()
+        async with trio.open_nursery() as n:
+            n.start_soon(slow_op)
+            n.start_soon(slow_op)
+        elapsed = time.perf_counter() - start
+    finally:
+        dev.policy = old
+    assert elapsed >= 1.9 * SLOW_NS / 1e9
+
+
+async def test_zip_branches_overlap() -> None:
+    await slow_op(1000)  # warm up
+    start = time.perf_counter()
+    a, b = await trio_cuda.zip(sleep(counter(), SLOW_NS).first(), sleep(counter(), SLOW_NS).first())
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.6 * SLOW_NS / 1e9
+    np.testing.assert_array_equal(await a.to_host(), [1])
+    np.testing.assert_array_equal(await b.to_host(), [1])
+
+
+async def test_current_device_and_use_device() -> None:
+    assert trio_cuda.current_device() is trio_cuda.device(0)
+    last = trio_cuda.device(trio_cuda.device_count() - 1)
+    with trio_cuda.use_device(last) as d:
+        assert d is last and trio_cuda.current_device() is last
+        t = await api.ones((2,))
+        assert t.device is last
+
+        seen = []
+
+        async def child() -> None:
+            seen.append(trio_cuda.current_device())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(child)
+        assert seen == [last]
+    assert trio_cuda.current_device() is trio_cuda.device(0)
+
+
+def test_device_lookup_errors() -> None:
+    with pytest.raises(ValueError, match="no device"):
+        trio_cuda.device(trio_cuda.device_count())
+    with pytest.raises(TypeError):
+        trio_cuda.device("0")  # type: ignore[arg-type]
+    assert trio_cuda.devices() == [trio_cuda.device(i) for i in range(trio_cuda.device_count())]
+
+
+@needs_devices(2)
+def test_policy_is_per_device() -> None:
+    d0, d1 = trio_cuda.device(0), trio_cuda.device(1)
+    assert d0.policy.device is d0 and d1.policy.device is d1
+    with pytest.raises(ValueError, match="device"):
+        d0.policy = trio_cuda.SingleStream(d1)
+
+
+@needs_devices(3)
+async def test_several_devices_work_concurrently() -> None:
+    results: dict[int, np.ndarray] = {}
+
+    async def on_device(i: int) -> None:
+        with trio_cuda.use_device(i):
+            x = await api.full((8,), float(i))
+            y = await saxpy(2.0, x, api.ones((8,)).partition((4,))).last().unpartition()
+            assert y.device is trio_cuda.device(i)
+            await sleep(counter(), SLOW_NS)
+            results[i] = await y.to_host()
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as n:
+        for i in range(3):
+            n.start_soon(on_device, i)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.2 * SLOW_NS / 1e9, f"three devices took {elapsed:.3f} s"
+    for i in range(3):
+        np.testing.assert_array_equal(results[i], np.full(8, 2.0 * i + 1, np.float32))
+
+
+async def test_one_await_after_another_stays_on_one_pool_stream(dev: trio_cuda.Device) -> None:
+    # The pool hands a submission the previous submission's stream while that stream is
+    # known idle: serial awaits do not hop over the pool (each hop costs ~3 us on an H200).
+    old = dev.policy
+    p = dev.policy = trio_cuda.StreamPoolRoundRobin(dev)
+    try:
+        x = await api.zeros((64,))
+        before = [s.seq for s in p.streams]
+        for _ in range(6):
+            await ops.add(x, 1.0, out=x)
+        moved = [s for s, b in zip(p.streams, before, strict=True) if s.seq != b]
+        assert len(moved) == 1, f"{len(moved)} pool streams used by 6 serial awaits"
+        np.testing.assert_array_equal(await x.to_host(), np.full(64, 6.0, np.float32))
+        assert len({p.next_stream() for _ in range(4)}) == 4  # branches still rotate
+    finally:
+        dev.policy = old
+
+
+async def test_submissions_while_work_runs_spread_over_the_pool(dev: trio_cuda.Device) -> None:
+    old = dev.policy
+    p = dev.policy = trio_cuda.StreamPoolRoundRobin(dev)
+    try:
+        counters = [await counter() for _ in range(8)]
+        before = [s.seq for s in p.streams]
+        async with trio.open_nursery() as nursery:
+            for c in counters:  # all submitted before any of them completes (0.3 s each)
+                nursery.start_soon(_await, sleep(c, SLOW_NS))
+        moved = [s for s, b in zip(p.streams, before, strict=True) if s.seq != b]
+        assert len(moved) == 4, f"8 concurrent submissions used {len(moved)} of the 4 pool streams"
+        for c in counters:
+            np.testing.assert_array_equal(await c.tensor.to_host(), [1])
+    finally:
+        dev.policy = old
+
+
+async def _await(op: object) -> None:
+    await op  # type: ignore[misc]
