@@ -7,8 +7,9 @@
 # one: if ./.whl holds wheels (../shared/scripts/offline-wheels.sh), they are installed
 # into /tmp/site first. The package itself is installed from this tree in editable mode
 # with no index and no build isolation (the build uses the setuptools already there, so
-# no network is needed); that maps trio_cuda.kernels to kernels/ and builds the compiled
-# parts in place. It writes cuda-suite.md and cuda-suite.log, replacing the last ones
+# no network is needed); that maps trio_cuda.kernels to kernels/. The compiled parts (the
+# fast path, and the runtime's hot modules through Cython, carried as a wheel in .whl/)
+# are then built in place, and the suite requires them. It writes cuda-suite.md and cuda-suite.log, replacing the last ones
 # (older runs are in git history).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +22,16 @@ fi
 # Already installed (pip install -e ".[test]" on a machine with network): nothing to do.
 python3 -c "import trio_cuda.kernels" 2>/dev/null ||
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-# The compiled fast path (trio_cuda/_backends/_cudafast.c), in place, when not built yet.
-if ! python3 -c "import trio_cuda._backends._cudafast" 2>/dev/null; then
-  python3 setup.py -q build_ext --inplace 2>/dev/null ||
-    gcc -O2 -shared -fPIC -DPy_LIMITED_API=0x030B0000 \
-      -I"$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" \
-      trio_cuda/_backends/_cudafast.c -o trio_cuda/_backends/_cudafast.abi3.so ||
-    echo "cuda-tests.sh: the fast path could not be built; the suite runs without it" >&2
+# The compiled parts, in place, when not built yet: the fast path
+# (trio_cuda/_backends/_cudafast.c) and the hot modules (Cython, trio_cuda._compiled.MODULES).
+if ! TRIO_CUDA_REQUIRE_COMPILED=1 python3 -c "import trio_cuda._backends._cudafast, trio_cuda" 2>/dev/null; then
+  python3 setup.py -q build_ext --inplace -j "$(nproc)" ||
+    echo "cuda-tests.sh: the compiled parts could not all be built" >&2
+fi
+if TRIO_CUDA_REQUIRE_COMPILED=1 python3 -c "import trio_cuda" 2>/dev/null; then
+  export TRIO_CUDA_REQUIRE_COMPILED=1
+else
+  echo "cuda-tests.sh: the hot modules are not compiled; the suite runs them interpreted" >&2
 fi
 export TRIO_CUDA_BACKEND=cuda PYTHONUNBUFFERED=1
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
@@ -43,6 +47,7 @@ summary=$(grep -E "^(=+ )?[0-9]+ (passed|failed)|[0-9]+ (passed|failed|skipped|e
   echo "- commit: $commit"
   echo "- GPU: ${gpu:-unknown}"
   echo "- command: scripts/cuda-tests.sh (TRIO_CUDA_BACKEND=cuda python3 -m pytest -q -rs)"
+  echo "- compiled modules: $(python3 -c 'import trio_cuda; print(len(trio_cuda.lowlevel.compiled()))' 2>/dev/null) of $(python3 -c 'from trio_cuda._compiled import MODULES; print(len(MODULES))' 2>/dev/null)"
   echo "- python: $(python3 --version 2>&1); numba-cuda: $(python3 -c 'import numba_cuda; print(numba_cuda.__version__)' 2>/dev/null); cuda-bindings: $(python3 -c 'import cuda.bindings; print(cuda.bindings.__version__)' 2>/dev/null); numpy: $(python3 -c 'import numpy; print(numpy.__version__)')"
   echo "- result: ${summary:-no summary} (exit status $rc)"
   echo

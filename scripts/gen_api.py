@@ -31,9 +31,6 @@ import types
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The reference documents the Python methods; the compiled hot path (trio_cuda/_hotpath.c)
-# replaces some of them (Device.poll) with equivalents that inspect cannot read.
-os.environ["TRIO_CUDA_HOTPATH"] = "0"
 OUT = ROOT / "docs" / "api.md"
 
 # Submodules in the order they appear; (name, required). A missing optional module is
@@ -46,6 +43,23 @@ MODULES = [
     ("trio_cuda.kernels", True),
     ("trio_cuda.collectives", False),
 ]
+
+def _isfunction(obj: Any) -> bool:
+    """A function, also one of a module compiled by Cython (see trio_cuda._compiled),
+    whose signature and docstring inspect reads as the source's."""
+    return inspect.isfunction(obj) or type(obj).__name__ == "cython_function_or_method"
+
+
+def _method_doc(cls: type, name: str, attr: Any) -> str | None:
+    """``inspect.getdoc`` of method ``name`` of ``cls``, inherited along the MRO where it
+    has none, as getdoc does for plain functions (but not for compiled ones)."""
+    doc = inspect.getdoc(getattr(cls, name, attr))
+    if doc is None:
+        for base in cls.__mro__[1:]:
+            if name in base.__dict__ and base.__dict__[name].__doc__:
+                return inspect.cleandoc(base.__dict__[name].__doc__)
+    return doc
+
 
 # Public names deliberately kept out of a module's __all__.
 EXTRA = {"trio_cuda": ["zip"]}
@@ -112,7 +126,7 @@ def _public_names(mod: types.ModuleType) -> list[str]:
     names.update(EXTRA.get(mod.__name__, ()))
     if mod.__name__ != "trio_cuda":
         for name, obj in vars(mod).items():
-            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            if name.startswith("_") or not (_isfunction(obj) or inspect.isclass(obj)):
                 continue
             if getattr(obj, "__module__", None) == mod.__name__:
                 names.add(name)
@@ -233,8 +247,8 @@ def _describe_class(qual: str, cls: type) -> list[str]:
             attr = attr.__func__
         if isinstance(attr, property):
             lines += [f"#### `{qual}.{name}` (property)", "", _text(inspect.getdoc(attr)), ""]
-        elif inspect.isfunction(attr):
-            doc = inspect.getdoc(getattr(cls, name, attr))
+        elif _isfunction(attr):
+            doc = _method_doc(cls, name, attr)
             if name.startswith("__") and not attr.__doc__:
                 plain.append(name)
                 continue
@@ -255,9 +269,9 @@ def _describe(qual: str, obj: Any) -> list[str]:
 
     if inspect.ismodule(obj):
         return [f"### module `{qual}`", "", f"Documented in its own section below: `{obj.__name__}`.", ""]
-    if (inspect.isclass(obj) or inspect.isfunction(obj)) and id(obj) in _documented:
+    if (inspect.isclass(obj) or _isfunction(obj)) and id(obj) in _documented:
         return [f"### `{qual}`", "", f"The same object as `{_documented[id(obj)]}` (documented there).", ""]
-    if inspect.isclass(obj) or inspect.isfunction(obj):
+    if inspect.isclass(obj) or _isfunction(obj):
         _documented[id(obj)] = qual
     if inspect.isclass(obj):
         return _describe_class(qual, obj)

@@ -26,6 +26,7 @@ from . import (  # noqa: E402
     ops,
 )
 from ._backends import backend_name  # noqa: E402
+from ._compiled import check_required as _check_required  # noqa: E402
 from ._device import Device, DeviceStatistics  # noqa: E402
 from ._errors import (  # noqa: E402
     DeviceError,
@@ -49,6 +50,8 @@ from ._registry import current_device, device, device_count, devices, use_device
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin  # noqa: E402
 from ._stream import Stream  # noqa: E402
 from ._tensor import Partition, Tensor  # noqa: E402
+
+_check_required()
 
 __version__ = "0.2.0"
 

@@ -48,14 +48,6 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return raw
 
 
-def env_switch(name: str) -> bool:
-    """A switch that is on unless environment variable ``name`` turns it off (unset or
-    empty: on; otherwise read as :func:`env_flag`)."""
-    if not os.environ.get(name, "").strip():
-        return True
-    return env_flag(name)
-
-
 def env_flag(name: str) -> bool:
     """True if environment variable ``name`` is set to something other than '' or '0'."""
     raw = os.environ.get(name, "").strip().lower()

@@ -181,9 +181,9 @@ class Device:
     _policy: SchedulingPolicy | None
     _pick: Callable[[], Stream] | None  # the policy's choice of a submission's stream
     _dead_streams: collections.deque[Stream]
-    # destroyed streams whose last work may still run: final event, keeps, word, and the
+    # destroyed streams whose last work may still run: final event, keeps, and the
     # driver stream, destroyed once that work is done (None: another library's)
-    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], int, Any]]
+    _lingering: list[tuple[Event, collections.deque[tuple[int, Any]], Any]]
     _event_pool: collections.deque[tuple[int, Any]]
     _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]], Any]]
     _dead_graphs: collections.deque[tuple[int, Any]]
@@ -195,9 +195,6 @@ class Device:
     _idle_wakers: list[Waker]
     _host_cond: threading.Condition
     _host_readers: int
-    _flags: memoryview | None  # the driver's completion words (see reached())
-    _flag_free: list[int]  # words no stream holds
-    _ticket: int  # the last ticket given to a recorded event (grows for the process)
     _foreign_streams: bool  # another library's stream was wrapped (it may pull ours into its capture)
     _cross_device: bool  # work here waited for or copied another device's work, or ran a collective (see poll)
 
@@ -232,43 +229,9 @@ class Device:
         self._idle_wakers = []
         self._host_cond = threading.Condition(threading.Lock())
         self._host_readers = 0
-        words = driver.flag_words
-        self._flags = words
-        self._flag_free = list(range(len(words) - 1, -1, -1)) if words is not None else []
-        self._ticket = 0
         self._foreign_streams = False
         self._cross_device = False
         return self
-
-    # -- completion words -----------------------------------------------------------
-    def _take_flag(self) -> int:
-        """A completion word for a new stream (-1 if none is free). Under LOCK."""
-        free = self._flag_free
-        return free.pop() if free else -1
-
-    def _give_flag(self, s: Stream) -> None:
-        """Take back the word of a stream whose work is over (or went with a reset). Under LOCK.
-
-        A word comes back only once nothing of its stream is pending: a new owner's
-        tickets are larger, so a pending event of the old owner would read them as its
-        own (a stream dropped with work in flight gives its word back when that work
-        completes, see _housekeeping).
-        """
-        if s._flag >= 0:
-            self._flag_free.append(s._flag)
-            s._flag = -1
-
-    def reached(self, ev: Event) -> bool:
-        """True if ``ev``'s completion word says it is done: one memory read, no lock, no
-        driver call (False says nothing: :meth:`poll` asks the driver)."""
-        words = self._flags
-        return (
-            ev.flag >= 0
-            and words is not None
-            and words[ev.flag] >= ev.ticket
-            and ev.generation == self.generation
-            and not self._resetting
-        )
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -375,34 +338,27 @@ class Device:
         while dead:
             s = dead.popleft()
             if s.generation != gen or s.handle is None:
-                self._give_flag(s)  # its work went with a reset: no write of it can land
-                continue
+                continue  # its work went with a reset
             pending = s.seq > s.done_seq or bool(s._keep)
             handle = None if s._foreign else s.handle  # another library's stream is never destroyed here
             if pending:
                 # Its last work may still run: an event after it stands in for the stream
                 # (for waits on it, synchronize() and out-of-memory retries), and holds
-                # what that work uses, its completion word (a new owner's later tickets
-                # would make its pending events read as done) and its driver stream until
-                # that work is done. Measured on an H200: destroying a driver stream with
+                # what that work uses and its driver stream until that work is done. Measured on an H200: destroying a driver stream with
                 # a long kernel queued made the next stream created wait for that kernel.
                 s._final = s.event_at(s.seq)
-                self._lingering.append((s._final, s._keep, s._flag, handle))
-                s._flag = -1
+                self._lingering.append((s._final, s._keep, handle))
             elif handle is not None:
                 self._destroy_driver_stream(handle)
             s.handle = None
-            self._give_flag(s)
         if self._lingering:
             still = []
-            for ev, keep, flag, handle in self._lingering:
+            for ev, keep, handle in self._lingering:
                 try:
                     done = self._driver.query(ev.handle)
                 except DeviceError:
                     done = False  # a fault: kept until the reset drops everything
                 if done:
-                    if flag >= 0:
-                        self._flag_free.append(flag)
                     for _, obj in keep:
                         release = getattr(obj, "stream_done", None)
                         if release is not None:
@@ -410,7 +366,7 @@ class Device:
                     if handle is not None:
                         self._destroy_driver_stream(handle)
                 else:
-                    still.append((ev, keep, flag, handle))
+                    still.append((ev, keep, handle))
             self._lingering = still
         graphs = self._dead_graphs
         while graphs:
@@ -510,12 +466,10 @@ class Device:
             self._resetting = True
             self.generation += 1
             self._event_pool.clear()
-            dead = self._dead_streams  # filled lock-free by finalizers (any thread): drained
-            while dead:
-                self._give_flag(dead.popleft())  # their work goes with the reset, and their words
+            # Filled lock-free by finalizers (any thread): their work goes with the reset.
+            self._dead_streams.clear()
             self._dead_graphs.clear()
             # Their driver streams go with the reset (the context's streams all do).
-            self._flag_free.extend(flag for _, _, flag, _ in self._lingering if flag >= 0)
             self._lingering = []
             self._bytes_in_use = 0
             wakers = list(self._blocking)
@@ -682,20 +636,10 @@ class Device:
             DeviceReset: The device was reset after the event was recorded.
             DeviceFault: The work before the event failed, or the device faulted.
         """
-        # (trio_cuda/_hotpath.c installs a compiled equivalent of the path without a
-        # completion word: a change here must be made there too.)
         if ev.done:
             if ev.error is not None:
                 raise fresh(ev.error)
             return True
-        if ev.flag >= 0 and self.reached(ev):
-            with LOCK:
-                if ev.generation == self.generation:  # not reset since the word was read
-                    ev.done = True
-                    s = ev._stream()
-                    if s is not None:  # the stream learns how far it is known complete
-                        s._succeeded(ev.seq)
-                    return True
         with LOCK:
             if ev.generation != self.generation:
                 check_not_forked()
@@ -853,7 +797,7 @@ class Device:
             ev = s.event_at(s.seq) if s.capture is None else s.capture.outside_event(s, 0)
             if ev is not None and not ev.done:
                 out.append(ev)
-        for ev, _, _, _ in self._lingering:  # the last work of dropped streams
+        for ev, _, _ in self._lingering:  # the last work of dropped streams
             if not ev.done:
                 out.append(ev)
         return out

@@ -34,10 +34,8 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
-from . import _submit
 from ._backends._boundary import signature_of
 from ._checks import arg_type, as_int, is_scalar
-from ._config import env_switch
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
@@ -475,9 +473,7 @@ def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> Non
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
     """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
     of the buffers it uses on other streams, and registered as their writer or reader.
-    The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK.
-    (trio_cuda/_hotpath.c's enqueue_launch does the same: a change here must be made
-    there too.)"""
+    The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK."""
     wpos, rpos = cfg.writes, cfg.reads
     for i in wpos:
         t = args[i].tensor
@@ -546,10 +542,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         inputs, launched before with these exact arguments on this device, memory
         allocated, nothing to wait for, nothing to tidy up first. The same checks and the
         same effects as the general path, without building a plan (the common
-        ``await kernel(tensors...)``). None: take the general path.
-
-        trio_cuda/_hotpath.c does the same in C (installed in place of this method when
-        built): a change here must be made there too; tests/compiled/test_hotpath.py compares them."""
+        ``await kernel(tensors...)``). None: take the general path."""
         if self._inputs or _tls.submitting:
             return None
         args = self._args
@@ -606,8 +599,6 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         return args, ev, [k.name]
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
-        # (trio_cuda/_hotpath.c installs a compiled equivalent for a prepared launch: a
-        # change here must be made there too.)
         k = self._kernel
         args = self._args
         if values:
@@ -649,187 +640,9 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         return args
 
 
-# -- the compiled hot path ---------------------------------------------------------------
-# trio_cuda/_hotpath.c: _Launch._submit_now, Device.poll, the enqueue of a replayed op's
-# one launch (enqueue_direct), _Launch._plan and the plan's walk and step loops
-# (_submit.hot_walk / hot_run_steps), and the per-call path (DeviceOp.__await__,
-# Kernel.__call__, Device._event_handle, Event.__del__) in C, reading and writing the
-# runtime's __slots__ at their offsets (see its docstring). Each hands any case it does
-# not handle, before any effect, to the Python. Optional: without it (no compiler at install,
-# TRIO_CUDA_HOTPATH=0, or a class it does not recognize) the Python methods run.
-_submit_now_py = _Launch._submit_now
-_plan_py = _Launch._plan
-_poll_py: Any = None
-_hot: tuple[Any, Any, Any] | None = None  # its methods: _submit_now, poll, _plan
-_await_py = DeviceOp.__await__
-_event_del_py = Event.__del__
-_kernel_call_py = Kernel.__call__
-#: Its DeviceOp.__await__, Event.__del__ and Kernel.__call__ (None: trio's internals are
-#: not as it expects, and the Python ones stay).
-_hot_calls: tuple[Any, Any, Any] | None = None
-_hotmod: Any = None  # the module (its functions: enqueue_direct, walk, run_steps)
-#: Switches of upper layers' compiled methods (the ops' TensorOp._submit_now), each
-#: called with whether the compiled path is in use, by use_hotpath and when registered.
-_hot_switches: list[Callable[[bool], None]] = []
-
-
-def on_hotpath_switch(switch: Callable[[bool], None]) -> None:
-    """Register ``switch(on)``, called now and on every use_hotpath with whether the
-    compiled methods are in use: an upper layer installs its own compiled methods (or
-    its Python ones) there."""
-    _hot_switches.append(switch)
-    switch(hotpath_active())
-
-
-def _enqueue_direct_py(
+def enqueue_direct(
     s: Stream, cfg: _Config, prepared: Any, writes: list[tuple[Any, bool]], reads: list[tuple[Any, bool]]
 ) -> Event | None:
     """The direct submission of a replayed op whose recipe is one prepared launch
     (_ops._core._Recipe.submit_now; under LOCK, checked): its one step, enqueued."""
     return direct_enqueue(s, enqueue_prepared, (cfg, prepared, writes, reads))
-
-
-#: That submission: trio_cuda/_hotpath.c's enqueue_direct, or the Python (use_hotpath).
-enqueue_direct = _enqueue_direct_py
-
-
-def _hot_setup_objects() -> dict[str, Any]:
-    """What trio_cuda/_hotpath.c works on: the classes whose slots it reads and writes,
-    the Python methods it hands other cases to, and the runtime's shared objects."""
-    from . import _device
-    from ._memory import Buffer
-    from ._op import _Select
-    from ._stream import Stream
-    from ._submit import Continue
-
-    return {
-        "Launch": _Launch,
-        "Partition": Partition,
-        "Tensor": Tensor,
-        "Stream": Stream,
-        "Config": _Config,
-        "Counters": _device._Counters,
-        "Buffer": Buffer,
-        "Event": Event,
-        "Device": _device.Device,
-        "submit": _submit_now_py,
-        "poll": _poll_py,
-        "device_globals": vars(_device),
-        "lock": LOCK,
-        "tls": _tls,
-        "executing": EXECUTING,
-        "direct_failed": direct_failed,
-        "direct_enqueue": direct_enqueue,
-        "enqueue_prepared": enqueue_prepared,
-        "Lane": Lane,
-        "Select": _Select,
-        "Continue": Continue,
-        "plan": _plan_py,
-        "select_plan": _Select._plan,
-        "prepared_step": _prepared_step,
-        "enqueue_launch": _enqueue_launch,
-        "kernel_globals": globals(),
-    }
-
-
-def _hot_calls_objects() -> dict[str, Any] | None:
-    """What the compiled ``DeviceOp.__await__`` works on: trio's run context, trap and
-    classes (None if _traps did not find them), the modules whose switches and
-    counters it reads, the Python it hands cases over to."""
-    import time
-
-    import outcome
-
-    from . import _notifier, _registry, _trace, _traps
-    from ._device import Device
-    from ._errors import DeviceError
-    from ._registry import current_device
-    from ._scheduling import StreamPoolRoundRobin
-
-    internals = _traps.trio_classes()
-    if internals is None:
-        return None
-    return {
-        "run_context": _traps.RUN_CONTEXT,
-        "trap": _traps.CANCEL_SHIELDED_CHECKPOINT,
-        "Value": outcome.Value,
-        **internals,
-        "DeviceOp": DeviceOp,
-        "DeviceError": DeviceError,
-        "traps_globals": vars(_traps),
-        "submit_globals": vars(_submit),
-        "trace_globals": vars(_trace),
-        "notifier_globals": vars(_notifier),
-        "current_device": current_device,
-        "await": _submit.await_op,
-        "await_rest": _submit.await_rest,
-        "raise_named": _submit.raise_named,
-        "run_planned": _submit.run_planned,
-        "clock": time.perf_counter_ns,
-        "registry_globals": vars(_registry),
-        "event_handle": Device._event_handle,
-        "recycle_event": Device._recycle_event,
-        "submission_stream": Device._submission_stream,
-        "pool_submission": StreamPoolRoundRobin.submission_stream,
-        "Pool": StreamPoolRoundRobin,
-        "Kernel": Kernel,
-        "kernel_call": _kernel_call_py,
-        "launch_init": _Launch.__init__,
-    }
-
-
-def _load_hotpath() -> tuple[Any, Any, Any] | None:
-    global _poll_py, _hotmod, _hot_calls
-    from ._device import Device
-
-    _poll_py = Device.poll
-    if not env_switch("TRIO_CUDA_HOTPATH"):
-        return None
-    try:
-        from . import _hotpath
-    except ImportError:
-        return None
-    methods: tuple[Any, Any, Any] = _hotpath.setup(_hot_setup_objects())
-    _hotmod = _hotpath
-    _submit.count_extras.append(_hotpath.direct_counted)
-    objects = _hot_calls_objects()
-    try:
-        _hot_calls = None if objects is None else _hotpath.setup_calls(objects)
-    except (TypeError, AttributeError):  # trio's classes are not what it reads: the Python await
-        _hot_calls = None
-    return methods
-
-
-def use_hotpath(on: bool) -> bool:
-    """Use the compiled ``_Launch._submit_now``, ``Device.poll``, ``enqueue_direct``,
-    ``_Launch._plan``, the plan's walk and step runner and ``DeviceOp.__await__`` (if
-    built) or the Python ones;
-    returns whether the compiled ones are in use now (tests run both)."""
-    global enqueue_direct
-    from ._device import Device
-
-    if on and _hot is not None:
-        _Launch._submit_now, Device.poll, _Launch._plan = _hot  # type: ignore[method-assign]
-        enqueue_direct = _hotmod.enqueue_direct
-        _submit.hot_walk, _submit.hot_run_steps = _hotmod.walk, _hotmod.run_steps
-        calls = _hot_calls if _hot_calls is not None else (_await_py, _event_del_py, _kernel_call_py)
-        DeviceOp.__await__, Event.__del__, Kernel.__call__ = calls  # type: ignore[method-assign]
-    else:
-        DeviceOp.__await__, Event.__del__, Kernel.__call__ = _await_py, _event_del_py, _kernel_call_py  # type: ignore[method-assign]
-        _Launch._submit_now, Device.poll = _submit_now_py, _poll_py  # type: ignore[method-assign]
-        _Launch._plan = _plan_py  # type: ignore[method-assign]
-        enqueue_direct = _enqueue_direct_py
-        _submit.hot_walk = _submit.hot_run_steps = None
-    active = hotpath_active()
-    for switch in _hot_switches:
-        switch(active)
-    return active
-
-
-def hotpath_active() -> bool:
-    """True if the compiled methods are in use."""
-    return _hot is not None and _Launch._submit_now is _hot[0]
-
-
-_hot = _load_hotpath()
-use_hotpath(True)

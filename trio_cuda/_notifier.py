@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import outcome
 import trio
 
-from . import _traps
 from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Event
 
-__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_ns", "spin_poll", "wait_event"]
+__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_poll", "wait_event"]
 
 _FAULT_POLL_S = 0.02
 _budget_ns: int | None = None
@@ -66,41 +65,31 @@ class NotifierStatistics:
     batches: int
 
 
-def spin_ns() -> int:
-    """How long an awaiting task may spin on a completion word without yielding, when
-    the scheduler came back to it within that time (nanoseconds)."""
-    global _spin_ns
-    if _spin_ns is None:
-        us = env_float("TRIO_CUDA_SPIN_US", backend().spin_us, minimum=0.0)
-        _spin_ns = int(us * 1000)
-    return _spin_ns
-
-
 def spin_poll(event: Event, started: int, deadline: int) -> bool:
     """After a poll that found ``event`` pending, right after a pass of the scheduler
-    that began at ``started`` (perf_counter_ns): if that pass came back within the spin
-    time (few tasks are running), poll again without yielding, for up to the spin time
-    and not past ``deadline`` (the end of the polling budget); True if the event
-    completed meanwhile (the caller counts it). An event with a completion word spins
-    on the word and asks the driver once at the end.
-    (trio_cuda/_hotpath.c's await does the same: a change here must be made there too.)"""
-    spin = _spin_ns if _spin_ns is not None else spin_ns()
+    that began at ``started`` (perf_counter_ns): if that pass came back within the
+    backend's spin time (few tasks are running), poll again without yielding, for up to
+    the spin time and not past ``deadline`` (the end of the polling budget); True if the
+    event completed meanwhile (the caller counts it)."""
+    spin = _spin_ns
+    if spin is None:
+        spin = _spin_ns_of_backend()
     clock = time.perf_counter_ns
     now = clock()
     if not spin or now - started >= spin or now >= deadline:
         return False
     end = min(now + spin, deadline)
     dev = event.device
-    if event.flag >= 0:
-        while clock() < end:
-            if dev.reached(event):
-                break
+    done = False
+    while not done and clock() < end:
         done = dev.poll(event)
-    else:
-        done = False
-        while not done and clock() < end:
-            done = dev.poll(event)
     return done
+
+
+def _spin_ns_of_backend() -> int:
+    global _spin_ns
+    _spin_ns = int(backend().spin_us * 1000)
+    return _spin_ns
 
 
 def poll_budget_ns() -> int:
@@ -238,24 +227,23 @@ async def wait_event(event: Event) -> None:
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
-    if _budget_ns is None or _spin_ns is None:  # read (and checked) at the first wait
-        poll_budget_ns()
-        spin_ns()
+    budget = _budget_ns if _budget_ns is not None else poll_budget_ns()  # read (and checked) at the first wait
+    spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()
     dev = event.device
-    clock = time.perf_counter_ns
-    started = clock()
-    if event.done or (event.flag >= 0 and dev.reached(event)):
-        # Known complete, or its completion word says so: the first poll, right away.
+    started = time.perf_counter_ns()
+    if event.done:
+        # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
             _paths[0] += 1
-            await _traps.cancel_shielded_checkpoint()
+            await trio.lowlevel.cancel_shielded_checkpoint()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        await _traps.checkpoint()
-        if dev.poll(event):
+        await trio.lowlevel.checkpoint()
+        # (if the scheduler came back at once, few tasks are running: spin for a moment)
+        if dev.poll(event) or (spin and spin_poll(event, started, started + budget)):
             _paths[0] += 1
             return
     await wait_pending(event, started)
@@ -268,11 +256,11 @@ async def wait_pending(event: Event, started: int) -> None:
     dev = event.device
     clock = time.perf_counter_ns
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
-    spin = _spin_ns if _spin_ns is not None else spin_ns()  # (a test may have reset them)
+    spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()  # (a test may have reset them)
     deadline = started + budget  # a budget of 0 parks what the first poll found pending
     while clock() < deadline:
         before = clock()
-        await _traps.checkpoint()
+        await trio.lowlevel.checkpoint()
         # (if the scheduler came back at once, few tasks are running: spin for a moment
         # instead of another pass of the loop)
         if dev.poll(event) or (spin and spin_poll(event, before, deadline)):

@@ -45,7 +45,7 @@ def devices() -> list[Device]:
 def _orphan_devices() -> None:
     """In a forked child: every device refuses work, and the work of the parent that it
     still names is stale, so nothing there waits for a thread or a driver context that the
-    child does not have (the compiled hot path hands such calls to the Python methods)."""
+    child does not have."""
     for d in _devices or ():
         d._orphan()
 

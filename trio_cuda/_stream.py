@@ -43,17 +43,13 @@ class Event:
         "device",
         "done",
         "error",
-        "flag",
         "generation",
         "handle",
         "seq",
         "stream_handle",
-        "ticket",
     )
 
-    def __init__(self, stream: Stream, seq: int, handle: Any, flag: int = -1, ticket: int = 0) -> None:
-        # (trio_cuda/_hotpath.c makes Events without calling this: a new attribute must
-        # be set there too.)
+    def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
         self.device = stream.device
         self._stream = stream._wref  # weak: no cycle with the stream's last event
         self.stream_handle = stream.handle
@@ -62,11 +58,6 @@ class Event:
         self.done = False
         self.error: BaseException | None = None  # the work before it failed (it is done)
         self.generation = stream.generation
-        # Done once the device's completion word ``flag`` holds ``ticket`` or more (-1:
-        # no word, ask the driver). Tickets grow per device, so a word a stream reuses
-        # never reads as a later ticket.
-        self.flag = flag
-        self.ticket = ticket
 
     @property
     def stream(self) -> Stream | None:
@@ -124,7 +115,6 @@ class Stream:
         "__weakref__",
         "_dropped",
         "_final",
-        "_flag",
         "_foreign",
         "_keep",
         "_last_event",
@@ -156,7 +146,6 @@ class Stream:
     _final: Event | None  # after the handle is destroyed: an event after its last work
     _dropped: bool  # its last reference went away: it is (being) destroyed
     _foreign: bool  # another library's stream (lowlevel.external_stream): never destroyed here
-    _flag: int  # its completion word on the device (-1: none)
     _wref: weakref.ref[Stream]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -171,7 +160,6 @@ class Stream:
         self._dropped = False
         self._foreign = False
         self._wref = weakref.ref(self)
-        self._flag = device._take_flag()
         self._bind(handle)
         return self
 
@@ -230,7 +218,6 @@ class Stream:
 
         A destroyed stream answers with the event after its last work.
         """
-        # (The compiled submission, trio_cuda/_hotpath.c, does the same after its launch.)
         if self.handle is None:
             assert self._final is not None
             return self._final
@@ -240,13 +227,8 @@ class Stream:
         if self.seq < seq:
             self.seq = seq
         device = self.device
-        flag = self._flag if self.capture is None else -1  # a capture records no write
-        ticket = 0
-        if flag >= 0:
-            device._ticket += 1
-            ticket = device._ticket
-        ev = Event(self, self.seq, device._event_handle(), flag, ticket)
-        device._driver.record(ev.handle, self.handle, flag, ticket)
+        ev = Event(self, self.seq, device._event_handle())
+        device._driver.record(ev.handle, self.handle)
         self._last_event = ev
         return ev
 

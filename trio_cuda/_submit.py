@@ -29,20 +29,18 @@ applied, afterwards.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
-from . import _notifier, _trace, _traps
+from . import _trace
 from ._capture import Capture
-from ._config import env_switch
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._memory import Buffer
-from ._notifier import wait_event, wait_pending
+from ._notifier import wait_event
 from ._registry import current_device
 from ._staging import Staging, StagingPool, copies_completed, pin, pool_of
 from ._stream import dropped_stream
@@ -61,7 +59,6 @@ __all__ = [
     "contains_pending",
     "resolve",
     "Submitted",
-    "run_async",
     "run_sync",
     "submit_async",
     "submit_blocking",
@@ -125,9 +122,8 @@ class SubmissionStatistics:
 # general path would and says whether that path would do anything more than run the
 # step (raise, wait, capture), and direct_enqueue() runs it with the same effects. When
 # it says no, the op takes the general path, which does (or explains) the rest.
-# TRIO_CUDA_DIRECT=0 sends every submission through a plan (for A/B measurements, or to
-# rule the direct path out); read at import.
-direct_on = env_switch("TRIO_CUDA_DIRECT")
+#: False sends every submission through a plan (a test hook: tests compare the two paths).
+direct_on = True
 
 
 def direct_ready(s: Stream, generation: int) -> bool:
@@ -250,24 +246,18 @@ def note_accesses(s: Stream, seq: int, writes: Iterable[tuple[Buffer, bool]], re
             b.lifetime[s] = seq
 
 
-# Direct submissions counted elsewhere (the compiled path's: _kernel adds its
-# _hotpath.direct_counted), each planned, enqueued and direct; not in _counts.
-count_extras: list[Callable[[], int]] = []
-
-
 def statistics() -> SubmissionStatistics:
-    extra = sum(f() for f in count_extras)
     c = _counts
     return SubmissionStatistics(
-        c["planned"] + extra,
-        c["enqueued"] + extra,
+        c["planned"],
+        c["enqueued"],
         c["abandoned"],
         c["failed"],
         c["kernels"],
         c["staging"],
         c["plan"],
         c["memory"],
-        c["direct"] + extra,
+        c["direct"],
         c["communicators"],
     )
 
@@ -340,13 +330,6 @@ def resolve(v: Any) -> Any:
     if t is list:
         return [resolve(x) for x in v]
     return v
-
-
-#: The compiled walk and step runner (trio_cuda/_hotpath.c's walk and run_steps, set by
-#: _kernel.use_hotpath), or None: the Python loops of Plan._walk and Plan._run_steps (a
-#: change to those loops must be made there too).
-hot_walk: Callable[[Plan, list[tuple[Any, Lane, int]], list[Any]], bool] | None = None
-hot_run_steps: Callable[[list[tuple[Callable[[Lane, Any], None], Lane, Any]]], None] | None = None
 
 
 class Continue:
@@ -795,12 +778,7 @@ class Plan:
         push = work.append
         vpush = values.append
         claim = self.claimed.append
-        fast = hot_walk
         while work:
-            # The compiled loop walks the frames of launches and selects; it leaves any
-            # other frame on top (False) for the loop below.
-            if fast is not None and fast(self, work, values):
-                return
             op, ln, n = pop()
             while True:
                 if n < 0:
@@ -1033,10 +1011,6 @@ class Plan:
         """The driver calls of every step, in order (through the open trace, if any)."""
         tracer = _trace.active
         if tracer is None:
-            fast = hot_run_steps
-            if fast is not None:
-                fast(self.steps)
-                return
             for fn, lane, arg in self.steps:
                 fn(lane, arg)
         else:
@@ -1359,33 +1333,28 @@ async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
     return Submitted(plan, value)
 
 
-async def run_async(op: Any, stream: Stream | None = None) -> Any:
-    """``await op`` through trio's public functions: submit on ``stream`` (default: the
-    current device's policy) and wait in trio. :func:`await_op` is the same in fewer
-    frames (its wait is wait_event inlined, and the preamble below, on purpose: calls
-    cost 4-5% of an await)."""
-    await trio.lowlevel.checkpoint_if_cancelled()
+def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
+    """``await op`` (``DeviceOp.__await__``): submit on ``stream`` (default: the current
+    device's policy) and wait in trio, through trio's public checkpoints. A generator
+    rather than a coroutine: the common await is then one frame of its own."""
+    yield from trio.lowlevel.checkpoint_if_cancelled().__await__()
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
-    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
-        done = submit_now(stream)
-        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
-            value, ev, names = done
-            if ev is None:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            else:
-                try:
-                    await wait_event(ev)
-                except DeviceError as err:
-                    raise name_fault(err, names, stream.device.ordinal) from err
-            return value
-    return await _run_planned(op, stream)
-
-
-def run_planned(op: Any, stream: Stream) -> Any:
-    """:func:`_run_planned`'s coroutine, for the compiled await to drive."""
-    return _run_planned(op, stream)
+    if submit_now is None or not direct_on or _trace.active is not None:  # a trace sees every plan
+        return (yield from _run_planned(op, stream).__await__())
+    done = submit_now(stream)
+    if done is None:  # not planned and enqueued in one step (see _Launch._submit_now)
+        return (yield from _run_planned(op, stream).__await__())
+    value, ev, names = done
+    if ev is None:
+        yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
+        return value
+    try:
+        yield from wait_event(ev).__await__()
+    except DeviceError as err:
+        raise name_fault(err, names, stream.device.ordinal) from err
+    return value
 
 
 async def _run_planned(op: Any, stream: Stream) -> Any:
@@ -1405,100 +1374,6 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
     if len(plan.generations) > 1:
         check_generations(plan.generations, plan.ops)
     return _finish(value, plan.pending, _completed_staging(plan))
-
-
-def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
-    """``DeviceOp.__await__``: :func:`run_async` as one generator that yields trio's
-    trap itself and does trio's cancel checks inline (see _traps), so the common await
-    passes through two frames, not six, each time it yields. The same checks in the
-    same order; a cancelled task and the general path go through trio's functions.
-    (trio_cuda/_hotpath.c has a compiled twin of this generator, installed as
-    ``DeviceOp.__await__``: a change here must be made there too.)"""
-    if not _traps.on:
-        return (yield from run_async(op, stream).__await__())
-    try:
-        task = _traps.RUN_CONTEXT.task
-    except AttributeError:  # not in trio: let trio's function say so
-        return (yield from run_async(op, stream).__await__())
-    # trio.lowlevel.checkpoint_if_cancelled(), inlined:
-    if task._cancel_status.effectively_cancelled or (task._runner.ki_pending and task is task._runner.main_task):
-        del task
-        return (yield from run_async(op, stream).__await__())  # raises Cancelled
-    task._cancel_points += 1
-    del task  # (a frame in an error's traceback must not keep trio's task and runner alive)
-    if stream is None:
-        stream = current_device()._submission_stream()
-    submit_now = op._submit_now
-    if submit_now is None or not direct_on or _trace.active is not None:  # a trace sees every plan
-        return (yield from _run_planned(op, stream).__await__())
-    done = submit_now(stream)
-    if done is None:  # not planned and enqueued in one step (see _Launch._submit_now)
-        return (yield from _run_planned(op, stream).__await__())
-    value, ev, names = done
-    if ev is None:
-        (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
-        return value
-    if _notifier._budget_ns is None:  # the first wait of the process reads the budget
-        return (yield from await_rest(value, ev, names, stream, None, 0))
-    # wait_event(ev), inlined with trio.lowlevel.checkpoint() in it:
-    started = time.perf_counter_ns()
-    try:
-        dev = ev.device
-        if ev.done or (ev.flag >= 0 and dev.reached(ev)):
-            # known complete, or its completion word says so: the first poll now
-            if dev.poll(ev):
-                _notifier._paths[0] += 1
-                (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
-                return value
-            stage = 0
-        else:
-            # just recorded: the first poll after one pass of the scheduler, as
-            # trio.lowlevel.checkpoint() does it (schedule point, cancel point)
-            (yield _traps.CANCEL_SHIELDED_CHECKPOINT).unwrap()
-            if _traps.after_pass():
-                stage = 1
-            elif dev.poll(ev) or (_notifier._spin_ns and _notifier.spin_poll(ev, started, started + _notifier._budget_ns)):
-                _notifier._paths[0] += 1
-                return value
-            else:
-                stage = 0
-    except DeviceError as err:
-        raise name_fault(err, names, stream.device.ordinal) from err
-    return (yield from await_rest(value, ev, names, stream, started, stage))
-
-
-def await_rest(
-    value: Any, ev: Any, names: list[str], stream: Stream, started: int | None, stage: int
-) -> Generator[Any, Any, Any]:
-    """The rest of a direct await (:func:`await_op`; the compiled await hands over here
-    too) whose event ``ev`` was not found complete at once; returns ``value``.
-
-    ``started`` (perf_counter_ns when the wait began) None: the process's first wait,
-    through wait_event. ``stage`` 0: the first poll found ``ev`` pending; 1: the task
-    was found cancelled (or interrupted) after trio's pass before the first poll, which
-    trio's checkpoint() raises (one pass later than trio's own would); 2: that pass is
-    over but its cancel check is not made yet. Faults are named after ``names``.
-    """
-    try:
-        if started is None:
-            yield from wait_event(ev).__await__()
-            return value
-        if stage:
-            if stage == 1 or _traps.after_pass():
-                yield from trio.lowlevel.checkpoint().__await__()
-            if ev.device.poll(ev):
-                _notifier._paths[0] += 1
-                return value
-        yield from wait_pending(ev, started).__await__()
-    except DeviceError as err:
-        raise name_fault(err, names, stream.device.ordinal) from err
-    return value
-
-
-def raise_named(err: DeviceError, names: list[str], stream: Stream) -> None:
-    """Raise ``err`` named after the ops of its submission (the compiled await's
-    ``except DeviceError``)."""
-    raise name_fault(err, names, stream.device.ordinal) from err
 
 
 def run_sync(op: Any, stream: Stream | None = None) -> Any:

@@ -13,6 +13,7 @@ They are for interop with other libraries' streams and for tests of ordering.
 * :func:`accesses` shows a tensor's pending writer and readers, as ``(stream, seq)``.
 * :func:`notifier_statistics` counts awaits completed on the fast and the slow path;
   :func:`submission_statistics` counts submissions and what they waited for.
+* :func:`compiled` names the modules that run compiled.
 * The scheduling policies and :class:`~trio_cuda.ScheduledOp` are here too.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._compiled import compiled_modules
 from ._device import Device
 from ._errors import GraphCaptureError
 from ._guard import LOCK
@@ -42,6 +44,7 @@ __all__ = [
     "SubmissionStatistics",
     "Submitted",
     "accesses",
+    "compiled",
     "external_stream",
     "notifier_statistics",
     "record",
@@ -50,6 +53,12 @@ __all__ = [
     "submit",
     "wait",
 ]
+
+
+def compiled() -> tuple[str, ...]:
+    """The modules of trio-cuda that run compiled (built by Cython from their own source
+    at install, see docs/runtime.md); empty when everything runs interpreted."""
+    return compiled_modules()
 
 
 def record(stream: Stream) -> Event:

@@ -4,7 +4,7 @@ recipe's GEMM, on against off, A/B in one process, and what it replaces.
 Parts (``--part``):
 
 * ``ab`` (default): alternating rounds with the replay on and off (the backend's
-  ``Gemms.replay``, what ``TRIO_CUDA_GEMM_GRAPHS`` sets): a GEMV (``--hidden`` square,
+  ``Gemms.replay``, a test hook): a GEMV (``--hidden`` square,
   fp32) awaited 2000 times, and the decode step of bench_decode.py awaited kernel by
   kernel (3 tokens); PyTorch eager's step on the same shapes each round, where
   installed. Medians per variant at the end.

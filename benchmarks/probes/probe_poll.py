@@ -37,7 +37,25 @@ from trio_cuda import _device, api
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench_runtime import inc  # benchmarks/ and this folder (run as a script)
-from probe_completion import print_rounds, round_trip_us
+
+
+async def round_trip_us(make: Callable[[], Any], n: int, run: Callable[[Any], Awaitable[Any]] | None = None) -> float:
+    """The median over ``n`` round trips of ``await make()`` (or ``await run(make())``),
+    timing the await only, in us."""
+    rt = []
+    for _ in range(n):
+        op = make()
+        t0 = time.perf_counter_ns()
+        await (op if run is None else run(op))
+        rt.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(rt)
+
+
+def print_rounds(results: dict[str, list[float]], rounds: int) -> None:
+    """The table of an interleaved A/B: per variant, the median, min and max over rounds."""
+    print(f"{'variant':<64} {'median':>10} {'min':>10} {'max':>10}  (over {rounds} rounds)")
+    for key, vs in results.items():
+        print(f"{key:<64} {statistics.median(vs):10.2f} {min(vs):10.2f} {max(vs):10.2f}")
 
 
 async def tasks_rate(parts: list[Any], k: int) -> float:
@@ -137,8 +155,8 @@ async def paired(
 
 
 def decode_ab_main(main: Callable[[int, int, int], Awaitable[None]], doc: str) -> None:
-    """The command line of the A/B probes that include the decode step
-    (probe_await_ab.py, probe_hotpath_ab.py): ``main(cycles, hidden, layers)`` in trio."""
+    """The command line of an A/B probe that includes the decode step:
+    ``main(cycles, hidden, layers)`` in trio."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--hidden", type=int, default=2048)

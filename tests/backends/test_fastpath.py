@@ -3,8 +3,8 @@
 Without a GPU the C module is driven with ctypes callbacks in place of the driver's
 entry points: what each call passes, what it returns, and what it refuses. On CUDA the
 backend runs the same work, launch errors and waits with the fast path and with the
-pure-Python path (cuda.bindings), in this process and in a child with
-TRIO_CUDA_FASTPATH=0.
+pure-Python path (cuda.bindings), in this process and in a child with the fast path
+switched off (``_cuda._use_fast_path``, a test hook).
 """
 
 from __future__ import annotations
@@ -127,16 +127,6 @@ def test_bad_arguments_are_refused_before_any_call(call: str, args: tuple[Any, .
     assert called == []
 
 
-def _hot_counts() -> dict[str, int]:
-    """The driver calls the compiled hot path made straight through the entry points."""
-    try:
-        from trio_cuda import _hotpath
-    except ImportError:
-        return {"launch": 0, "record": 0, "query": 0}
-    c = _hotpath.counters()
-    return {"launch": c["launches"], "record": c["records"], "query": c["queries"]}
-
-
 @pytest.mark.gpu
 async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev: trio_cuda.Device) -> None:
     drv = dev._driver
@@ -167,7 +157,7 @@ async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev
         for way in (fast, None):
             drv._fast = way
             _cuda._cudafast = Counting()
-            before, hot_before = dict(counts), _hot_counts()
+            before = dict(counts)
             x = await api.arange(1000)
             out = await add(api.zeros((1000,)).partition((256,)), x, x).first()
             for _ in range(50):  # waits that find work pending and done
@@ -177,9 +167,7 @@ async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev
                 await too_wide_fp(api.zeros((2048,)).partition((2048,)))
             messages.append(str(info.value))
             assert not dev.is_faulted
-            # (the compiled hot path, trio_cuda/_hotpath.c, makes the same calls itself)
-            hot = {k: v - hot_before[k] for k, v in _hot_counts().items()}
-            used.append({k: counts[k] - before[k] + hot[k] for k in counts})
+            used.append({k: counts[k] - before[k] for k in counts})
     finally:
         drv._fast = fast
         _cuda._cudafast = real
@@ -193,10 +181,13 @@ async def test_the_backend_runs_the_same_work_with_and_without_the_fast_path(dev
 
 
 @pytest.mark.gpu
-def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
+def test_without_the_fast_path_the_driver_calls_go_through_cuda_bindings() -> None:
     code = textwrap.dedent(
         """
+        import sys
         import numpy as np, trio, trio_cuda
+        from trio_cuda._backends import _cuda
+        _cuda._use_fast_path = sys.argv[1] == "1"  # before the first device is opened
         from trio_cuda import api
         from trio_cuda.kernels import add
         async def main():
@@ -208,8 +199,7 @@ def test_trio_cuda_fastpath_0_takes_the_python_path() -> None:
         """
     )
     for value, expect in (("0", "fast False"), ("1", "fast True")):
-        env = dict(os.environ, TRIO_CUDA_FASTPATH=value)
-        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run([sys.executable, "-c", code, value], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         assert expect in r.stdout
 
@@ -263,36 +253,14 @@ def test_the_backend_announcement_says_when_the_fast_path_is_off(monkeypatch: py
     from trio_cuda._backends import _cuda
 
     assert _cuda._fast_path_note((1, 2, 3)) == ""  # on: nothing to say
-    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "0")
-    assert "off (TRIO_CUDA_FASTPATH)" in _cuda._fast_path_note(None)
-    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "1")
+    monkeypatch.setattr(_cuda, "_use_fast_path", False)
+    assert "fast path off" in _cuda._fast_path_note(None)
+    assert _cuda.fast_path() is None  # switched off: no entry points are even asked for
+    monkeypatch.setattr(_cuda, "_use_fast_path", True)
     assert "no entry point" in _cuda._fast_path_note(None)
     monkeypatch.setattr(_cuda, "_BUILT", False)
     assert "not built" in _cuda._fast_path_note(None)
     assert _cuda.fast_path() is None  # not built: no entry points are even asked for
-
-
-@pytest.mark.parametrize(
-    ("value", "wanted"), [(None, True), ("", True), ("1", True), ("on", True), ("0", False), ("off", False), ("false", False)]
-)
-def test_trio_cuda_fastpath_reads_like_the_other_flags(monkeypatch: pytest.MonkeyPatch, value: str | None, wanted: bool) -> None:
-    from trio_cuda._backends import _cuda
-
-    if value is None:
-        monkeypatch.delenv("TRIO_CUDA_FASTPATH", raising=False)
-    else:
-        monkeypatch.setenv("TRIO_CUDA_FASTPATH", value)
-    assert _cuda.fast_path_wanted() is wanted
-    if not wanted:
-        assert _cuda.fast_path() is None  # no entry points asked for
-
-
-def test_a_bad_trio_cuda_fastpath_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trio_cuda._backends import _cuda
-
-    monkeypatch.setenv("TRIO_CUDA_FASTPATH", "2")
-    with pytest.raises(ValueError, match="TRIO_CUDA_FASTPATH"):
-        _cuda.fast_path()
 
 
 def test_the_cuda_backend_glue_passes_handles_and_maps_results(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,12 +14,6 @@ import trio
 import trio_cuda
 
 ON_CUDA = trio_cuda.backend_name() == "cuda"
-# Completion words: the simulated device has them unless TRIO_CUDA_COMPLETION_WORDS=0
-# (CI runs the suite both ways); CUDA only with TRIO_CUDA_COMPLETION_WORDS=1.
-_WORDS_ENV = os.environ.get("TRIO_CUDA_COMPLETION_WORDS", "").strip()
-WORDS = _WORDS_ENV == "1" if ON_CUDA else _WORDS_ENV != "0"
-# Skips a test (or, as ``pytestmark = words_only``, a module) when completion words are off.
-words_only = pytest.mark.skipif(not WORDS, reason="completion words are off (TRIO_CUDA_COMPLETION_WORDS)")
 
 
 def needs_devices(n: int):  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
 """Stand-ins: ctypes callbacks in place of the CUDA driver's entry points (for the compiled
-fast path), and a stream without a completion word."""
+fast path)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import threading
 from typing import Any
 
 import pytest
-
-import trio_cuda
-from trio_cuda._guard import LOCK
 
 VP = ctypes.c_void_p
 U = ctypes.c_uint
@@ -45,7 +42,7 @@ class FakeDriver:
 
 def fake_cuda_driver(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A CUDA backend driver object without a context whose entry points are ``fake``'s
-    (only the launch, record and query can run; also used by tests/compiled/test_hotpath.py)."""
+    (only the launch, record and query can run)."""
     from trio_cuda._backends import _cuda
 
     d = _cuda.CudaDevice.__new__(_cuda.CudaDevice)
@@ -54,16 +51,5 @@ def fake_cuda_driver(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Any:
     d._lock = threading.Lock()
     d._token = object()
     monkeypatch.setattr(_cuda._tls, "token", d._token, raising=False)
-    d._flag_dev = 0
     d._fast = fake.entry_points
     return d
-
-
-def wordless_stream(dev: trio_cuda.Device) -> trio_cuda.Stream:
-    """A stream without a completion word (as every CUDA stream by default), so its
-    polls go to the driver on the simulated device too."""
-    s = dev.create_stream()
-    with LOCK:  # a new stream has nothing pending: its word may go back at once
-        dev._give_flag(s)
-    assert s._flag < 0
-    return s

@@ -1,7 +1,8 @@
 """A task inside an await, as debuggers and task-tree dumps see it: trio's
 ``Task.iter_await_frames`` raises nothing and yields the awaiting coroutines' frames down
-to the await, through the compiled ``DeviceOp.__await__`` (trio_cuda/_hotpath.c) and the
-Python one, on every trio that pyproject allows (CI runs this on the oldest too)."""
+to the await, on every trio that pyproject allows (CI runs
+this on the oldest too), with the await's module compiled (its generator then is
+Cython's) and interpreted."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import pytest
 import trio
 import trio.testing
 
 import trio_cuda
-from trio_cuda import _kernel, api, lowlevel
+from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add, saxpy, sleep
 
 from numba import cuda
@@ -26,20 +26,6 @@ from ..helpers.devices import counter
 
 N = 8
 _FRESH = itertools.count()
-
-
-@pytest.fixture(params=["compiled", "python"])
-def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The compiled await (where it is built and in use) or the Python methods alone."""
-    compiled = request.param == "compiled"
-    if compiled and (_kernel._hot_calls is None or not _kernel.hotpath_active()):
-        pytest.skip("the compiled await is not built or not in use")
-    was = _kernel.hotpath_active()
-    assert _kernel.use_hotpath(compiled) is compiled
-    try:
-        yield request.param
-    finally:
-        _kernel.use_hotpath(was)
 
 
 def my_name() -> str:
@@ -84,17 +70,14 @@ class Walks(trio.abc.Instrument):
         except BaseException as exc:
             self.errors.append(exc)
 
-    def check(self, path: str) -> None:
+    def check(self) -> None:
         if self.errors:
             raise self.errors[0]
         assert self.walks, "the task never suspended"
         for walk in self.walks:
             assert self.name in walk, walk
         # the await itself was seen, not only the steps around it
-        if path == "compiled":
-            assert "Await" in self.awaited, self.awaited
-        else:
-            assert any(w[w.index(self.name) + 1 :][:1] == ["await_op"] for w in self.walks), self.walks
+        assert any(w[w.index(self.name) + 1 :][:1] == ["await_op"] for w in self.walks), self.walks
 
 
 @contextlib.contextmanager
@@ -109,73 +92,61 @@ def walking(name: str) -> Iterator[Walks]:
         trio.lowlevel.remove_instrument(w)
 
 
-@pytest.mark.parametrize("path", ["compiled"], indirect=True)
-def test_the_compiled_await_has_no_frame_before_it_hands_over(path: str) -> None:
-    aw = api.zeros((N,)).__await__()
-    assert type(aw).__name__ == "Await"
-    assert not hasattr(aw, "gi_frame") and not hasattr(aw, "gi_yieldfrom")
-    aw.close()
-    assert not hasattr(aw, "gi_frame")
-
-
-async def test_frames_inside_a_kernel_launch(path: str) -> None:
+async def test_frames_inside_a_kernel_launch() -> None:
     x = await api.arange(N)
     z = await api.zeros((N,))
     with walking(my_name()) as w:
         for _ in range(3):
             await add(z.partition((4,)), x, x)
-    w.check(path)
+    w.check()
     np.testing.assert_array_equal(await z.to_host(), 2 * np.arange(N))
 
 
-async def test_frames_inside_a_sleeping_kernel(path: str) -> None:
+async def test_frames_inside_a_sleeping_kernel() -> None:
     c = await counter()
     with walking(my_name()) as w:
         await sleep(c, 200_000_000)
-    w.check(path)
-    if path == "compiled":
-        # parked in the wait for the event: the walk goes on into the Python handed over to
-        assert any("wait_pending" in walk for walk in w.walks), w.walks
+    w.check()
 
 
-async def test_frames_inside_to_host_and_a_planned_op(path: str) -> None:
+async def test_frames_inside_to_host_and_a_planned_op() -> None:
     with walking(my_name()) as w:
         x = await api.arange(N)
         out = await x.to_host()
-    w.check(path)
+    w.check()
     np.testing.assert_array_equal(out, np.arange(N))
 
 
-async def test_frames_inside_a_graph_launch(path: str) -> None:
+async def test_frames_inside_a_graph_launch() -> None:
     x = await api.arange(N)
     z = await api.zeros((N,))
     g = add(z.partition((4,)), x, x).graph()
     with walking(my_name()) as w:
         await g.launch()
         await g.launch()
-    w.check(path)
+    w.check()
 
 
-async def test_frames_inside_a_zip_then_dag(path: str) -> None:
+async def test_frames_inside_a_zip_then_dag() -> None:
     x = await api.arange(N)
     y1, y2, out = await api.zeros((N,)), await api.zeros((N,)), await api.zeros((N,))
     both = trio_cuda.zip(saxpy(1.0, x, y1.partition((4,))), saxpy(3.0, x, y2.partition((4,))))
     with walking(my_name()) as w:
         await both.then(lambda _: add(out.partition((4,)), y1, y2))
-    w.check(path)
+    w.check()
     np.testing.assert_array_equal(await out.to_host(), 4 * np.arange(N))
 
 
-async def test_frames_inside_a_cancelled_await(path: str) -> None:
+async def test_frames_inside_a_cancelled_await() -> None:
     x = await api.arange(N)
     with walking(my_name()) as w, trio.CancelScope() as cs:
         cs.cancel()
         await add(x.partition((4,)), x, x)
     assert cs.cancelled_caught
-    w.check(path)
+    w.check()
 
 
-async def test_frames_inside_a_wait_for_a_worker_thread(path: str) -> None:
+async def test_frames_inside_a_wait_for_a_worker_thread() -> None:
     # A kernel of new content is compiled at its first launch, in a worker thread (a
     # need of the submission), while the awaiting task waits in trio.
     fresh = next(_FRESH)
@@ -192,9 +163,7 @@ async def test_frames_inside_a_wait_for_a_worker_thread(path: str) -> None:
     with walking(my_name()) as w:
         await triple(z.partition((N,)), x)
     assert lowlevel.submission_statistics().waited_for_kernels == before + 1
-    w.check(path)
-    if path == "compiled":
-        assert any("wait_async" in walk and "to_thread_run_sync" in walk for walk in w.walks), w.walks
+    w.check()
     np.testing.assert_array_equal(await z.to_host(), 3 * np.arange(N))
 
 
@@ -213,7 +182,7 @@ def task_tree() -> dict[trio.lowlevel.Task, list[str]]:
     return out
 
 
-async def test_a_task_tree_dump_sees_the_tasks_parked_in_awaits(path: str) -> None:
+async def test_a_task_tree_dump_sees_the_tasks_parked_in_awaits() -> None:
     c = await counter()
     await sleep(c, 1)  # (compiled and loaded before the dump)
     tree: dict[trio.lowlevel.Task, list[str]] = {}
@@ -233,7 +202,5 @@ async def test_a_task_tree_dump_sees_the_tasks_parked_in_awaits(path: str) -> No
         await sleep(c, 500_000_000)  # (long: the dump is made while it runs)
     await trio.to_thread.run_sync(trio_cuda.current_device().synchronize)
     assert my_name() in tree[me], tree[me]
-    if path == "compiled":
-        assert "wait_pending" in tree[me], tree[me]
     (child,) = [frames for t, frames in tree.items() if t.name.endswith(".parked_in_a_planned_op")]
     assert "parked_in_a_planned_op" in child, child

@@ -25,8 +25,7 @@ from trio_cuda.kernels import sleep
 
 from numba import cuda
 
-from ..helpers.devices import ON_CUDA, WORDS, Resetter, counter, needs_devices
-from ..helpers.fakes import wordless_stream
+from ..helpers.devices import ON_CUDA, Resetter, counter, needs_devices
 from ..helpers.faults import ready_to_fault, scribble
 
 
@@ -65,9 +64,9 @@ async def submit_adds(x: trio_cuda.Tensor, s: trio_cuda.Stream, n: int) -> list[
 
 
 async def adds_on_a_new_stream(dev: trio_cuda.Device, n: int) -> tuple[trio_cuda.Stream, trio_cuda.Tensor, list[trio_cuda.Event]]:
-    """A word-less stream, a tensor of 16 zeros, and the events of ``n`` submitted
+    """A new stream, a tensor of 16 zeros, and the events of ``n`` submitted
     (not awaited) increments of it on that stream."""
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     x = await api.zeros((16,))
     return s, x, await submit_adds(x, s, n)
 
@@ -129,7 +128,7 @@ async def test_awaits_of_many_tasks_on_few_streams_stay_right(fresh_device: trio
     # 16 tasks, 2 streams, each task's own tensor: every await's result is its own work
     # done, whether the poll asked the driver or answered from the stream.
     dev = fresh_device
-    streams = [wordless_stream(dev) for _ in range(2)]
+    streams = [dev.create_stream() for _ in range(2)]
     xs = [await api.zeros((8,)) for _ in range(16)]
     rounds = 6
     seen: list[float] = []
@@ -193,7 +192,7 @@ async def test_a_failed_peer_copy_does_not_read_done_after_a_later_success_on_it
     with trio_cuda.use_device(1):  # all on device 1: device 0 waits for nothing of it
         t1 = await api.full((32,), 7.0)  # written and known done
     _, z1 = await ready_to_fault(1)
-    s0 = wordless_stream(d0)
+    s0 = d0.create_stream()
     y0 = await api.zeros((32,))
     await ops.add(y0, 1.0, out=y0)
     await lowlevel.submit(sleep(counter(), 300_000_000), s0)  # holds the copy back
@@ -214,7 +213,7 @@ async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_a
     # fails that submission alone.
     d0 = fresh_device
     c1, z1 = await ready_to_fault(1)
-    s0 = wordless_stream(d0)
+    s0 = d0.create_stream()
     y0 = await api.zeros((32,))
     await ops.add(y0, 1.0, out=y0)
     with trio_cuda.use_device(1):
@@ -229,15 +228,12 @@ async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_a
 @pytest.mark.faults_device
 @pytest.mark.sim_only
 @needs_devices(2)
-@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("by_stream", [True, False])
 async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_done(
-    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, by_stream: bool, words: bool
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, by_stream: bool
 ) -> None:
     # lowlevel.stream_wait ("an event of any device") made device 0's stream wait for
     # device 1's work without marking device 0 (found by review): the failed add read done.
-    if words and not WORDS:
-        pytest.skip("completion words are off (TRIO_CUDA_COMPLETION_WORDS)")
     monkeypatch.setattr(_device, "poll_by_stream", by_stream)
     d0, d1 = fresh_device, trio_cuda.device(1)
     c1, z1 = await ready_to_fault(1)
@@ -245,8 +241,7 @@ async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_d
         s1 = d1.create_stream()
         await lowlevel.submit(sleep(c1.partition((4,)), 300_000_000), s1)
         e1 = lowlevel.record(s1)
-    s0 = d0.create_stream() if words else wordless_stream(d0)
-    assert (s0._flag >= 0) == words
+    s0 = d0.create_stream()
     y0 = await api.zeros((32,))
     await ops.add(y0, 1.0, out=y0)
     assert not d0._cross_device  # the wait below is the first cross-device work
@@ -268,12 +263,12 @@ async def test_stream_wait_on_another_devices_event_then_failure_does_not_read_d
         await trio.to_thread.run_sync(d1.reset)
 
 
-async def counter_on_a_wordless_stream(
+async def counter_on_a_stream(
     dev: trio_cuda.Device,
 ) -> tuple[trio_cuda.SingleStream, trio_cuda.Tensor, trio_cuda.Partition]:
-    """A policy of one new word-less stream, and a 1-element int32 counter (and its
+    """A policy of one new stream, and a 1-element int32 counter (and its
     partition) for the sleep kernel."""
-    policy = trio_cuda.SingleStream(stream=wordless_stream(dev))
+    policy = trio_cuda.SingleStream(stream=dev.create_stream())
     c = await api.zeros((1,), np.int32)
     return policy, c, c.partition((1,))
 
@@ -291,7 +286,7 @@ async def test_awaits_never_return_before_their_sleep_ran(
     dev = fresh_device
     if budget is not None:
         monkeypatch.setattr(_notifier, "_budget_ns", budget)
-    streams = [wordless_stream(dev) for _ in range(2)]
+    streams = [dev.create_stream() for _ in range(2)]
     rng = random.Random(1)
     bad: list[str] = []
 
@@ -311,11 +306,11 @@ async def test_awaits_never_return_before_their_sleep_ran(
 
 
 @pytest.mark.sim_only
-async def test_thread_syncs_and_trio_awaits_on_one_wordless_stream(
+async def test_thread_syncs_and_trio_awaits_on_one_stream(
     fresh_device: trio_cuda.Device,
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     policy = trio_cuda.SingleStream(stream=s)
     bad: list[str] = []
     cs = [await api.zeros((1,), np.int32) for _ in range(12)]
@@ -347,7 +342,7 @@ async def test_thread_syncs_and_trio_awaits_on_one_wordless_stream(
 @pytest.mark.sim_only
 async def test_resets_racing_polls_never_read_done_early(fresh_device: trio_cuda.Device) -> None:
     dev = fresh_device
-    streams = [wordless_stream(dev) for _ in range(2)]
+    streams = [dev.create_stream() for _ in range(2)]
     bad: list[str] = []
     stats = {"ok": 0, "reset": 0}
     stop = threading.Event()
@@ -388,7 +383,7 @@ async def test_ok_seq_of_the_old_binding_does_not_leak_after_a_reset(
     fresh_device: trio_cuda.Device,
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     x = await api.zeros((16,))
     events = await submit_adds(x, s, 8)
     held = events[2]
@@ -414,7 +409,7 @@ async def test_a_pending_newest_memo_never_hides_a_done_event(
     fresh_device: trio_cuda.Device,
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     c = await api.zeros((1,), np.int32)
     c2 = await api.zeros((1,), np.int32)
     first = await lowlevel.submit(sleep(c.partition((1,)), 200_000_000), s)
@@ -440,12 +435,12 @@ def maybe_scribble(z, flag):  # type: ignore[no-untyped-def]
 
 @pytest.mark.sim_only
 @pytest.mark.parametrize("budget", [0, 2_000_000_000])
-async def test_inlined_first_poll_counts_and_parks_like_wait_event(
+async def test_the_first_poll_of_a_direct_await_counts_and_parks(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
     dev = fresh_device
     monkeypatch.setattr(_notifier, "_budget_ns", budget)
-    policy, c, p = await counter_on_a_wordless_stream(dev)
+    policy, c, p = await counter_on_a_stream(dev)
     await sleep(p, 50_000_000).schedule(policy)  # the direct path knows it now
     before = lowlevel.notifier_statistics()
     q = _submit.statistics().direct
@@ -460,11 +455,11 @@ async def test_inlined_first_poll_counts_and_parks_like_wait_event(
 
 
 @pytest.mark.sim_only
-async def test_inlined_first_poll_cancelled_leaves_work_running(
+async def test_the_first_poll_of_a_direct_await_cancelled_leaves_work_running(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = fresh_device
-    policy, c, p = await counter_on_a_wordless_stream(dev)
+    policy, c, p = await counter_on_a_stream(dev)
     await sleep(p, 200_000_000).schedule(policy)
     q = _submit.statistics().direct
     with trio.CancelScope() as cs:
@@ -482,8 +477,10 @@ async def test_inlined_first_poll_cancelled_leaves_work_running(
 
 @pytest.mark.faults_device
 @pytest.mark.sim_only
-async def test_inlined_first_poll_fault_names_the_op(fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
-    s = wordless_stream(fresh_device)
+async def test_the_first_poll_of_a_direct_await_fault_names_the_op(
+    fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = fresh_device.create_stream()
     policy = trio_cuda.SingleStream(stream=s)
     z = await api.zeros((32,))
     flag = await api.zeros((1,), np.int64)
@@ -498,11 +495,11 @@ async def test_inlined_first_poll_fault_names_the_op(fresh_device: trio_cuda.Dev
 
 
 @pytest.mark.sim_only
-async def test_polls_during_and_after_a_capture_on_a_wordless_stream(
+async def test_polls_during_and_after_a_capture_on_a_stream(
     fresh_device: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     policy = trio_cuda.SingleStream(stream=s)
     c_pre = await api.zeros((1,), np.int32)
     c = await api.zeros((1,), np.int32)
@@ -533,9 +530,9 @@ async def test_polls_during_and_after_a_capture_on_a_wordless_stream(
 
 
 @pytest.mark.sim_only
-async def test_events_of_a_dropped_wordless_stream(fresh_device: trio_cuda.Device) -> None:
+async def test_events_of_a_dropped_stream(fresh_device: trio_cuda.Device) -> None:
     dev = fresh_device
-    s = wordless_stream(dev)
+    s = dev.create_stream()
     cs = [await api.zeros((1,), np.int32) for _ in range(3)]
     subs = [await lowlevel.submit(sleep(c.partition((1,)), 100_000_000 * (3 - i)), s) for i, c in enumerate(cs)]
     evs = [sub.event for sub in subs]

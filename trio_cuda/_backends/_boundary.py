@@ -33,7 +33,6 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
-    "FLAG_WORDS",
     "ArrayArg",
     "Backend",
     "CollectiveCall",
@@ -45,11 +44,6 @@ __all__ = [
     "gemm_dtype",
     "signature_of",
 ]
-
-
-#: Completion words per device (see :attr:`DeviceDriver.flag_words`): one per stream
-#: binding; streams beyond that many wait through ``query`` alone.
-FLAG_WORDS = 1024
 
 
 class ArrayArg:
@@ -248,20 +242,6 @@ class DeviceDriver(abc.ABC):
     compute_capability: tuple[int, int]
     total_memory: int
     _fault: BaseException | None  # what fault() returns (read directly on hot paths)
-    #: Completion words: 64-bit unsigned integers in host memory that ``record`` has the
-    #: device write (None: the backend has none, completion is seen by ``query`` only).
-    #: They live as long as the driver object, across resets; any thread may read them.
-    flag_words: memoryview | None = None
-    #: For the runtime's compiled hot path (trio_cuda/_hotpath.c): None, or
-    #: ``(tls, prepared_type, not_ready, own)``: while ``tls.token is self._token`` on the
-    #: calling thread and ``_fast`` holds the driver's (launch, record, query) entry
-    #: points, a launch of a ``prepared_type``, a record without a completion word and a
-    #: query may be made straight through them, each only while the object's method of
-    #: that name is ``own[name]`` (not overridden, patched on the class or replaced on the
-    #: object); a non-zero result goes back through ``_launch_failed`` /
-    #: ``_record_failed`` (which raise what ``launch`` / ``record`` would) or, for a query
-    #: answering neither 0 nor ``not_ready``, to the Python poll, which queries again.
-    hot_calls: tuple[Any, type, int, dict[str, Any]] | None = None
 
     # -- streams and events -------------------------------------------------
     @abc.abstractmethod
@@ -275,14 +255,8 @@ class DeviceDriver(abc.ABC):
     def create_event(self) -> Any: ...
 
     @abc.abstractmethod
-    def record(self, event: Any, stream: Any, flag: int = -1, value: int = 0) -> None:
-        """Record ``event`` on ``stream``: it completes when the work enqueued so far does.
-
-        With ``flag`` >= 0, the device then also writes ``value`` into
-        ``flag_words[flag]`` once that work has completed *without failing* (a failed
-        or faulted stream never writes it), so a host that reads a value >= ``value``
-        there knows the event is done without asking the driver.
-        """
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream``: it completes when the work enqueued so far does."""
 
     @abc.abstractmethod
     def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
@@ -463,7 +437,7 @@ class Backend(abc.ABC):
     name: str
     description: str
     poll_budget_us: float  # default fast-path polling budget of an await (see _notifier)
-    spin_us: float = 0.0  # default spin of an await on a completion word (see _notifier)
+    spin_us: float = 0.0  # how long an await polls without yielding while few tasks run (see _notifier)
 
     @abc.abstractmethod
     def device_count(self) -> int: ...

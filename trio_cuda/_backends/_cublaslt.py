@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .._config import env_switch
 from ._boundary import GemmDesc, GemmOperand
 
 __all__ = ["Gemms"]
@@ -190,8 +189,9 @@ class Gemms:
         self.workspaces: dict[int, int] = {}  # stream handle -> device pointer
         # Replayed GEMMs (CudaDevice.matmul with reuse): (desc, a, b, d, bias, stream
         # handle) -> (exec handle, exec) of the captured library call; the keys whose
-        # call could not be captured; the stream captures run on.
-        self.replay = env_switch("TRIO_CUDA_GEMM_GRAPHS")
+        # call could not be captured; the stream captures run on. (``replay`` False, a
+        # test hook, calls the library for every GEMM.)
+        self.replay = True
         self.graphs: dict[tuple[Any, ...], tuple[int, Any]] = {}
         self.refused: set[tuple[Any, ...]] = set()
         self.capture_stream: Any = None

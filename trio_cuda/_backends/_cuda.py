@@ -23,8 +23,8 @@
   ``cuEventRecord``, ``cuEventQuery``) go through a small C extension
   (``_cudafast``, built at install when a C compiler is present) straight to the
   driver's entry points, about 2 us less per await than cuda.bindings' wrappers on an
-  H200; without it, or with ``TRIO_CUDA_FASTPATH=0``, the same calls go through
-  cuda.bindings (the same behaviour and errors).
+  H200; without it the same calls go through cuda.bindings (the same behaviour and
+  errors).
 * Every driver result goes through :func:`check`, which turns a bad ``CUresult`` into the
   project's errors; sticky errors (illegal address, ...) mark the device faulted.
 """
@@ -34,7 +34,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
-import mmap
 import os
 import pathlib
 import struct
@@ -46,9 +45,8 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .._config import env_flag, env_switch
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import FLAG_WORDS, ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
 from ._cublaslt import WORKSPACE, Gemms
 
 try:
@@ -326,10 +324,9 @@ class _Graph:
         self.nodes = nodes
 
 
-def fast_path_wanted() -> bool:
-    """``TRIO_CUDA_FASTPATH``: unset or empty means on; otherwise read like every other
-    flag (0/1, false/true, no/yes, off/on; anything else is an error)."""
-    return env_switch("TRIO_CUDA_FASTPATH")
+#: Whether drivers made from now on use the fast path when it is built (a test hook: a
+#: test of the cuda.bindings calls sets it False before the backend starts).
+_use_fast_path = True
 
 
 def _result(err: int) -> Any:
@@ -343,9 +340,9 @@ def _result(err: int) -> Any:
 
 def fast_path() -> tuple[int, int, int] | None:
     """The driver entry points of ``cuLaunchKernel``, ``cuEventRecord`` and
-    ``cuEventQuery`` for the compiled fast path, or None: not built, switched off with
-    ``TRIO_CUDA_FASTPATH=0``, or an entry point the driver does not give."""
-    if not _BUILT or not fast_path_wanted():
+    ``cuEventQuery`` for the compiled fast path, or None: not built, switched off
+    (``_use_fast_path``), or an entry point the driver does not give."""
+    if not _BUILT or not _use_fast_path:
         return None
     flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     out = []
@@ -372,8 +369,8 @@ def _fast_path_note(fast: tuple[int, int, int] | None) -> str:
         return ""
     if not _BUILT:
         return "; compiled fast path not built (no C compiler at install): driver calls through cuda.bindings"
-    if not fast_path_wanted():
-        return "; compiled fast path off (TRIO_CUDA_FASTPATH)"
+    if not _use_fast_path:
+        return "; compiled fast path off"
     return "; compiled fast path off (the driver gave no entry point)"
 
 
@@ -396,12 +393,6 @@ class CudaDevice(DeviceDriver):
         self.total_memory = int(check(cu.cuDeviceTotalMem(self.cu_device), "cuDeviceTotalMem"))
         self._fault: DeviceFault | None = None
         self._lock = threading.Lock()
-        # Completion words: page-aligned host memory of ours (it outlives any context, so
-        # a reset can never leave a reader with freed memory), registered with each
-        # context as device-mapped so streams can write it (cuStreamWriteValue64).
-        self._flag_map = mmap.mmap(-1, 8 * FLAG_WORDS)
-        self._flag_host = ctypes.addressof(ctypes.c_char.from_buffer(self._flag_map))
-        self._flag_dev = 0
         self._setup()
 
     def _setup(self) -> None:
@@ -424,7 +415,6 @@ class CudaDevice(DeviceDriver):
             "cuMemPoolSetAttribute",
             self,
         )
-        self._register_flags()
         self._launchers: dict[tuple[Any, ...], _Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
@@ -437,38 +427,6 @@ class CudaDevice(DeviceDriver):
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fast = fast_path()
         self._graph_pfn = graph_launch_entry() if self._fast is not None and hasattr(_cudafast, "graph_launch") else 0
-        self.hot_calls = (_tls, _Prepared, _NOT_READY, _OWN_CALLS)  # used while _fast is set
-
-    def _register_flags(self) -> None:
-        """With ``TRIO_CUDA_COMPLETION_WORDS=1``: map the completion words into this
-        context and prove a stream can write them. Off by default: measured on an H200
-        (benchmarks/results/host-2026-11-30.md at bdba8f3), the ``cuStreamWriteValue64`` each
-        submission then enqueues costs about 5 us of host time, more than the event
-        queries it saves (about 1.7 us each). Without words, completion is seen by
-        queries alone."""
-        self.flag_words = None
-        self._flag_dev = 0
-        if not env_flag("TRIO_CUDA_COMPLETION_WORDS"):
-            return
-        flags = cu.CU_MEMHOSTREGISTER_DEVICEMAP | cu.CU_MEMHOSTREGISTER_PORTABLE
-        err = cu.cuMemHostRegister(self._flag_host, 8 * FLAG_WORDS, flags)[0]
-        if err not in (_SUCCESS, R.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            return
-        err, dptr = cu.cuMemHostGetDevicePointer(self._flag_host, 0)
-        words = memoryview(self._flag_map).cast("Q")
-        if err == _SUCCESS:
-            err, stream = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            if err == _SUCCESS:
-                probe = words[FLAG_WORDS - 1] + 1
-                ok = cu.cuStreamWriteValue64(stream, int(dptr) + 8 * (FLAG_WORDS - 1), probe, 0)[0] == _SUCCESS
-                ok = cu.cuStreamSynchronize(stream)[0] == _SUCCESS and ok and words[FLAG_WORDS - 1] == probe
-                cu.cuStreamDestroy(stream)
-                if ok:
-                    self._flag_dev = int(dptr)
-                    self.flag_words = words
-                    return
-        words.release()
-        cu.cuMemHostUnregister(self._flag_host)
 
     # -- context ------------------------------------------------------------------
     def _current(self) -> None:
@@ -542,7 +500,7 @@ class CudaDevice(DeviceDriver):
         self._current()
         return check(cu.cuEventCreate(self._event_flags), "cuEventCreate", self)
 
-    def record(self, event: Any, stream: Any, flag: int = -1, value: int = 0) -> None:
+    def record(self, event: Any, stream: Any) -> None:
         if _tls.token is not self._token:
             self._current()
         fast = self._fast
@@ -554,13 +512,6 @@ class CudaDevice(DeviceDriver):
             err = cu.cuEventRecord(event, stream)[0]
             if err != _SUCCESS:
                 raise error(err, "cuEventRecord", self, launch=True)
-        if flag >= 0 and self._flag_dev:
-            # After the event's work, with the default memory barrier: the words never
-            # say done before what the work wrote is visible. A faulted context writes
-            # nothing (the waiters' queries report the fault).
-            err = cu.cuStreamWriteValue64(stream, self._flag_dev + 8 * flag, value, 0)[0]
-            if err != _SUCCESS:
-                raise error(err, "cuStreamWriteValue64", self, launch=True)
 
     def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
         self._current()
@@ -727,9 +678,7 @@ class CudaDevice(DeviceDriver):
             # two built the recipe and prepared it): cuBLASLt's call is captured once
             # and replayed as a graph (measured on an H200, a 2048^2 fp32 GEMV: 7.0 us
             # of host time per cublasLtMatmul, 3.9 per cuGraphLaunch of the same
-            # kernel; with a sync after each, 17.3 against 12.1 us). (trio_cuda/_hotpath.c
-            # makes this branch's replay of a kept graph itself, gemm_replay, for the
-            # ops' direct submissions: a change here must be made there too.)
+            # kernel; with a sync after each, 17.3 against 12.1 us).
             key = (desc, a, b, d, bias, int(stream))
             graphs = gemms.graphs
             g = graphs.pop(key, None)
@@ -927,12 +876,12 @@ class CudaDevice(DeviceDriver):
             self._launch_failed(err, p)
 
     def _launch_failed(self, err: int, p: _Prepared) -> None:
-        """Raise the error of a launch that returned ``err`` (here and in _hotpath.c)."""
+        """Raise the error of a launch that returned ``err``."""
         grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
         raise error(_result(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
 
     def _record_failed(self, err: int) -> None:
-        """Raise the error of an event record that returned ``err`` (the fast path's, and _hotpath.c's)."""
+        """Raise the error of an event record that returned ``err`` (the fast path's)."""
         raise error(_result(err), "cuEventRecord", self, launch=True)
 
     # -- graphs ----------------------------------------------------------------------
@@ -993,12 +942,6 @@ def _nccl() -> tuple[Any, Any]:
     return core, bindings
 
 
-# The driver calls the runtime's compiled hot path may make itself (DeviceDriver.hot_calls):
-# only while these are the methods of the driver object in use (matmul: the replay of a
-# kept GEMM graph, its branch with reuse).
-_OWN_CALLS = {name: CudaDevice.__dict__[name] for name in ("launch", "record", "query", "matmul")}
-
-
 class CudaBackend(Backend):
     name = "cuda"
     # Measured on an H200: a parked wait wakes ~0.25 ms after its event (host function,
@@ -1007,7 +950,7 @@ class CudaBackend(Backend):
     # An await whose first poll after trio's pass finds a kernel of a few us (a GEMV)
     # still running polls on for up to this long when that pass came back at once: on
     # an H200 a decode step awaited kernel by kernel took 0.92-0.94x the time of spin 0
-    # with 10, 20 and 50 us (benchmarks/probes/probe_ops_submit.py --switch spin).
+    # with 10, 20 and 50 us (an A/B probe in one process, in git history).
     spin_us = 20.0
 
     def __init__(self) -> None:

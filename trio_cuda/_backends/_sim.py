@@ -46,10 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from .._config import env_flag, env_int, env_switch
+from .._config import env_flag, env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import (
-    FLAG_WORDS,
     ArrayArg,
     Backend,
     CollectiveCall,
@@ -169,7 +168,7 @@ class _Alloc:
 
 
 class _SimStream:
-    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread", "words_off")
+    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread")
 
     def __init__(self, device: _SimDevice) -> None:
         self.device = device
@@ -179,9 +178,6 @@ class _SimStream:
         self.thread: threading.Thread | None = None
         self.capture: _Capture | None = None
         self.error: DeviceFault | None = None  # a failed cross-device wait, until the next record
-        # After a failure it writes no completion word again: a later ticket would say the
-        # failed work is done too (its waiters then learn the failure from a query).
-        self.words_off = False
 
     def enqueue(self, cmd: _Command) -> None:
         if self.capture is not None:
@@ -245,10 +241,6 @@ class _SimDevice(DeviceDriver):
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
-        # Completion words (on by default here; TRIO_CUDA_COMPLETION_WORDS=0 runs without
-        # them, as the CUDA backend does by default: every poll then queries).
-        words = env_switch("TRIO_CUDA_COMPLETION_WORDS")
-        self.flag_words = memoryview(bytearray(8 * FLAG_WORDS)).cast("Q") if words else None
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -353,7 +345,7 @@ class _SimDevice(DeviceDriver):
             raise LaunchError("stream belongs to the device before its reset", device=self.ordinal)
         return stream
 
-    def record(self, event: _SimEvent, stream: _SimStream, flag: int = -1, value: int = 0) -> None:
+    def record(self, event: _SimEvent, stream: _SimStream) -> None:
         self._check()
         self._live(stream)
         ticket = _Ticket()
@@ -365,15 +357,9 @@ class _SimDevice(DeviceDriver):
             return
         _capture_events.pop(event, None)  # a handle recycled from a capture is an ordinary event again
 
-        words = self.flag_words if flag >= 0 else None
-
         def complete() -> None:
             err = stream.error
             stream.error = None  # the failure ends with this submission's record
-            if err is not None:
-                stream.words_off = True
-            elif words is not None and not stream.words_off and stream.generation == self.generation:
-                words[flag] = value  # as the GPU's write: only after work that succeeded
             with _cond:
                 ticket.error = err
                 ticket.done = True

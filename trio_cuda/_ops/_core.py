@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .. import _kernel, _submit
+from .. import _kernel
 from .._checks import BFLOAT16, arg_type, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
-from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, direct_tidy, lane_step
+from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, lane_step
 from .._tensor import Partition, Tensor, c_strides
 
 if TYPE_CHECKING:
@@ -116,7 +116,7 @@ class TensorOp(DeviceOp[Tensor]):
         self._key: tuple[Any, ...] | None = None
         if self._cacheable:
             # The common call first: a key means no op inputs (_op_key keys none).
-            key = self._key = _key_of(self, args)
+            key = self._key = _op_key(self, args)
             if key is not None:
                 self._inputs = ()
                 self._at: tuple[int, ...] = ()
@@ -153,7 +153,7 @@ class TensorOp(DeviceOp[Tensor]):
                 merged[i] = resolved(v, self.name)
             args = tuple(merged)
             if self._cacheable:
-                key = _key_of(self, args)
+                key = _op_key(self, args)
                 hit = _cache.get(key) if key is not None else None
         if hit is not None:
             dev = lane.device
@@ -404,7 +404,7 @@ class _Recipe:
             _counts["hits"] += 1
             if k is not None:
                 accesses = (_buffers(args, st.writes), _buffers(args, st.reads))
-                ev = _kernel.enqueue_direct(s, st.cfg, st.prepared, *accesses)  # (compiled, when built)
+                ev = _kernel.enqueue_direct(s, st.cfg, st.prepared, *accesses)
             elif st.ready:
                 fn, static = st.ready  # type: ignore[misc]
                 ev = direct_enqueue(s, fn, (static, _buffers(args, st.writes), _buffers(args, st.reads)))
@@ -449,68 +449,6 @@ class _Recipe:
         del ops[nops:]
         ops.extend(self.ops)
         return _make(self.result, args, bufs)  # type: ignore[no-any-return]
-
-
-# -- the compiled direct submission -----------------------------------------------------------
-# trio_cuda/_hotpath.c's op_submit: TensorOp._submit_now with _Recipe.submit_now for a
-# recipe whose one step is a prepared kernel launch or a prepared step of another kind
-# (a GEMM), in C, installed while the runtime's compiled path is in use (see
-# _kernel.use_hotpath). It hands every other case, before any effect, to the Python
-# methods above, which stay the reference: a change there must be made there too
-# (tests/compiled/test_hotpath.py runs both).
-_submit_now_py = TensorOp._submit_now
-
-
-def _load_hot_submit() -> Any:
-    hot = _kernel._hotmod
-    if hot is None:
-        return None
-    objects = {
-        "TensorOp": TensorOp,
-        "Recipe": _Recipe,
-        "Step": _Step,
-        "submit": _submit_now_py,
-        "counts": _counts,
-        "make": _make,
-        "direct_tidy": direct_tidy,
-        "op_key": _op_key,
-        "core_globals": globals(),
-        "submit_globals": vars(_submit),
-        "direct_ready": direct_ready,
-        "buffers": _buffers,
-    }
-    try:
-        return hot.setup_ops(objects)
-    except (AttributeError, KeyError, TypeError, RuntimeError):  # an older build, or classes it does not expect
-        return None
-
-
-_hot_submit = _load_hot_submit()
-
-
-#: The op key of the constructor and the planning: _op_key, or the module's compiled
-#: twin (with the compiled submission).
-_key_of: Callable[[TensorOp, tuple[Any, ...]], tuple[Any, ...] | None] = _op_key
-
-
-def compiled_gemm_step(fn: Callable[[Any, Any], None], module_globals: dict[str, Any]) -> None:
-    """Let the compiled submission make the direct submissions of the GEMM step ``fn``
-    itself (trio_cuda/_hotpath.c's gemm_enqueue: ``fn``'s work with the backend's matmul
-    called from C), while the ``order_accesses`` and ``note_accesses`` of
-    ``module_globals`` (``fn``'s module) are the ones it has now."""
-    hot = _kernel._hotmod
-    if hot is not None and _hot_submit is not None and hasattr(hot, "set_gemm_step"):
-        hot.set_gemm_step(fn, module_globals)
-
-
-def _switch_hot_submit(on: bool) -> None:
-    global _key_of
-    hot = on and _hot_submit is not None
-    TensorOp._submit_now = _hot_submit if hot else _submit_now_py  # type: ignore[method-assign]
-    _key_of = _kernel._hotmod.op_key if hot else _op_key
-
-
-_kernel.on_hotpath_switch(_switch_hot_submit)
 
 
 def _record(op: TensorOp, plan: Plan, lane: Lane, args: tuple[Any, ...], key: tuple[Any, ...]) -> Tensor:

@@ -25,7 +25,6 @@ from ._core import (
     alloc,
     broadcast_shape,
     check_out,
-    compiled_gemm_step,
     device_of,
     one_stride,
     operand,
@@ -148,9 +147,6 @@ def _gemm_direct(s: Stream, arg: tuple[tuple[GemmDesc, int, int, int, int], Any,
 
 
 prepared_step(_gemm_step, _prepare_gemm)
-# (trio_cuda/_hotpath.c makes _gemm_direct's submissions in C, with the hot path: a
-# change to _gemm_direct must be made there too, in gemm_enqueue)
-compiled_gemm_step(_gemm_direct, globals())
 
 
 def _plan_gemm(

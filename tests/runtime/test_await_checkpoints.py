@@ -1,12 +1,9 @@
-"""``await op`` yielding trio's trap itself (trio_cuda._traps): the same checkpoints,
-cancellation and errors as through trio's public functions. Every test runs both ways."""
+"""What trio sees of ``await op``: a checkpoint and a schedule point, cancellation
+before and after submitting, a pending KeyboardInterrupt, an await outside trio, a
+fault at the first poll (the await drives trio's public checkpoint functions)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -15,36 +12,18 @@ import trio
 import trio.testing
 
 import trio_cuda
-from trio_cuda import _traps, api, lowlevel
+from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add, sleep
 
-from ..helpers.compiled import operands
 from ..helpers.devices import counter
-from ..helpers.fakes import wordless_stream
 
 
-@pytest.fixture(params=["traps-wordless", "traps-words", "public-wordless", "public-words"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Awaits yield trio's trap or go through trio's functions; the default policy is a
-    stream without a completion word (as CUDA streams by default: the first poll comes
-    after a schedule point) or the device's own streams (with words on the simulated
-    device: a word read first, then the poll)."""
-    monkeypatch.setattr(_traps, "on", request.param.startswith("traps"))
-    dev = trio_cuda.current_device()
-    if request.param.endswith("wordless"):
-        monkeypatch.setattr(dev, "policy", trio_cuda.SingleStream(stream=wordless_stream(dev)))
-    else:
-        # a word read right after submitting says "not yet", as on the simulated device
-        # (on a GPU it may say done already: test_work_done_at_submission covers that)
-        monkeypatch.setattr(dev, "reached", lambda ev: False)
-    yield request.param
-
-
-def test_this_trio_has_what_the_trap_path_reads() -> None:
-    # If a trio release changes its internals, the runtime falls back to trio's public
-    # functions (slower); this test says so instead of letting it pass unnoticed.
-    assert _traps.available, f"trio {trio.__version__}: the trap path is unavailable"
-    assert _traps.on
+async def operands() -> tuple[Any, Any, Any]:
+    x = await api.full((64,), 2.0, np.float32)
+    y = await api.full((64,), 3.0, np.float32)
+    z = await api.zeros((64,), np.float32)
+    await add(z.partition((32,)), x, y)  # compiled, and its arguments seen: the next one is direct
+    return x, y, z
 
 
 def first_poll_done(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -81,7 +60,7 @@ class _CancelWhenResumed(trio.abc.Instrument):
                 self.cancelled_at_enqueued = enqueued
 
 
-async def test_an_await_is_a_checkpoint_and_a_schedule_point(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_an_await_is_a_checkpoint_and_a_schedule_point(monkeypatch: pytest.MonkeyPatch) -> None:
     x, y, z = await operands()
     polls = first_poll_done(monkeypatch)
     with trio.testing.assert_checkpoints():
@@ -102,7 +81,7 @@ class _Steps(trio.abc.Instrument):
         self.steps += task is self.task
 
 
-async def test_an_await_is_resumed_by_the_scheduler(path: str) -> None:
+async def test_an_await_is_resumed_by_the_scheduler() -> None:
     # It yields to trio (a schedule point) even when the work is done at the first poll.
     x, y, z = await operands()
     inst = _Steps(trio.lowlevel.current_task())
@@ -114,7 +93,7 @@ async def test_an_await_is_resumed_by_the_scheduler(path: str) -> None:
     assert inst.steps >= 1
 
 
-async def test_cancelled_before_the_await_submits_nothing(path: str) -> None:
+async def test_cancelled_before_the_await_submits_nothing() -> None:
     _, y, _ = await operands()
     acc = await api.zeros((64,), np.float32)
     await add(acc.partition((32,)), acc, y)  # acc = 3; the same call goes direct next time
@@ -131,7 +110,7 @@ async def test_cancelled_before_the_await_submits_nothing(path: str) -> None:
     np.testing.assert_array_equal(await acc.to_host(), np.full(64, 6.0, np.float32))
 
 
-async def test_cancelled_at_the_schedule_point_after_submitting(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_cancelled_at_the_schedule_point_after_submitting(monkeypatch: pytest.MonkeyPatch) -> None:
     x, y, _ = await operands()
     zz = await api.zeros((64,), np.float32)
     await add(zz.partition((32,)), x, y)  # warm: direct next time
@@ -154,7 +133,7 @@ async def test_cancelled_at_the_schedule_point_after_submitting(path: str, monke
     np.testing.assert_array_equal(await zz.to_host(), np.full(64, 11.0, np.float32))
 
 
-async def test_cancelled_while_waiting_for_slow_work(path: str) -> None:
+async def test_cancelled_while_waiting_for_slow_work() -> None:
     c = await counter()
     await sleep(c, 1000)  # compiled and loaded: no submission below waits for that
     for _ in range(2):  # the first is planned, the second direct
@@ -167,44 +146,7 @@ async def test_cancelled_while_waiting_for_slow_work(path: str) -> None:
     np.testing.assert_array_equal(await c.to_host(), [3])  # neither was recalled
 
 
-@pytest.mark.parametrize("traps", [True, False])
-async def test_work_done_at_submission_is_returned_even_if_cancelled_meanwhile(
-    monkeypatch: pytest.MonkeyPatch, traps: bool
-) -> None:
-    # When its completion word says the work is done already after submitting, the
-    # await polls at once and its schedule point is cancel-shielded: a cancel arriving
-    # there does not hide a result that exists (both ways).
-    monkeypatch.setattr(_traps, "on", traps)
-    dev = trio_cuda.current_device()
-    if dev._flags is None:
-        pytest.skip("completion words are off (CUDA: TRIO_CUDA_COMPLETION_WORDS=1 turns them on)")
-    _, y, _ = await operands()
-    acc = await api.zeros((64,), np.float32)
-    await add(acc.partition((32,)), acc, y)  # acc = 3, and direct next time
-    reached = dev.reached
-
-    def done_now(ev: Any) -> bool:  # the word says done: read it until it does
-        assert ev.flag >= 0
-        while not reached(ev):
-            pass
-        return True
-
-    monkeypatch.setattr(dev, "reached", done_now)
-    before = lowlevel.submission_statistics()
-    with trio.CancelScope() as scope:
-        inst = _CancelWhenResumed(trio.lowlevel.current_task(), scope, before.enqueued)
-        trio.lowlevel.add_instrument(inst)
-        try:
-            got = await add(acc.partition((32,)), acc, y)
-        finally:
-            trio.lowlevel.remove_instrument(inst)
-        assert got is not None  # returned, not cancelled
-    assert inst.cancelled_at_enqueued == before.enqueued + 1 and not scope.cancelled_caught
-    monkeypatch.undo()
-    np.testing.assert_array_equal(await acc.to_host(), np.full(64, 6.0, np.float32))
-
-
-def test_a_pending_keyboard_interrupt_is_delivered_at_the_await(path: str) -> None:
+def test_a_pending_keyboard_interrupt_is_delivered_at_the_await() -> None:
     # As at trio's own checkpoints, a KeyboardInterrupt pending for the main task is
     # raised by the await, before anything is submitted.
     submitted = []
@@ -226,13 +168,13 @@ def test_a_pending_keyboard_interrupt_is_delivered_at_the_await(path: str) -> No
     assert submitted == [0]
 
 
-def test_outside_trio_the_await_says_so(path: str) -> None:
+def test_outside_trio_the_await_says_so() -> None:
     coro = api.ones((4,)).__await__()
     with pytest.raises(RuntimeError, match="async context"):
         coro.send(None)
 
 
-async def test_a_fault_at_the_first_poll_names_the_kernel(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_fault_at_the_first_poll_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = trio_cuda.current_device()
     x, y, z = await operands()
     calls = []
@@ -242,7 +184,6 @@ async def test_a_fault_at_the_first_poll_names_the_kernel(path: str, monkeypatch
         raise trio_cuda.DeviceFault("injected: the work before this event failed", device=dev.ordinal)
 
     monkeypatch.setattr(dev._driver, "query", query)
-    monkeypatch.setattr(dev, "reached", lambda ev: False)  # (completion words on: ask the driver)
     before = lowlevel.submission_statistics().direct
     with pytest.raises(trio_cuda.DeviceFault) as info:
         await add(z.partition((32,)), x, y)
@@ -251,32 +192,3 @@ async def test_a_fault_at_the_first_poll_names_the_kernel(path: str, monkeypatch
     monkeypatch.undo()
     await trio.to_thread.run_sync(dev.synchronize)
     np.testing.assert_array_equal(await z.to_host(), np.full(64, 5.0, np.float32))
-
-
-@pytest.mark.parametrize(("raw", "on"), [("0", False), ("1", True)])
-def test_the_switch_is_read_at_import_and_off_means_trios_functions(raw: str, on: bool) -> None:
-    # With the switch off, an await still works, and goes through trio's checkpoint functions.
-    code = (
-        "import trio, trio_cuda\n"
-        "from trio_cuda import _traps, api\n"
-        "from trio_cuda.kernels import add\n"
-        "seen = []\n"
-        "orig = trio.lowlevel.checkpoint_if_cancelled\n"
-        "async def counted():\n"
-        "    seen.append(1)\n"
-        "    await orig()\n"
-        "trio.lowlevel.checkpoint_if_cancelled = counted\n"
-        "async def main():\n"
-        "    x = await api.ones((8,))\n"
-        "    await add(x.partition((8,)), x, x)\n"
-        "    seen.clear()\n"
-        "    await add(x.partition((8,)), x, x)\n"
-        "    n = len(seen)\n"
-        "    assert (await x.to_host() == 4).all()\n"
-        "    seen[:] = [1] * n\n"
-        "trio.run(main)\n"
-        "print(_traps.on, len(seen) > 0)\n"
-    )
-    env = {**os.environ, "TRIO_CUDA_TRIO_TRAPS": raw, "TRIO_CUDA_QUIET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == [str(on), str(not on)]

@@ -1,0 +1,56 @@
+"""Which of trio-cuda's own modules run compiled (by Cython, from the same ``.py``).
+
+``MODULES`` is the list ``setup.py`` compiles when Cython and a C compiler are present at
+install; each is optional (a failed compile leaves that module interpreted). This file
+imports nothing of trio-cuda: setup.py reads ``MODULES`` from it without importing the
+package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+
+__all__ = ["MODULES", "check_required", "compiled_modules"]
+
+#: The modules of the per-await and per-submission path, compiled as they are.
+MODULES: tuple[str, ...] = (
+    "trio_cuda._device",
+    "trio_cuda._guard",
+    "trio_cuda._kernel",
+    "trio_cuda._memory",
+    "trio_cuda._notifier",
+    "trio_cuda._op",
+    "trio_cuda._ops._core",
+    "trio_cuda._scheduling",
+    "trio_cuda._stream",
+    "trio_cuda._submit",
+    "trio_cuda._tensor",
+    "trio_cuda._writes",
+)
+
+
+def compiled_modules() -> tuple[str, ...]:
+    """The modules of ``MODULES`` that were imported from a compiled extension."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    out = []
+    for name in MODULES:
+        path = getattr(importlib.import_module(name), "__file__", None) or ""
+        if path.endswith(suffixes):
+            out.append(name)
+    return tuple(out)
+
+
+def check_required() -> None:
+    """With ``TRIO_CUDA_REQUIRE_COMPILED=1`` (CI's compiled pass): raise ImportError
+    unless every module of ``MODULES`` is compiled."""
+    if os.environ.get("TRIO_CUDA_REQUIRE_COMPILED", "").strip() not in ("1", "true", "yes", "on"):
+        return
+    missing = sorted(set(MODULES) - set(compiled_modules()))
+    if missing:
+        raise ImportError(
+            "TRIO_CUDA_REQUIRE_COMPILED=1, but these modules are not compiled: "
+            + ", ".join(missing)
+            + " (install with Cython and a C compiler present, or run `python setup.py build_ext --inplace`)"
+        )
