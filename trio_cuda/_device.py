@@ -25,17 +25,13 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ._backends._boundary import DeviceDriver, Waker
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed, check_not_forked
-from ._notifier import _paths as _notifier_paths
 from ._staging import drain as _staging_drain
-from ._stream import Event, Stream, dropped_stream
-
-if TYPE_CHECKING:
-    from ._scheduling import SchedulingPolicy
+from ._stream import Event, Stream, dropped_stream, event_waits
 
 __all__ = ["Device", "DeviceStatistics", "set_default_policy_factory"]
 
@@ -149,6 +145,15 @@ class _Counters:
         self.frees = self.copies = self.stream_waits = self.streams_destroyed = 0
         self.staging_bytes = self.staging_pins = self.staging_unpins = self.staging_unpinning = 0
         self.bytes_allocated = self.bytes_freed = 0
+
+
+class SchedulingPolicy(Protocol):
+    """What a device uses of its scheduling policy. The policies (trio_cuda._scheduling)
+    are made for a device, so they stand above it: it names them by this protocol."""
+
+    @property
+    def device(self) -> Device: ...
+    def next_stream(self) -> Stream: ...
 
 
 _default_policy_factory: Callable[[Device], SchedulingPolicy] | None = None
@@ -826,7 +831,7 @@ class Device:
             bytes_allocated=c.bytes_allocated,
             bytes_freed=c.bytes_freed,
             queue_depths=tuple(max(0, st.seq - st.done_seq) for st in list(self._streams)),
-            notifier_fast_path=_notifier_paths[0],
-            notifier_slow_path=_notifier_paths[1],
+            notifier_fast_path=event_waits[0],
+            notifier_slow_path=event_waits[1],
             staging_unpinning=c.staging_unpinning,
         )

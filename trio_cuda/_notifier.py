@@ -31,6 +31,7 @@ import trio
 from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
+from ._stream import event_waits
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -41,9 +42,6 @@ __all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin
 _FAULT_POLL_S = 0.02
 _budget_ns: int | None = None
 _spin_ns: int | None = None
-# [waits completed on the fast path, waits that parked]; updated from trio threads only
-# (a lost increment under a race between two trio runs would only skew a statistic).
-_paths = [0, 0]
 
 
 @dataclass(frozen=True)
@@ -138,7 +136,7 @@ class Notifier:
 
     def statistics(self) -> NotifierStatistics:
         """A frozen snapshot of the wake-up counters."""
-        return NotifierStatistics(_paths[0], _paths[1], len(self._waiters), self.wakeups, self.batches)
+        return NotifierStatistics(event_waits[0], event_waits[1], len(self._waiters), self.wakeups, self.batches)
 
     async def wait(self, event: Event) -> None:
         """Park the current task until ``event`` completes (or fails, or its device resets)."""
@@ -234,7 +232,7 @@ async def wait_event(event: Event) -> None:
     if event.done:
         # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
-            _paths[0] += 1
+            event_waits[0] += 1
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
     else:
@@ -244,7 +242,7 @@ async def wait_event(event: Event) -> None:
         await trio.lowlevel.checkpoint()
         # (if the scheduler came back at once, few tasks are running: spin for a moment)
         if dev.poll(event) or (spin and spin_poll(event, started, started + budget)):
-            _paths[0] += 1
+            event_waits[0] += 1
             return
     await wait_pending(event, started)
 
@@ -264,7 +262,7 @@ async def wait_pending(event: Event, started: int) -> None:
         # (if the scheduler came back at once, few tasks are running: spin for a moment
         # instead of another pass of the loop)
         if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
-            _paths[0] += 1
+            event_waits[0] += 1
             return
-    _paths[1] += 1
+    event_waits[1] += 1
     await notifier().wait(event)

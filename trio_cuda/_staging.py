@@ -25,7 +25,7 @@ import collections
 import queue
 import threading
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -33,7 +33,10 @@ from ._config import env_int
 from ._guard import LOCK
 
 if TYPE_CHECKING:
-    from ._device import Device
+    from collections.abc import Collection
+
+    from ._backends._boundary import DeviceDriver
+    from ._stream import Stream
 
 __all__ = ["Staging", "StagingPool", "copies_completed", "drain", "pool_of"]
 
@@ -53,6 +56,23 @@ def bucket(nbytes: int) -> int:
     if nbytes > _LARGE:
         return -(-nbytes // _LARGE_STEP) * _LARGE_STEP
     return max(_MIN_SIZE, 1 << (nbytes - 1).bit_length())
+
+
+class StagingDevice(Protocol):
+    """What the staging pools use of their device. The device drains its pool as it
+    retires copies, so it stands above them: they name it by this protocol."""
+
+    ordinal: int
+    generation: int
+    _driver: DeviceDriver
+    _stats: Any
+    _slow_lock: threading.Lock
+
+    @property
+    def _streams(self) -> Collection[Stream]: ...
+    def _housekeeping(self) -> None: ...
+    def begin_host_read(self, generation: int) -> bool: ...
+    def end_host_read(self) -> None: ...
 
 
 class Staging:
@@ -107,7 +127,7 @@ class Staging:
 class StagingPool:
     """The pinned buffers of one device (see the module docstring)."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: StagingDevice) -> None:
         self.device = device
         self.cap = env_int("TRIO_CUDA_STAGING_CAP_MB", 64, minimum=0) << 20
         self._free: dict[int, list[np.ndarray]] = collections.defaultdict(list)
@@ -261,14 +281,14 @@ def copies_completed(stagings: Iterable[Staging]) -> None:
             pool.drain()
 
 
-def drain(device: Device) -> None:
+def drain(device: StagingDevice) -> None:
     """Take back the returned buffers of ``device``'s pool, if it has one (under LOCK)."""
     pool = _pools.get(device.ordinal)
     if pool is not None:
         pool.drain()
 
 
-def pin(device: Device, sizes: list[int]) -> None:
+def pin(device: StagingDevice, sizes: list[int]) -> None:
     """Pin buffers for copies of ``sizes`` bytes into the device's pool (slow; no LOCK held).
 
     Runs in a worker thread for ``await`` (or the calling thread of ``sync()``).
@@ -289,7 +309,7 @@ def pin(device: Device, sizes: list[int]) -> None:
 _pools: dict[int, StagingPool] = {}
 
 
-def pool_of(device: Device) -> StagingPool:
+def pool_of(device: StagingDevice) -> StagingPool:
     """The staging pool of ``device`` (under LOCK)."""
     p = _pools.get(device.ordinal)
     if p is None:
@@ -306,7 +326,7 @@ class _Janitor:
         self._lock = threading.Lock()  # leaf: guards _thread
         self.freed = 0
 
-    def free(self, device: Device, generation: int, buf: np.ndarray, size: int) -> None:
+    def free(self, device: StagingDevice, generation: int, buf: np.ndarray, size: int) -> None:
         """Unpin ``buf`` soon (under LOCK; ``size`` bytes are counted in the device's
         ``staging_unpinning`` until then)."""
         self._queue.put((device, generation, buf, size))

@@ -17,15 +17,38 @@ from __future__ import annotations
 
 import collections
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _trace
 from ._guard import LOCK, check_blocking_allowed
 
 if TYPE_CHECKING:
-    from ._device import Device
+    from ._backends._boundary import DeviceDriver
 
-__all__ = ["Event", "Stream"]
+__all__ = ["Event", "Stream", "StreamDevice", "event_waits"]
+
+# How awaits of events ended, process-wide: [completed at a poll, parked on the notifier].
+# The notifier counts; the device reports them in its statistics. They live here, below
+# both, so that neither imports the other. Updated from trio threads only (a lost
+# increment under a race between two trio runs would only skew a statistic).
+event_waits = [0, 0]
+
+
+class StreamDevice(Protocol):
+    """What streams and events use of their device. The device makes streams, so it
+    stands above them: they name it by this protocol, not by its class."""
+
+    ordinal: int
+    generation: int
+    _driver: DeviceDriver
+    _stats: Any
+    _cross_device: bool
+
+    def poll(self, ev: Event) -> bool: ...
+    def wait_blocking(self, ev: Event) -> None: ...
+    def _recycle_stream(self, stream: Stream) -> None: ...
+    def _recycle_event(self, generation: int, handle: Any) -> None: ...
+    def _event_handle(self) -> Any: ...
 
 
 class Event:
@@ -72,7 +95,8 @@ class Event:
             DeviceFault: The work failed or the device faulted.
             DeviceReset: The device was reset since the event was recorded.
         """
-        return self.device.poll(self)
+        device: StreamDevice = self.device
+        return device.poll(self)
 
     def __repr__(self) -> str:
         return f"<trio_cuda.Event at point {self.seq} of a stream of device {self.device.ordinal}>"
@@ -131,7 +155,9 @@ class Stream:
         "seq",
     )
 
-    device: Device
+    # The Device. Typed loosely: its class stands above streams (it makes them), and the
+    # layers above read more of it than StreamDevice says. _new takes a StreamDevice.
+    device: Any
     handle: Any
     seq: int
     done_seq: int
@@ -152,7 +178,7 @@ class Stream:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
 
     @classmethod
-    def _new(cls, device: Device, handle: Any) -> Stream:
+    def _new(cls, device: StreamDevice, handle: Any) -> Stream:
         """A stream of ``device`` around a driver handle (called under the runtime lock)."""
         self = object.__new__(cls)
         self.device = device

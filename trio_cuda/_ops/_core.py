@@ -671,7 +671,8 @@ def device_of(name: str, tensors: Sequence[Tensor], lane: Lane | None = None) ->
     if dev is None:
         if lane is None:
             raise ValueError(f"{name}: needs at least one tensor")
-        return lane.device
+        lane_device: Device = lane.device
+        return lane_device
     return dev
 
 
