@@ -18,8 +18,8 @@ from ._checks import arg_type, check_dtype, check_shape, is_scalar, nbytes_of
 from ._device import Device
 from ._memory import Buffer
 from ._op import DeviceOp, _ext, _tensor_of
+from ._plan import Lane, Plan, _StagingSlot
 from ._registry import as_device
-from ._submit import Lane, Plan, _StagingSlot
 from ._tensor import Partition, Tensor, plan_read_to_host
 
 __all__ = ["arange", "dup", "empty", "from_host", "full", "memcpy", "ones", "zeros"]

@@ -17,15 +17,18 @@ __all__ = ["MODULES", "check_required", "compiled_modules"]
 #: The modules of the per-await and per-submission path, compiled as they are.
 MODULES: tuple[str, ...] = (
     "trio_cuda._device",
+    "trio_cuda._direct",
     "trio_cuda._guard",
     "trio_cuda._kernel",
     "trio_cuda._memory",
     "trio_cuda._notifier",
     "trio_cuda._op",
     "trio_cuda._ops._core",
+    "trio_cuda._pending",
+    "trio_cuda._plan",
     "trio_cuda._scheduling",
     "trio_cuda._stream",
-    "trio_cuda._submit",
+    "trio_cuda._submission",
     "trio_cuda._tensor",
     "trio_cuda._writes",
 )

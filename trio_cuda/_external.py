@@ -28,7 +28,8 @@ from ._checks import arg_type
 from ._errors import ExternalCallError
 from ._op import DeviceOp, is_function
 from ._ops._core import TensorOp, device_of, tensor_arg
-from ._submit import Lane, Pending, Plan
+from ._pending import Pending
+from ._plan import Lane, Plan
 from ._tensor import Partition, Tensor
 from ._trace import work_labels
 

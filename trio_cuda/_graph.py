@@ -33,9 +33,10 @@ from ._capture import Capture
 from ._errors import GraphCaptureError
 from ._guard import LOCK, check_not_forked, check_not_nested
 from ._op import DeviceOp, extensions
+from ._plan import Lane, Plan
 from ._registry import current_device
 from ._stream import Stream
-from ._submit import Lane, Plan, submit_blocking
+from ._submission import submit_blocking
 
 if TYPE_CHECKING:
     from ._device import Device

@@ -36,24 +36,14 @@ import numpy as np
 
 from ._backends._boundary import signature_of
 from ._checks import arg_type, as_int, is_scalar
+from ._direct import direct_enqueue, direct_failed, direct_tidy, note_accesses, order_accesses
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
+from ._pending import EXECUTING
+from ._plan import Lane, Plan, _KernelNeed, _load_kernels, counts
 from ._stream import Event
-from ._submit import (
-    EXECUTING,
-    Lane,
-    Plan,
-    _counts,
-    _KernelNeed,
-    _load_kernels,
-    direct_enqueue,
-    direct_failed,
-    direct_tidy,
-    note_accesses,
-    order_accesses,
-)
 from ._tensor import Partition, Tensor
 from ._writes import written_params
 
@@ -592,10 +582,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             finally:
                 tls.submitting = False
             device._stats.submissions += 1
-            counts = _counts
-            counts["planned"] += 1
-            counts["enqueued"] += 1
-            counts["direct"] += 1
+            c = counts
+            c["planned"] += 1
+            c["enqueued"] += 1
+            c["direct"] += 1
         return args, ev, [k.name]
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:

@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 
 from ._checks import arg_type, as_int, check_shape
 from ._errors import fresh
+from ._pending import Claimed, Continue, Done, Failed, Pending, contains_pending, resolve
+from ._plan import Lane, Plan
 from ._stream import Stream
-from ._submit import Claimed, Continue, Done, Failed, Lane, Pending, Plan, await_op, contains_pending, resolve, run_sync
+from ._submission import await_op, run_sync
 
 if TYPE_CHECKING:
     import numpy as np
@@ -176,7 +178,7 @@ class DeviceOp(TensorMath, Generic[T]):
     _forks = False  # True if _lanes() may put inputs on other lanes
     # An op may offer to plan and enqueue itself in one step when it stands alone
     # (stream) -> (output, event, names of its ops for errors) | None; None means the
-    # general path (see _submit.direct_ready).
+    # general path (see _direct.direct_ready).
     _submit_now: Callable[[Stream], tuple[Any, Any, list[str]] | None] | None = None
 
     def __init__(self, inputs: tuple[DeviceOp[Any], ...] = (), arity: int | None = None) -> None:

@@ -21,12 +21,13 @@ from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
 from ._op import DeviceOp, TensorMath, _ext, value
-from ._submit import Lane, Pending, Plan
+from ._pending import Pending
+from ._plan import Lane, Plan
 
 if TYPE_CHECKING:
     from ._device import Device
+    from ._plan import _StagingSlot
     from ._staging import Staging
-    from ._submit import _StagingSlot
 
 __all__ = ["Partition", "Tensor", "plan_read_to_host"]
 

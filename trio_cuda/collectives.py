@@ -44,8 +44,8 @@ from ._errors import GraphCaptureError
 from ._guard import LOCK
 from ._op import DeviceOp
 from ._ops._core import TensorOp, alloc, overlaps, tensor_arg
+from ._plan import Hold, Lane, Plan
 from ._registry import as_device
-from ._submit import Hold, Lane, Plan
 from ._tensor import Tensor
 
 __all__ = ["Group", "ProcessGroup", "unique_id"]

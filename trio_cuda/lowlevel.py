@@ -30,8 +30,8 @@ from ._op import ScheduledOp
 from ._registry import as_device
 from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin
 from ._stream import Event, Stream
-from ._submit import SubmissionStatistics, Submitted, submit_async
-from ._submit import statistics as _submission_statistics
+from ._submission import SubmissionStatistics, Submitted, submit_async
+from ._submission import statistics as _submission_statistics
 
 __all__ = [
     "Event",

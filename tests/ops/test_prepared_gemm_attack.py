@@ -15,7 +15,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import _submit, api, lowlevel, ops
+from trio_cuda import _submission, api, lowlevel, ops
 from trio_cuda._checks import BFLOAT16
 from trio_cuda._ops import _core, _matmul
 from trio_cuda.kernels import sleep
@@ -70,11 +70,11 @@ def guard(monkeypatch: pytest.MonkeyPatch) -> Guard:
 
 
 async def general(monkeypatch: pytest.MonkeyPatch, op_factory: Any) -> None:
-    monkeypatch.setattr(_submit, "direct_on", False)
+    monkeypatch.setattr(_submission, "direct_on", False)
     try:
         await op_factory()
     finally:
-        monkeypatch.setattr(_submit, "direct_on", True)
+        monkeypatch.setattr(_submission, "direct_on", True)
 
 
 # -- memory identity ------------------------------------------------------------------------

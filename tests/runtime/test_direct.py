@@ -1,6 +1,6 @@
 """Direct submissions (issue 12): a lone kernel launch, or a replayed ``ops`` call of one
 launch or one GEMM, on memory already allocated, is planned and enqueued in one step
-without a plan (``_submit.direct_ready`` / ``direct_enqueue``). It must keep every
+without a plan (``_direct.direct_ready`` / ``direct_enqueue``). It must keep every
 promise of the general path: cross-stream ordering, faults named after the op, op reuse
 refused, the device tidied, threads and resets. Each test checks that the direct path
 was taken (``submission_statistics().direct``), so none passes on the general path alone.
@@ -16,7 +16,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import OpAlreadyExecuted, _submit, api, lowlevel, ops
+from trio_cuda import OpAlreadyExecuted, _submission, api, lowlevel, ops
 from trio_cuda._ops import _core
 from trio_cuda.kernels import add, sleep
 
@@ -259,8 +259,8 @@ def test_resets_from_another_thread_while_tasks_submit_directly(dev: trio_cuda.D
 
 
 async def test_with_direct_submissions_off_every_submission_is_planned(monkeypatch: pytest.MonkeyPatch) -> None:
-    # (_submit.direct_on, a test hook): the same results, no direct submission.
-    monkeypatch.setattr(_submit, "direct_on", False)
+    # (_submission.direct_on, a test hook): the same results, no direct submission.
+    monkeypatch.setattr(_submission, "direct_on", False)
     hx, hw = f32(8, 8), f32(8, 8)
     x, w, y = await api.from_host(hx), await api.from_host(hw), await api.zeros((8, 8))
     before = direct()
@@ -288,7 +288,7 @@ async def test_a_failed_enqueue_counts_the_same_both_ways(monkeypatch: pytest.Mo
         raise trio_cuda.LaunchError("the driver refused the GEMM", device=dev.ordinal)
 
     monkeypatch.setattr(dev._driver, "matmul", refuse)
-    monkeypatch.setattr(_submit, "direct_on", on)
+    monkeypatch.setattr(_submission, "direct_on", on)
     op = ops.matmul(w, x, out=y)
     s0 = lowlevel.submission_statistics()
     with pytest.raises(trio_cuda.LaunchError, match="refused"):
@@ -315,7 +315,7 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
         raise trio_cuda.DeviceError("free failed", device=dev.ordinal)
 
     monkeypatch.setattr(dev, "flush_frees", fail)
-    monkeypatch.setattr(_submit, "direct_on", on)
+    monkeypatch.setattr(_submission, "direct_on", on)
     op = ops.add(x, 1.0, out=x)
     s0 = lowlevel.submission_statistics()
     with pytest.raises(trio_cuda.DeviceError, match="free failed"):
@@ -384,7 +384,7 @@ async def test_a_prepared_gemm_computes_what_the_general_path_does(monkeypatch: 
     prepared = prepared_gemms()
     for _ in range(4):
         await make(out)  # planned, direct (prepares), then prepared
-        monkeypatch.setattr(_submit, "direct_on", False)
+        monkeypatch.setattr(_submission, "direct_on", False)
         await make(ref_out)  # the general path, on the same operands
         monkeypatch.undo()
         np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())

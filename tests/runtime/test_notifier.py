@@ -161,7 +161,7 @@ def test_armed_event_posts_the_waker_on_completion(dev: trio_cuda.Device) -> Non
     # The backend contract the slow path relies on: arm() posts the waker once the
     # event completes (on CUDA: a host function that is sem_post), not before.
     from trio_cuda._backends import backend
-    from trio_cuda._submit import submit_blocking
+    from trio_cuda._submission import submit_blocking
 
     waker = backend().new_waker()
     policy = trio_cuda.SingleStream(dev)

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import _device, _notifier, _submit, api, lowlevel, ops
+from trio_cuda import _device, _notifier, _submission, api, lowlevel, ops
 from trio_cuda import _notifier as notifier_mod
 from trio_cuda.kernels import sleep
 
@@ -443,9 +443,9 @@ async def test_the_first_poll_of_a_direct_await_counts_and_parks(
     policy, c, p = await counter_on_a_stream(dev)
     await sleep(p, 50_000_000).schedule(policy)  # the direct path knows it now
     before = lowlevel.notifier_statistics()
-    q = _submit.statistics().direct
+    q = _submission.statistics().direct
     await sleep(p, 50_000_000).schedule(policy)  # pending at the first poll
-    assert _submit.statistics().direct == q + 1, "not the direct path"
+    assert _submission.statistics().direct == q + 1, "not the direct path"
     assert peek(dev, c) == 2
     after = lowlevel.notifier_statistics()
     fast = after.fast_path - before.fast_path
@@ -461,15 +461,15 @@ async def test_the_first_poll_of_a_direct_await_cancelled_leaves_work_running(
     dev = fresh_device
     policy, c, p = await counter_on_a_stream(dev)
     await sleep(p, 200_000_000).schedule(policy)
-    q = _submit.statistics().direct
+    q = _submission.statistics().direct
     with trio.CancelScope() as cs:
         cs.cancel()  # cancelled before: the op does not happen (checkpoint_if_cancelled)
         await sleep(p, 200_000_000).schedule(policy)
-    assert _submit.statistics().direct == q
+    assert _submission.statistics().direct == q
     with trio.move_on_after(0.02) as mv:
         await sleep(p, 200_000_000).schedule(policy)
     assert mv.cancelled_caught
-    assert _submit.statistics().direct == q + 1
+    assert _submission.statistics().direct == q + 1
     assert peek(dev, c) == 1
     await sleep(p, 200_000_000).schedule(policy)
     assert peek(dev, c) == 3
@@ -487,10 +487,10 @@ async def test_the_first_poll_of_a_direct_await_fault_names_the_op(
     zp = z.partition((32,))
     await maybe_scribble(zp, flag).schedule(policy)
     await api.memcpy(flag, np.array([1 << 40], np.int64))
-    q = _submit.statistics().direct
+    q = _submission.statistics().direct
     with pytest.raises(trio_cuda.DeviceFault) as info:
         await maybe_scribble(zp, flag).schedule(policy)
-    assert _submit.statistics().direct == q + 1
+    assert _submission.statistics().direct == q + 1
     assert info.value.op is not None and "maybe_scribble" in info.value.op, info.value
 
 

@@ -25,10 +25,12 @@ import numpy as np
 from .. import _kernel
 from .._checks import BFLOAT16, arg_type, check_dtype, is_scalar, nbytes_of
 from .._device import Device
+from .._direct import direct_enqueue, direct_ready, lane_step
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
-from .._submit import EXECUTING, Lane, Plan, direct_enqueue, direct_ready, lane_step
+from .._pending import EXECUTING
+from .._plan import Lane, Plan
 from .._tensor import Partition, Tensor, c_strides
 
 if TYPE_CHECKING:
@@ -383,7 +385,7 @@ class _Recipe:
 
     def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
         """Enqueue the one step of this recipe on ``op``'s operands without a plan, as
-        replay() and the general path would (see _submit.direct_ready); None: take the
+        replay() and the general path would (see _direct.direct_ready); None: take the
         general path."""
         st = self.direct
         assert st is not None

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import BFLOAT16, arg_type
-from .._submit import Lane, Plan
+from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel
 from ._core import (

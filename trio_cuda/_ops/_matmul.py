@@ -17,8 +17,9 @@ import numpy as np
 
 from .._backends._boundary import GemmDesc, GemmOperand
 from .._checks import BFLOAT16
+from .._direct import note_accesses, order_accesses
+from .._plan import Lane, Plan
 from .._stream import Stream
-from .._submit import Lane, Plan, note_accesses, order_accesses
 from .._tensor import Tensor
 from ._core import (
     TensorOp,

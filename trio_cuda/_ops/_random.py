@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from .._checks import check_dtype, check_shape, is_int, is_scalar
+from .._plan import Lane, Plan
 from .._registry import as_device
-from .._submit import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import cached, make_kernel
 from ._core import TensorOp, alloc, check_out, flat_geometry, launch, out_partition, view

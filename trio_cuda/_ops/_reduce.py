@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import BFLOAT16, arg_type, is_int, is_scalar
-from .._submit import Lane, Plan
+from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import block_reduce, row_kernel, row_loop
 from ._core import TensorOp, alloc, check_out, compute_dtype, launch, one_stride, operand, out_partition, output, view

@@ -1,36 +1,10 @@
-"""Submission: plan the whole DAG, then enqueue it; and the waits in between.
-
-A submission has two phases:
-
-1. **Plan** (host work only, no driver call): the DAG is walked iteratively (any
-   depth) in dependency order. ``then`` callbacks run, arguments are resolved and
-   validated, every op appends its *steps* (what it will enqueue) to the plan, and
-   allocations are sized. A bad argument anywhere raises here: nothing of the DAG ran.
-2. **Enqueue** (driver calls): allocations first (so an out-of-memory error leaves
-   nothing half-run), then the steps in order, each on its *lane* (a stream): before a
-   step touches a buffer its lane waits for the buffer's pending accesses on other
-   streams, afterwards the step is registered as the buffer's writer or reader. The
-   submission ends with one event on the root lane.
-
-Both phases run under the runtime lock, in one hold in the common case. Between them a
-submission may have to *wait*, with the lock released: for a first-launch kernel
-compilation, for pinned staging memory, for the communicators of a collectives group
-(NCCL's setup, slow), for another unfinished submission whose shared op or buffer it uses, or (out of memory) for the device's pending work before
-one retry. Under ``await`` these waits happen in a worker thread or in trio, and are
-cancellable: a submission cancelled before it enqueues did not happen (its ops are not
-consumed), unless another submission already relies on it, in which case it completes
-(shielded; bounded by the wait) and then raises Cancelled.
-
-Host values produced by device work (``to_host``) are *pending* until the
-submission's event completes; they are resolved, and ``map`` callbacks over them
-applied, afterwards.
-"""
+"""The plan of one submission: its lanes (streams, with the accesses ordered on them),
+what it holds and waits for, and its enqueue; and the counts that submissions keep."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -38,11 +12,11 @@ import trio
 from . import _trace
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
-from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
+from ._guard import LOCK, _tls
 from ._memory import Buffer
 from ._notifier import wait_event
-from ._registry import current_device
-from ._staging import Staging, StagingPool, copies_completed, pin, pool_of
+from ._pending import EXECUTING, Claimed, Continue, Done, Failed
+from ._staging import Staging, StagingPool, pin, pool_of
 from ._stream import dropped_stream
 
 if TYPE_CHECKING:
@@ -50,24 +24,11 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Event, Stream
 
-__all__ = [
-    "Continue",
-    "Hold",
-    "Lane",
-    "Pending",
-    "Plan",
-    "contains_pending",
-    "resolve",
-    "Submitted",
-    "run_sync",
-    "submit_async",
-    "submit_blocking",
-]
-
+__all__ = ["Hold", "Lane", "Need", "Plan", "check_generations", "counts", "name_fault"]
 
 # -- statistics ----------------------------------------------------------------------
 # Counted under the runtime lock.
-_counts = {
+counts = {
     "planned": 0,
     "enqueued": 0,
     "abandoned": 0,
@@ -79,302 +40,6 @@ _counts = {
     "direct": 0,
     "communicators": 0,
 }
-
-
-@dataclass(frozen=True)
-class SubmissionStatistics:
-    """What submissions did so far (see :func:`trio_cuda.lowlevel.submission_statistics`).
-
-    Attributes:
-        planned: Submissions planned (a bad argument raises before this counts).
-        enqueued: Submissions that enqueued their work.
-        abandoned: Submissions abandoned before they enqueued (cancelled, or an error
-            while they waited); nothing of them ran.
-        failed: Submissions whose enqueue failed part-way (a driver error, or an
-            ``external`` call that raised).
-        waited_for_kernels: Waits for a first-launch compilation.
-        waited_for_staging: Waits for pinned host memory.
-        waited_for_submission: Waits for another submission's shared op or buffer.
-        waited_for_memory: Out-of-memory waits for the device's pending work.
-        direct: Of the enqueued, submissions planned and enqueued in one step without
-            a plan: a lone kernel launch or a replayed ``ops`` call of one launch or
-            GEMM, on memory already allocated (see docs/runtime.md).
-        waited_for_communicators: Waits for a collectives group's communicators to be
-            made (its first collective, and the first after a reset of its devices).
-    """
-
-    planned: int
-    enqueued: int
-    abandoned: int
-    failed: int
-    waited_for_kernels: int
-    waited_for_staging: int
-    waited_for_submission: int
-    waited_for_memory: int
-    direct: int
-    waited_for_communicators: int
-
-
-# -- direct submissions ---------------------------------------------------------------
-# A lone op whose enqueue is one step on memory that is allocated and not captured
-# (``await kernel(tensors...)``, a replayed ``ops.*`` call) is planned and enqueued in
-# one step: the op checks its own arguments, direct_ready() tidies the device as the
-# general path would and says whether that path would do anything more than run the
-# step (raise, wait, capture), and direct_enqueue() runs it with the same effects. When
-# it says no, the op takes the general path, which does (or explains) the rest.
-#: False sends every submission through a plan (a test hook: tests compare the two paths).
-direct_on = True
-
-
-def direct_ready(s: Stream, generation: int) -> bool:
-    """Whether a one-step submission made for device generation ``generation`` may
-    enqueue on ``s`` now without a plan, after freeing the memory and destroying the
-    streams and graphs the device holds for the next submission (under LOCK)."""
-    device = s.device
-    if (
-        generation != device.generation
-        or device._resetting
-        or device._driver._fault is not None
-        or s.generation != generation
-        or s.capture is not None
-        or s._dropped
-    ):
-        return False
-    if device._dead_buffers or device._dead_streams or device._lingering or device._dead_graphs:
-        direct_tidy(device)
-    return True
-
-
-def direct_tidy(device: Device) -> None:
-    """What the general path does before its first driver call (under LOCK): free the
-    memory, destroy the streams and graphs the device holds for the next submission. A
-    failure counts as an abandoned submission, as there."""
-    try:
-        if device._dead_buffers:
-            device.flush_frees()  # before streams are destroyed: a free may name one
-        if device._dead_streams or device._lingering or device._dead_graphs:
-            device._housekeeping()
-    except BaseException:
-        _counts["planned"] += 1
-        _counts["abandoned"] += 1
-        raise
-
-
-def direct_failed() -> None:
-    """Count a direct submission whose enqueue failed part-way, as the general path does."""
-    _counts["planned"] += 1
-    _counts["failed"] += 1
-
-
-def direct_enqueue(s: Stream, step: Callable[[Stream, Any], None], arg: Any) -> Event | None:
-    """Run ``step(s, arg)`` as the general path runs the one step of a plan of one lane
-    (under LOCK, after direct_ready): counted as a submission; returns the event to
-    wait for (None if the step enqueued nothing)."""
-    start = s.seq
-    tls = _tls
-    tls.submitting = True
-    try:
-        if s._keep:
-            s.retire()
-        step(s, arg)
-        seq = s.seq
-        ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
-    except BaseException:
-        direct_failed()
-        raise
-    finally:
-        tls.submitting = False
-    s.device._stats.submissions += 1
-    counts = _counts
-    counts["planned"] += 1
-    counts["enqueued"] += 1
-    counts["direct"] += 1
-    return ev
-
-
-class _NoPlan:
-    """What a direct submission's lane has for a plan: no capture."""
-
-    __slots__ = ()
-    capture = None
-
-
-_NO_PLAN: Any = _NoPlan()
-
-
-def lane_step(s: Stream, arg: tuple[Callable[[Lane, Any], None], Any]) -> None:
-    """A plan step ``fn(lane, a)`` (for ``arg = (fn, a)``) run by direct_enqueue on a lane of
-    ``s``: for steps that use only the lane's accesses and see that nothing is captured."""
-    fn, a = arg
-    fn(Lane(_NO_PLAN, s), a)
-
-
-def order_accesses(s: Stream, writes: Iterable[tuple[Buffer, bool]], reads: Iterable[tuple[Buffer, bool]]) -> None:
-    """Order the next work on ``s`` after the pending accesses on other streams of what
-    it writes (writer and readers) and reads (writer); (buffer, tracked) pairs. Not
-    capturing (Lane.write / Lane.read otherwise). Under LOCK."""
-    for b, tracked in writes:
-        if tracked:
-            w = b.writer
-            if w is not None and w[0] is not s:
-                s.wait_for(w[0], w[1])
-            if b.readers:
-                for r, rseq in b.readers.items():
-                    if r is not s:
-                        s.wait_for(r, rseq)
-    for b, tracked in reads:
-        if tracked:
-            w = b.writer
-            if w is not None and w[0] is not s:
-                s.wait_for(w[0], w[1])
-
-
-def note_accesses(s: Stream, seq: int, writes: Iterable[tuple[Buffer, bool]], reads: Iterable[tuple[Buffer, bool]]) -> None:
-    """Register point ``seq`` of ``s`` as the writer / a reader of these buffers (an
-    untracked one only keeps its memory until then). Under LOCK."""
-    for b, tracked in writes:
-        if tracked:
-            b.writer = (s, seq)
-            if b.readers:
-                b.readers.clear()
-        else:
-            b.lifetime[s] = seq
-    for b, tracked in reads:
-        if tracked:
-            b.readers[s] = seq
-        else:
-            b.lifetime[s] = seq
-
-
-def statistics() -> SubmissionStatistics:
-    c = _counts
-    return SubmissionStatistics(
-        c["planned"],
-        c["enqueued"],
-        c["abandoned"],
-        c["failed"],
-        c["kernels"],
-        c["staging"],
-        c["plan"],
-        c["memory"],
-        c["direct"],
-        c["communicators"],
-    )
-
-
-# -- pending host values ------------------------------------------------------------
-class Pending:
-    """A host value that exists once the submission's work has completed.
-
-    Resolving is thread-safe and happens once: a shared op's pending value may be
-    resolved by several consumers at the same time; a failure is remembered and raised
-    to each of them.
-    """
-
-    __slots__ = ("_done", "_error", "_fn", "_lock", "_value")
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn = fn
-        self._done = False
-        self._error: BaseException | None = None
-        self._value: Any = None
-        self._lock = threading.Lock()
-
-    def resolve(self) -> Any:
-        if not self._done:
-            with self._lock:
-                if not self._done:
-                    try:
-                        self._value = self._compute()
-                    except BaseException as exc:
-                        # A copy: the raised one collects the frames of the consumer it
-                        # reaches (and keeps their locals alive while it is stored).
-                        self._error = fresh(exc)
-                        raise
-                    finally:
-                        self._done = True
-                        self._fn = None  # type: ignore[assignment]
-                    return self._value
-        if self._error is not None:
-            raise fresh(self._error)
-        return self._value
-
-    def _compute(self) -> Any:
-        # Map callbacks over read-backs run here, after the wait; like every then/map
-        # callback they must not execute ops (NestedExecutionError).
-        tls = _tls
-        was = tls.submitting
-        tls.submitting = True
-        try:
-            return self._fn()
-        finally:
-            tls.submitting = was
-
-
-def contains_pending(v: Any) -> bool:
-    t = type(v)
-    if isinstance(v, Pending):
-        return True
-    if t is tuple or t is list:
-        return any(contains_pending(x) for x in v)
-    return False
-
-
-def resolve(v: Any) -> Any:
-    """Replace pending host values in ``v`` (and in tuples/lists inside it) by their values."""
-    t = type(v)
-    if isinstance(v, Pending):
-        return v.resolve()
-    if t is tuple:
-        return tuple(resolve(x) for x in v) if contains_pending(v) else v
-    if t is list:
-        return [resolve(x) for x in v]
-    return v
-
-
-class Continue:
-    """Returned by an op's ``_plan`` to continue with another op on the same lane."""
-
-    __slots__ = ("op",)
-
-    def __init__(self, op: Any) -> None:
-        self.op = op
-
-
-# -- shared-op states ------------------------------------------------------------------
-class Claimed:
-    """A shared op claimed by an unfinished plan; its output value is known."""
-
-    __slots__ = ("pending", "plan", "value")
-
-    def __init__(self, plan: Plan, value: Any, pending: bool) -> None:
-        self.plan = plan
-        self.value = value
-        self.pending = pending
-
-
-class Done:
-    """A shared op whose work was enqueued: consumers depend on (stream, seq)."""
-
-    __slots__ = ("pending", "seq", "stream", "value")
-
-    def __init__(self, value: Any, stream: Stream, seq: int, pending: bool) -> None:
-        self.value = value
-        self.stream = stream
-        self.seq = seq
-        self.pending = pending
-
-
-class Failed:
-    """A shared op whose execution failed: every consumer sees the error."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-EXECUTING = True  # the state of an op being planned (or executed, for single-use ops)
 
 
 # -- lanes ----------------------------------------------------------------------------
@@ -562,7 +227,7 @@ class Need:
     def __init__(self, kind: str, data: Any) -> None:
         self.kind = kind  # "kernels" | "staging" | "plan" | "memory" | "communicators"
         self.data = data
-        _counts[kind] += 1
+        counts[kind] += 1
 
     def wait_blocking(self) -> None:
         kind, data = self.kind, self.data
@@ -992,7 +657,7 @@ class Plan:
         for dev in self.generations:
             dev._stats.submissions += 1
         self.state = ENQUEUED
-        _counts["enqueued"] += 1
+        counts["enqueued"] += 1
         if self.shared:
             self._settle_shared(self.root.stream)
         self._release()
@@ -1047,7 +712,7 @@ class Plan:
             tls.submitting = False
         dev._stats.submissions += 1
         self.state = ENQUEUED
-        _counts["enqueued"] += 1
+        counts["enqueued"] += 1
         if self.shared:
             self._settle_shared(s)
         lane.plan = None  # type: ignore[assignment]
@@ -1107,7 +772,7 @@ class Plan:
         """The enqueue failed (under LOCK): shared ops claimed here fail for every consumer."""
         self.error = exc
         self.state = FAILED
-        _counts["failed"] += 1
+        counts["failed"] += 1
         for op in self.shared:
             if op._state.__class__ is not Done:
                 op._state = Failed(fresh(exc))
@@ -1151,7 +816,7 @@ class Plan:
                     st._give_back()
                     slot.staging = None
             self.state = ABORTED
-            _counts["abandoned"] += 1
+            counts["abandoned"] += 1
             self._release()
             self._set_done()
 
@@ -1181,224 +846,3 @@ def name_fault(err: DeviceError, ops: list[str], ordinal: int) -> DeviceError:
     new = type(err)(f"{err.message} (in the work of this submission)", device=device, op=described)
     new.__cause__ = err
     return new
-
-
-# -- entry points ---------------------------------------------------------------------------------
-def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan, Any, Need | None]:
-    """Plan ``op`` on ``stream`` and enqueue it if nothing is missing.
-
-    Returns (plan, output value, what to wait for before enqueueing, or None).
-    """
-    tls = _tls
-    if tls.submitting:
-        check_not_nested("executing a DeviceOp")
-    with LOCK:
-        plan = Plan(stream, capture)
-        if _trace.active is not None:
-            _trace.active.begin(plan)
-        tls.submitting = True
-        try:
-            value = plan.walk(op)
-        except BaseException as exc:
-            tls.submitting = False
-            plan.abort(exc)
-            raise
-        tls.submitting = False
-        plan.state = PLANNED
-        _counts["planned"] += 1
-        need = plan.advance()
-    return plan, value, need
-
-
-def _give_up(plan: Plan, exc: BaseException) -> None:
-    with LOCK:
-        plan.abort(exc)
-
-
-def submit_blocking(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan, Any]:
-    """Plan and enqueue ``op``, waiting in the calling thread when needed; no completion wait."""
-    plan, value, need = begin(op, stream, capture)
-    while need is not None:
-        try:
-            need.wait_blocking()
-        except BaseException as exc:
-            _give_up(plan, exc)
-            raise
-        with LOCK:
-            need = plan.advance()
-    return plan, value
-
-
-async def _finish_shielded(plan: Plan, need: Need | None) -> None:
-    with trio.CancelScope(shield=True):
-        while need is not None:
-            await need.wait_async()
-            with LOCK:
-                need = plan.advance()
-
-
-class Submitted:
-    """A submission that has been enqueued (see :func:`trio_cuda.lowlevel.submit`).
-
-    It keeps only what waiting needs (not the plan, whose steps reference tensors).
-
-    Attributes:
-        event: The event its work completes at (None if it enqueued no device work).
-    """
-
-    __slots__ = ("_generations", "_ops", "_ordinal", "_pending", "_staging", "_taken", "event", "value")
-
-    def __init__(self, plan: Plan, value: Any) -> None:
-        self.value = value
-        self.event = plan.event
-        self._generations = plan.generations
-        self._pending = bool(plan.pending)
-        self._ops = plan.ops
-        self._ordinal = plan.root.device.ordinal
-        self._taken = False
-        self._staging = _completed_staging(plan)
-
-    async def wait(self) -> Any:
-        """Wait for the work (a checkpoint) and return the op's output (once)."""
-        if self._taken:
-            raise RuntimeError("the output of this submission was taken already")
-        ev = self.event
-        if ev is None:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-        else:
-            try:
-                await wait_event(ev)
-            except DeviceError as err:
-                raise name_fault(err, self._ops, self._ordinal) from err
-        if len(self._generations) > 1:
-            check_generations(self._generations, self._ops)
-        self._taken = True
-        value, self.value = self.value, None
-        staging, self._staging = self._staging, ()
-        return _finish(value, self._pending, staging)
-
-
-def _completed_staging(plan: Plan) -> tuple[Staging, ...]:
-    """The staging buffers of ``plan``'s copies, to give back once its event is seen
-    done (every copy of the submission is before that event: the root lane joins every
-    fork first). None without an event, and none of a graph capture: its buffers stay
-    with the graph, whose replays copy through them again."""
-    if not plan.staging or plan.capture is not None or plan.event is None:
-        return ()
-    return tuple(slot.staging for slot in plan.staging if slot.staging is not None)
-
-
-def _finish(value: Any, pending: Any, staging: tuple[Staging, ...]) -> Any:
-    """The output of a submission whose event was seen done: host values copied out,
-    then its staging buffers back to their pools at once (not at the next submission),
-    so idle pinned memory beyond the cap is let go before the caller resumes."""
-    try:
-        return resolve(value) if pending else value
-    finally:
-        if staging:
-            copies_completed(staging)
-
-
-async def _enqueue_async(plan: Plan, need: Need | None) -> None:
-    """Wait for what the plan needs (in trio) until it enqueues."""
-    while need is not None:
-        try:
-            await need.wait_async()
-        except trio.Cancelled:
-            # Decided under LOCK: a submission starting to rely on this one takes LOCK too,
-            # so it either sees this one abandoned (and plans the ops itself) or is counted.
-            with LOCK:
-                relied_on = plan.dependents > 0
-                if not relied_on:
-                    plan.abort(DeviceError("cancelled"))
-            if relied_on:
-                # Another submission relies on this one: complete it, then honour the cancel.
-                await _finish_shielded(plan, need)
-            raise
-        except BaseException as exc:
-            _give_up(plan, exc)
-            raise
-        with LOCK:
-            need = plan.advance()
-
-
-async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
-    """Plan and enqueue ``op`` (waiting in trio where needed); do not wait for its work."""
-    await trio.lowlevel.checkpoint_if_cancelled()
-    if stream is None:
-        stream = current_device()._submission_stream()
-    plan, value, need = begin(op, stream)
-    if need is not None:
-        await _enqueue_async(plan, need)
-    return Submitted(plan, value)
-
-
-def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
-    """``await op`` (``DeviceOp.__await__``): submit on ``stream`` (default: the current
-    device's policy) and wait in trio, through trio's public checkpoints. A generator
-    rather than a coroutine: the common await is then one frame of its own."""
-    yield from trio.lowlevel.checkpoint_if_cancelled().__await__()
-    if stream is None:
-        stream = current_device()._submission_stream()
-    submit_now = op._submit_now
-    if submit_now is None or not direct_on or _trace.active is not None:  # a trace sees every plan
-        return (yield from _run_planned(op, stream).__await__())
-    done = submit_now(stream)
-    if done is None:  # not planned and enqueued in one step (see _Launch._submit_now)
-        return (yield from _run_planned(op, stream).__await__())
-    value, ev, names = done
-    if ev is None:
-        yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
-        return value
-    try:
-        yield from wait_event(ev).__await__()
-    except DeviceError as err:
-        raise name_fault(err, names, stream.device.ordinal) from err
-    return value
-
-
-async def _run_planned(op: Any, stream: Stream) -> Any:
-    """The general path of ``await op`` (after the cancel check): plan, enqueue (waiting
-    in trio where needed), wait for the submission's event."""
-    plan, value, need = begin(op, stream)
-    if need is not None:
-        await _enqueue_async(plan, need)
-    ev = plan.event
-    if ev is None:
-        await trio.lowlevel.cancel_shielded_checkpoint()
-    else:
-        try:
-            await wait_event(ev)
-        except DeviceError as err:
-            raise plan.fault(err) from err
-    if len(plan.generations) > 1:
-        check_generations(plan.generations, plan.ops)
-    return _finish(value, plan.pending, _completed_staging(plan))
-
-
-def run_sync(op: Any, stream: Stream | None = None) -> Any:
-    """``op.sync()``: submit and block the calling (non-trio) thread until done."""
-    check_blocking_allowed("op.sync()")
-    if stream is None:
-        stream = current_device()._submission_stream()
-    submit_now = op._submit_now
-    if submit_now is not None and direct_on and _trace.active is None:  # a trace sees every plan
-        done = submit_now(stream)
-        if done is not None:  # planned and enqueued in one step (see _Launch._submit_now)
-            value, ev, names = done
-            if ev is not None:
-                try:
-                    ev.device.wait_blocking(ev)
-                except DeviceError as err:
-                    raise name_fault(err, names, stream.device.ordinal) from err
-            return value
-    plan, value = submit_blocking(op, stream)
-    ev = plan.event
-    if ev is not None:
-        try:
-            ev.device.wait_blocking(ev)
-        except DeviceError as err:
-            raise plan.fault(err) from err
-    if len(plan.generations) > 1:
-        check_generations(plan.generations, plan.ops)
-    return _finish(value, plan.pending, _completed_staging(plan))
