@@ -101,6 +101,7 @@ class Claimed:
 
     __slots__ = ("pending", "plan", "value")
 
+    # plan: the claiming Plan (typed loosely: plans, in _plan, stand above these states)
     def __init__(self, plan: Any, value: Any, pending: bool) -> None:
         self.plan = plan
         self.value = value
