@@ -36,13 +36,13 @@ import numpy as np
 
 from ._backends._boundary import signature_of
 from ._checks import arg_type, as_int, is_scalar
-from ._direct import direct_enqueue, direct_failed, direct_tidy, note_accesses, order_accesses
+from ._direct import direct_enqueue, direct_ready, note_accesses, order_accesses
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
 from ._pending import EXECUTING
-from ._plan import Lane, Plan, _KernelNeed, _load_kernels, counts
+from ._plan import Lane, Plan, _KernelNeed, _load_kernels
 from ._stream import Event
 from ._tensor import Partition, Tensor
 from ._writes import written_params
@@ -460,6 +460,11 @@ def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> Non
     _enqueue_launch(lane.stream, lane.device, cfg, args, prepared)
 
 
+def _direct_launch_step(s: Stream, arg: tuple[Device, _Config, tuple[Any, ...], Any]) -> None:
+    """A prepared launch as a direct submission's one step (see _direct.direct_enqueue)."""
+    _enqueue_launch(s, *arg)
+
+
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
     """Enqueue a prepared launch on ``s`` (not capturing), ordered after the pending accesses
     of the buffers it uses on other streams, and registered as their writer or reader.
@@ -546,17 +551,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             return None
         _, generation, cfg, prepared = hit
         with LOCK:
-            # direct_ready(s, generation) and direct_enqueue(), inlined (the hottest path:
-            # calling them measured 4-5% more per await, null driver, 1 and 256 tasks):
-            if (
-                self._state is not None
-                or generation != device.generation
-                or device._resetting
-                or device._driver._fault is not None
-                or s.generation != generation
-                or s.capture is not None
-                or s._dropped
-            ):
+            if self._state is not None:
                 return None
             for i in cfg.writes:
                 if args[i].tensor._buffer.capture is not None:
@@ -564,28 +559,10 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
             for i in cfg.reads:
                 if args[i]._buffer.capture is not None:
                     return None
-            if device._dead_buffers or device._dead_streams or device._lingering or device._dead_graphs:
-                direct_tidy(device)
+            if not direct_ready(s, generation):
+                return None
             self._state = EXECUTING
-            start = s.seq
-            tls = _tls
-            tls.submitting = True
-            try:
-                if s._keep:
-                    s.retire()
-                _enqueue_launch(s, device, cfg, args, prepared)
-                seq = s.seq
-                ev = s.event_at(seq) if seq > start and seq > s.done_seq else None
-            except BaseException:
-                direct_failed()
-                raise
-            finally:
-                tls.submitting = False
-            device._stats.submissions += 1
-            c = counts
-            c["planned"] += 1
-            c["enqueued"] += 1
-            c["direct"] += 1
+            ev = direct_enqueue(s, _direct_launch_step, (device, cfg, args, prepared))
         return args, ev, [k.name]
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
