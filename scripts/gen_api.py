@@ -9,8 +9,10 @@ names are its ``__all__`` plus the public functions and classes defined in it (s
 are listed too).
 
 Each entry shows the signature (``inspect.signature``) and the docstring. The output
-depends only on the source: the simulated backend is forced, names are sorted, and
-memory addresses are scrubbed from default values.
+depends only on the source: the simulated backend is forced, the modules are imported
+from their ``.py`` even where compiled ones were built (an extension type shows its
+members differently), names are sorted, and memory addresses are scrubbed from default
+values.
 
 Usage::
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import inspect
 import os
 import pathlib
@@ -31,6 +34,19 @@ import types
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _import_sources_first() -> None:
+    """Have imports prefer a module's ``.py`` to a compiled extension beside it (modules
+    with no ``.py``, such as the CUDA fast path, still load as extensions)."""
+    m = importlib.machinery
+    hook = m.FileFinder.path_hook(
+        (m.SourceFileLoader, m.SOURCE_SUFFIXES),
+        (m.ExtensionFileLoader, m.EXTENSION_SUFFIXES),
+        (m.SourcelessFileLoader, m.BYTECODE_SUFFIXES),
+    )
+    sys.path_hooks.insert(0, hook)
+    sys.path_importer_cache.clear()
 OUT = ROOT / "docs" / "api.md"
 
 # Submodules in the order they appear; (name, required). A missing optional module is
@@ -301,7 +317,9 @@ def render() -> str:
     """The whole of docs/api.md."""
     os.environ["TRIO_CUDA_BACKEND"] = "sim"  # the reference does not depend on the backend
     os.environ["TRIO_CUDA_QUIET"] = "1"
+    os.environ.pop("TRIO_CUDA_REQUIRE_COMPILED", None)  # (the sources are what it reads)
     sys.path.insert(0, str(ROOT))
+    _import_sources_first()
     modules = [(name, m) for name, req in MODULES if (m := _import(name, req)) is not None]
     _documented.clear()
     _public_classes.clear()

@@ -16,6 +16,7 @@ __all__ = ["MODULES", "check_required", "compiled_modules"]
 
 #: The modules of the per-await and per-submission path, compiled as they are.
 MODULES: tuple[str, ...] = (
+    "trio_cuda._backends._cuda",
     "trio_cuda._device",
     "trio_cuda._direct",
     "trio_cuda._guard",

@@ -83,7 +83,8 @@ def direct_enqueue(s: Stream, step: Callable[[Stream, Any], None], arg: Any) -> 
         raise
     finally:
         tls.submitting = False
-    s.device._stats.submissions += 1
+    device = s.device
+    device._stats.submissions += 1
     c = counts
     c["planned"] += 1
     c["enqueued"] += 1

@@ -49,6 +49,7 @@ from ._writes import written_params
 
 if TYPE_CHECKING:
     from ._device import Device
+    from ._memory import Buffer
     from ._stream import Stream
 
 __all__ = ["Kernel", "kernel"]
@@ -390,20 +391,22 @@ def _prepared_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """
     key: list[Any] = []
     for a in args:
-        t = type(a)
-        if t is Partition:
-            k = a._k
+        kind = type(a)
+        if kind is Partition:
+            p: Partition = a
+            k = p._k
             if k is None:
-                if a.tensor._buffer.ptr is None:
+                if p.tensor._buffer.ptr is None:
                     return None
-                k = a._key()
+                k = p._key()
             key.append(k)
-        elif t is Tensor:
-            d = a._args
+        elif kind is Tensor:
+            t: Tensor = a
+            d = t._args
             if d is None:
-                if a._buffer.ptr is None:
+                if t._buffer.ptr is None:
                     return None
-                key.append(a._arg(False))
+                key.append(t._arg(False))
             else:
                 key.append(d[0])
         elif is_scalar(a):
@@ -462,7 +465,8 @@ def _prepared_step(lane: Lane, arg: tuple[_Config, tuple[Any, ...], Any]) -> Non
 
 def _direct_launch_step(s: Stream, arg: tuple[Device, _Config, tuple[Any, ...], Any]) -> None:
     """A prepared launch as a direct submission's one step (see _direct.direct_enqueue)."""
-    _enqueue_launch(s, *arg)
+    device, cfg, args, prepared = arg  # (unpacked: compiled, the call below is then a C call)
+    _enqueue_launch(s, device, cfg, args, prepared)
 
 
 def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ...], prepared: Any) -> None:
@@ -471,9 +475,10 @@ def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ..
     The hot path of every launch: order_accesses / note_accesses inlined. Under LOCK."""
     wpos, rpos = cfg.writes, cfg.reads
     for i in wpos:
-        t = args[i].tensor
+        p: Partition = args[i]
+        t: Tensor = p.tensor
         if t._tracked:
-            b = t._buffer
+            b: Buffer = t._buffer
             w = b.writer
             if w is not None and w[0] is not s:
                 s.wait_for(w[0], w[1])
@@ -492,7 +497,8 @@ def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ..
     s.seq += 1
     seq = s.seq
     for i in wpos:
-        t = args[i].tensor
+        p = args[i]
+        t = p.tensor
         b = t._buffer
         if t._tracked:
             b.writer = (s, seq)
@@ -502,10 +508,11 @@ def _enqueue_launch(s: Stream, device: Device, cfg: _Config, args: tuple[Any, ..
             b.lifetime[s] = seq
     for i in rpos:
         t = args[i]
+        b = t._buffer
         if t._tracked:
-            t._buffer.readers[s] = seq
+            b.readers[s] = seq
         else:
-            t._buffer.lifetime[s] = seq
+            b.lifetime[s] = seq
     device._stats.launches += 1
 
 
@@ -519,6 +526,42 @@ def enqueue_prepared(s: Stream, arg: tuple[_Config, Any, list[tuple[Any, bool]],
     s.seq += 1
     note_accesses(s, s.seq, writes, reads)
     s.device._stats.launches += 1
+
+
+def _launch_now(op: _Launch, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
+    """_Launch._submit_now, as a function (compiled, its objects are typed: see _kernel.pxd)."""
+    if op._inputs or _tls.submitting:
+        return None
+    args = op._args
+    k = op._kernel
+    device = s.device
+    key = _prepared_key(args)
+    if key is None:
+        return None
+    hit = k._fast.get(key)
+    if hit is None or hit[0] is not device:
+        return None
+    _, generation, cfg, prepared = hit
+    # (acquire / release rather than `with`: half the cost, on every await)
+    LOCK.acquire()
+    try:
+        if op._state is not None:
+            return None
+        for i in cfg.writes:
+            p: Partition = args[i]
+            if p.tensor._buffer.capture is not None:
+                return None
+        for i in cfg.reads:
+            t: Tensor = args[i]
+            if t._buffer.capture is not None:
+                return None
+        if not direct_ready(s, generation):
+            return None
+        op._state = EXECUTING
+        ev = direct_enqueue(s, _direct_launch_step, (device, cfg, args, prepared))
+    finally:
+        LOCK.release()
+    return args, ev, [k.name]
 
 
 class _Launch(DeviceOp[tuple[Any, ...]]):
@@ -538,32 +581,7 @@ class _Launch(DeviceOp[tuple[Any, ...]]):
         allocated, nothing to wait for, nothing to tidy up first. The same checks and the
         same effects as the general path, without building a plan (the common
         ``await kernel(tensors...)``). None: take the general path."""
-        if self._inputs or _tls.submitting:
-            return None
-        args = self._args
-        k = self._kernel
-        device = s.device
-        key = _prepared_key(args)
-        if key is None:
-            return None
-        hit = k._fast.get(key)
-        if hit is None or hit[0] is not device:
-            return None
-        _, generation, cfg, prepared = hit
-        with LOCK:
-            if self._state is not None:
-                return None
-            for i in cfg.writes:
-                if args[i].tensor._buffer.capture is not None:
-                    return None
-            for i in cfg.reads:
-                if args[i]._buffer.capture is not None:
-                    return None
-            if not direct_ready(s, generation):
-                return None
-            self._state = EXECUTING
-            ev = direct_enqueue(s, _direct_launch_step, (device, cfg, args, prepared))
-        return args, ev, [k.name]
+        return _launch_now(self, s)
 
     def _plan(self, plan: Plan, lane: Lane, values: Sequence[Any]) -> tuple[Any, ...]:
         k = self._kernel

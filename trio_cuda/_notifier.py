@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from ._device import Device
     from ._stream import Event
 
-__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_poll", "wait_event"]
+__all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_poll", "wait_event", "wait_steps"]
 
 _FAULT_POLL_S = 0.02
 _budget_ns: int | None = None
@@ -225,6 +226,24 @@ async def wait_event(event: Event) -> None:
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
+    return await _Steps(event)
+
+
+class _Steps:
+    """``await``-able :func:`wait_steps` (what wait_event awaits)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Event) -> None:
+        self.event = event
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        return wait_steps(self.event)
+
+
+def wait_steps(event: Event) -> Generator[Any, Any, None]:
+    """:func:`wait_event` as a generator, for ``yield from`` in a generator that trio
+    runs as a coroutine (the await of an op: one frame less than awaiting a coroutine)."""
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()  # read (and checked) at the first wait
     spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()
     dev = event.device
@@ -233,18 +252,18 @@ async def wait_event(event: Event) -> None:
         # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
             event_waits[0] += 1
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        await trio.lowlevel.checkpoint()
+        yield from trio.lowlevel.checkpoint().__await__()
         # (if the scheduler came back at once, few tasks are running: spin for a moment)
         if dev.poll(event) or (spin and spin_poll(event, started, started + budget)):
             event_waits[0] += 1
             return
-    await wait_pending(event, started)
+    yield from wait_pending(event, started).__await__()
 
 
 async def wait_pending(event: Event, started: int) -> None:

@@ -43,12 +43,13 @@ class StreamDevice(Protocol):
     _driver: DeviceDriver
     _stats: Any
     _cross_device: bool
+    # (generation, handle) of driver events to reuse: events put theirs back when they
+    # go (lock-free, from any thread); streams take them under the runtime lock
+    _event_pool: collections.deque[tuple[int, Any]]
 
     def poll(self, ev: Event) -> bool: ...
     def wait_blocking(self, ev: Event) -> None: ...
     def _recycle_stream(self, stream: Stream) -> None: ...
-    def _recycle_event(self, generation: int, handle: Any) -> None: ...
-    def _event_handle(self) -> Any: ...
 
 
 class Event:
@@ -62,6 +63,7 @@ class Event:
 
     __slots__ = (
         "__weakref__",
+        "_pool",
         "_stream",
         "device",
         "done",
@@ -81,6 +83,7 @@ class Event:
         self.done = False
         self.error: BaseException | None = None  # the work before it failed (it is done)
         self.generation = stream.generation
+        self._pool = stream._events
 
     @property
     def stream(self) -> Stream | None:
@@ -102,9 +105,9 @@ class Event:
         return f"<trio_cuda.Event at point {self.seq} of a stream of device {self.device.ordinal}>"
 
     def __del__(self) -> None:
-        # Lock-free: the device takes the handle back (if its generation is current).
+        # Lock-free (deque.append is atomic): the device's pool takes the handle back.
         try:
-            self.device._recycle_event(self.generation, self.handle)
+            self._pool.append((self.generation, self.handle))
         except Exception:  # interpreter shutdown
             pass
 
@@ -138,6 +141,7 @@ class Stream:
     __slots__ = (
         "__weakref__",
         "_dropped",
+        "_events",
         "_final",
         "_foreign",
         "_keep",
@@ -173,6 +177,7 @@ class Stream:
     _dropped: bool  # its last reference went away: it is (being) destroyed
     _foreign: bool  # another library's stream (lowlevel.external_stream): never destroyed here
     _wref: weakref.ref[Stream]
+    _events: collections.deque[tuple[int, Any]]  # the device's event pool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Stream cannot be constructed directly; use device.create_stream()")
@@ -180,8 +185,9 @@ class Stream:
     @classmethod
     def _new(cls, device: StreamDevice, handle: Any) -> Stream:
         """A stream of ``device`` around a driver handle (called under the runtime lock)."""
-        self = object.__new__(cls)
+        self = cls.__new__(cls)  # (not object.__new__: compiled, Stream is an extension type)
         self.device = device
+        self._events = device._event_pool
         self.capture = None
         self._dropped = False
         self._foreign = False
@@ -253,8 +259,19 @@ class Stream:
         if self.seq < seq:
             self.seq = seq
         device = self.device
-        ev = Event(self, self.seq, device._event_handle())
-        device._driver.record(ev.handle, self.handle)
+        handle = None
+        pool = self._events
+        gen = device.generation
+        while pool:  # a pooled handle of the device's generation (older ones are gone)
+            g, h = pool.pop()
+            if g == gen:
+                handle = h
+                break
+        driver = device._driver
+        if handle is None:
+            handle = driver.create_event()
+        ev = Event(self, self.seq, handle)
+        driver.record(handle, self.handle)
         self._last_event = ev
         return ev
 

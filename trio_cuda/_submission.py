@@ -38,7 +38,7 @@ from . import _trace
 from ._capture import Capture
 from ._errors import DeviceError
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
-from ._notifier import wait_event
+from ._notifier import wait_event, wait_steps
 from ._pending import resolve
 from ._plan import PLANNED, Need, Plan, check_generations, counts, name_fault
 from ._registry import current_device
@@ -270,7 +270,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
         return value
     try:
-        yield from wait_event(ev).__await__()
+        yield from wait_steps(ev)
     except DeviceError as err:
         raise name_fault(err, names, stream.device.ordinal) from err
     return value

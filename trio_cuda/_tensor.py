@@ -76,7 +76,7 @@ class Tensor(TensorMath):
         strides: tuple[int, ...] | None = None,
         tracked: bool = True,
     ) -> Tensor:
-        self = object.__new__(cls)
+        self = cls.__new__(cls)  # (not object.__new__: compiled, this is an extension type)
         self._buffer = buffer
         self.shape = shape
         self.dtype = dtype
@@ -318,7 +318,7 @@ class Partition:
                     raise ValueError(f"tile_shape must be positive: {tile}")
                 dims.append(-(-n // t))
             grid = tuple(dims)
-        self = object.__new__(cls)
+        self = cls.__new__(cls)  # (not object.__new__: compiled, this is an extension type)
         self.tensor = tensor
         self.tile_shape = tile
         self.grid = grid

@@ -293,7 +293,7 @@ def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> 
         return p
     if kind == _PARTITION:
         tensor_spec, tile, grid = p
-        part = object.__new__(Partition)  # checked when recorded
+        part = Partition.__new__(Partition)  # checked when recorded
         part.tensor = _make(tensor_spec, args, bufs)
         part.tile_shape = tile
         part.grid = grid
