@@ -3,8 +3,8 @@
 Usage: python benchmarks/probes/probe_host_calls.py [--n 4000]
 
 Rows, each the best of 7 blocks of ``--n`` calls (wall time): the driver's launch of a
-prepared tiny kernel, its event record and its query of a completed event (the three
-driver calls of every await), a trio schedule point (``trio.lowlevel.checkpoint``), one
+prepared tiny kernel (the block's drain included), its event record and its query of a
+completed event (the three driver calls of every await), a trio schedule point (``trio.lowlevel.checkpoint``), one
 ``await inc(p)`` on one stream, and a dependent chain of ``--n`` launches awaited once
 (per op). Read beside bench_host: what an await costs above its driver calls and trio's
 pass is trio-cuda's own host code. Prints which runtime modules run compiled.
@@ -13,6 +13,7 @@ pass is trio-cuda's own host code. Prints which runtime modules run compiled.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from typing import Any
 
 import trio
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import trio_cuda
 from benchmarks import bench_runtime
 from trio_cuda import api, lowlevel
@@ -57,10 +59,15 @@ async def run(n: int) -> None:
     h = s.handle
     ev = drv.create_event()
 
+    def drain() -> None:
+        drv.record(ev, h)
+        while not drv.query(ev):
+            time.sleep(0)  # (the simulated device's threads need the GIL)
+
     def launches() -> None:
         for _ in range(n):
             drv.launch(prepared, h)
-        s.synchronize()
+        drain()
 
     def records() -> None:
         for _ in range(n):
@@ -82,7 +89,7 @@ async def run(n: int) -> None:
         ("driver launch (enqueue only)", best_of(n, launches)),
         ("driver record", best_of(n, records)),
     ]
-    s.synchronize()
+    drain()
     rows.append(("driver query (done event)", best_of(n, queries)))
     rows.append(("trio checkpoint", await best_of_async(n, checkpoints)))
     rows.append(("await inc(p)", await best_of_async(n, awaits)))
