@@ -25,6 +25,9 @@ MODULES: tuple[str, ...] = (
     "trio_cuda._notifier",
     "trio_cuda._op",
     "trio_cuda._ops._core",
+    "trio_cuda._ops._elementwise",
+    "trio_cuda._ops._matmul",
+    "trio_cuda._ops._reduce",
     "trio_cuda._pending",
     "trio_cuda._plan",
     "trio_cuda._scheduling",
@@ -32,6 +35,7 @@ MODULES: tuple[str, ...] = (
     "trio_cuda._submission",
     "trio_cuda._tensor",
     "trio_cuda._writes",
+    "trio_cuda.ops",
 )
 
 

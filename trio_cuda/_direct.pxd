@@ -3,6 +3,7 @@
 cimport cython
 
 from trio_cuda._device cimport Device
+from trio_cuda._memory cimport Buffer
 from trio_cuda._stream cimport Event, Stream
 
 
@@ -10,3 +11,8 @@ from trio_cuda._stream cimport Event, Stream
 cpdef bint direct_ready(Stream s, object generation) except -1
 @cython.locals(device=Device, c=dict)
 cpdef Event direct_enqueue(Stream s, object step, object arg)
+
+@cython.locals(b=Buffer)
+cpdef object order_accesses(Stream s, object writes, object reads)
+@cython.locals(b=Buffer)
+cpdef object note_accesses(Stream s, object seq, object writes, object reads)

@@ -4,7 +4,7 @@
 cimport cython
 
 from trio_cuda._device cimport Device
-from trio_cuda._direct cimport direct_enqueue, direct_ready
+from trio_cuda._direct cimport direct_enqueue, direct_ready, note_accesses, order_accesses
 from trio_cuda._memory cimport Buffer
 from trio_cuda._stream cimport Event, Stream
 from trio_cuda._tensor cimport Partition, Tensor
@@ -31,3 +31,8 @@ cpdef object _enqueue_launch(Stream s, Device device, _Config cfg, tuple args, o
 
 @cython.locals(args=tuple, device=Device, cfg=_Config, p=Partition, t=Tensor, hit=tuple)
 cpdef object _launch_now(object op, Stream s)
+
+@cython.locals(cfg=_Config, device=Device)
+cpdef object enqueue_prepared(Stream s, tuple arg)
+
+cpdef Event enqueue_direct(Stream s, _Config cfg, object prepared, list writes, list reads)

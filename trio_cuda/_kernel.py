@@ -521,11 +521,12 @@ def enqueue_prepared(s: Stream, arg: tuple[_Config, Any, list[tuple[Any, bool]],
     tracked) pairs the launch writes and reads (a direct_enqueue step)."""
     cfg, prepared, writes, reads = arg
     order_accesses(s, writes, reads)
+    device = s.device
     if 0 not in cfg.grid:  # a launch over an empty tensor has nothing to run
-        s.device._driver.launch(prepared, s.handle)
+        device._driver.launch(prepared, s.handle)
     s.seq += 1
     note_accesses(s, s.seq, writes, reads)
-    s.device._stats.launches += 1
+    device._stats.launches += 1
 
 
 def _launch_now(op: _Launch, s: Stream) -> tuple[Any, Event | None, list[str]] | None:

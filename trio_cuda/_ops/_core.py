@@ -234,6 +234,13 @@ def prepared_step(fn: Callable[[Lane, Any], None], prepare: Callable[[Any], Prep
     _preparers[fn] = prepare
 
 
+def _all_ints(a: tuple[Any, ...]) -> bool:
+    for v in a:
+        if type(v) is not int:
+            return False
+    return True
+
+
 def _op_key(op: TensorOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The identity of an op on ``args``, or None if some of them cannot be keyed.
 
@@ -245,19 +252,20 @@ def _op_key(op: TensorOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     for a in args:
         t = type(a)
         if t is Tensor:
-            d = a._args
+            x: Tensor = a
+            d = x._args
             if d is None:
-                if a._buffer.ptr is None:
+                if x._buffer.ptr is None:
                     return None  # allocated by a submission not enqueued yet
-                a._arg(False)
-                d = a._args
+                x._arg(False)
+                d = x._args
                 assert d is not None
             key.append(d[0])
         elif a is None or t is bool or t is int or t is str:
             key.append((t, a))
         elif t is float or isinstance(a, np.generic):
             key.append(_scalar_key(a))
-        elif t is tuple and all(type(x) is int for x in a):
+        elif t is tuple and _all_ints(a):
             key.append((t, a))
         elif t is np.dtype or isinstance(a, np.dtype):
             key.append((np.dtype, a.str, a))
@@ -282,7 +290,11 @@ _OPERAND, _OPERAND_VIEW, _ALLOC_VIEW, _PARTITION, _CONST = range(5)
 
 def _buffers(args: tuple[Any, ...], sources: tuple[tuple[int, bool | None], ...]) -> list[tuple[Any, bool]]:
     """The (buffer, tracked) pairs of a launch's accesses (see _Step.set_prepared) on ``args``."""
-    return [(args[i]._buffer, args[i]._tracked if t is None else t) for i, t in sources]
+    out = []
+    for i, tracked in sources:
+        x: Tensor = args[i]
+        out.append((x._buffer, x._tracked if tracked is None else tracked))
+    return out
 
 
 def _make(spec: tuple[int, Any], args: tuple[Any, ...], bufs: Sequence[Any]) -> Any:
@@ -399,7 +411,8 @@ class _Recipe:
             if op._state is not None or not direct_ready(s, gen):
                 return None
             for i in self.uses:
-                b = args[i]._buffer
+                x: Tensor = args[i]
+                b = x._buffer
                 if b.ptr is None or b.capture is not None or b.generation != b.device.generation:
                     return None  # the general path says why
             op._state = EXECUTING

@@ -125,7 +125,10 @@ def _prepare_gemm(arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor | None]) -
     if desc.align != align:
         desc = dataclasses.replace(desc, align=align)
     static = (desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0)
-    return _gemm_direct, static, (3,), (1, 2) if bias is None else (1, 2, 4)
+    reads: tuple[int, ...] = (1, 2)
+    if bias is not None:
+        reads = (1, 2, 4)
+    return _gemm_direct, static, (3,), reads
 
 
 def _gemm_direct(s: Stream, arg: tuple[tuple[GemmDesc, int, int, int, int], Any, Any]) -> None:
