@@ -235,6 +235,8 @@ def prepared_step(fn: Callable[[Lane, Any], None], prepare: Callable[[Any], Prep
 
 
 def _all_ints(a: tuple[Any, ...]) -> bool:
+    # (a loop rather than all() over a generator: compiled, _op_key is a C-level function
+    # of _core.pxd, and Cython compiles no closure inside one)
     for v in a:
         if type(v) is not int:
             return False

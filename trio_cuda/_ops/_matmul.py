@@ -125,8 +125,8 @@ def _prepare_gemm(arg: tuple[GemmDesc, Tensor, Tensor, Tensor, Tensor | None]) -
     if desc.align != align:
         desc = dataclasses.replace(desc, align=align)
     static = (desc, a.ptr, b.ptr, d.ptr, bias.ptr if bias is not None else 0)
-    reads: tuple[int, ...] = (1, 2)
-    if bias is not None:
+    reads: tuple[int, ...] = (1, 2)  # (not a conditional expression: Cython refuses one
+    if bias is not None:  # between tuples of different lengths)
         reads = (1, 2, 4)
     return _gemm_direct, static, (3,), reads
 
