@@ -47,7 +47,7 @@ from ._kernel import Kernel, kernel  # noqa: E402
 from ._op import DeviceOp, ScheduledOp, SharedOp, value  # noqa: E402
 from ._op import zip as zip  # noqa: E402  (public, but not in __all__: it would shadow the builtin)
 from ._registry import current_device, device, device_count, devices, use_device  # noqa: E402
-from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin  # noqa: E402
+from ._scheduling import PoolStatistics, SchedulingPolicy, SingleStream, StreamPoolByLoad, StreamPoolRoundRobin  # noqa: E402
 from ._stream import Stream  # noqa: E402
 from ._tensor import Partition, Tensor  # noqa: E402
 
@@ -74,11 +74,13 @@ __all__ = [
     "NestedExecutionError",
     "OpAlreadyExecuted",
     "Partition",
+    "PoolStatistics",
     "ScheduledOp",
     "SchedulingPolicy",
     "SharedOp",
     "SingleStream",
     "Stream",
+    "StreamPoolByLoad",
     "StreamPoolRoundRobin",
     "Tensor",
     "api",

@@ -161,7 +161,7 @@ _default_policy_factory: Callable[[Device], SchedulingPolicy] | None = None
 
 def set_default_policy_factory(factory: Callable[[Device], SchedulingPolicy]) -> None:
     """Set how a device makes its default policy (the scheduling layer registers
-    StreamPoolRoundRobin here: devices do not know the policies)."""
+    StreamPoolByLoad here: devices do not know the policies)."""
     global _default_policy_factory
     _default_policy_factory = factory
 
@@ -374,7 +374,7 @@ class Device:
     def policy(self) -> SchedulingPolicy:
         """The scheduling policy ``await op`` and ``op.sync()`` use on this device.
 
-        Defaults to :class:`~trio_cuda.StreamPoolRoundRobin` over 4 streams. Assign
+        Defaults to :class:`~trio_cuda.StreamPoolByLoad` (4 streams, growing to 16). Assign
         another policy (for this device) to change it.
         """
         p = self._policy

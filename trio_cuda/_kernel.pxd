@@ -17,6 +17,7 @@ cdef class _Config:
     cdef public object grid
     cdef public object loaded
     cdef public object name
+    cdef public object names
     cdef public object proto
     cdef public object reads
     cdef public object signature

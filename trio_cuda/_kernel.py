@@ -223,7 +223,7 @@ def _check_launch_config(name: str, grid: tuple[int, ...], block: tuple[int, ...
 class _Config:
     """A validated launch of one kernel on one argument geometry and device."""
 
-    __slots__ = ("block", "device", "generation", "grid", "loaded", "name", "proto", "reads", "signature", "writes")
+    __slots__ = ("block", "device", "generation", "grid", "loaded", "name", "names", "proto", "reads", "signature", "writes")
 
     def __init__(
         self,
@@ -236,6 +236,7 @@ class _Config:
         name: str,
     ) -> None:
         self.name = name  # the kernel's (traces label the launch with it)
+        self.names = [name]  # what a fault of a direct launch names (one list: the wait learns by it)
         self.device = device
         self.generation = device.generation
         self.grid = grid
@@ -562,7 +563,10 @@ def _launch_now(op: _Launch, s: Stream) -> tuple[Any, Event | None, list[str]] |
         ev = direct_enqueue(s, _direct_launch_step, (device, cfg, args, prepared))
     finally:
         LOCK.release()
-    return args, ev, [k.name]
+    names = cfg.names
+    if names[0] is not k.name:  # (a kernel renamed since: faults name it by its new name)
+        names[0] = k.name
+    return args, ev, names
 
 
 class _Launch(DeviceOp[tuple[Any, ...]]):

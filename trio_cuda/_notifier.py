@@ -1,21 +1,29 @@
 """Completion wake-ups: from device events to trio tasks.
 
-Two paths, chosen by measurements on an H200 (see docs/notifier.md):
+The wait of an await adapts to how long its work takes (measured on an H200, see
+docs/notifier.md):
 
-* **Fast path** (:func:`wait_event`): the awaiting task polls its event between trio
-  checkpoints for a budget (``TRIO_CUDA_POLL_BUDGET_US``; by default 5000 us on CUDA
-  and 100 us on the simulated device, whose "GPU" threads need the GIL that polling
-  would hold). The loop stays hot, other tasks keep running, completion is seen within
-  one scheduler pass.
-* **Slow path** (:class:`Notifier`): past the budget the task parks, and one helper
-  thread per process watches all parked waits. The device *arms* each event so that
-  its completion posts a waker the helper blocks on without the GIL (on CUDA a host
-  function that is ``sem_post`` itself, queued on a side stream so the work stream is
-  never stalled). The helper then polls every parked event and wakes finished tasks in
-  one ``run_sync_soon`` batch per trio run. With nothing parked it blocks indefinitely:
-  no CPU use while idle. While waits are parked it also re-polls every 20 ms, which
-  catches device faults (a faulted context runs no host functions). A device reset
-  posts the waker, so waiters of the old generation are woken with DeviceReset.
+* **Polling** (short work, or work of a kind not seen yet): the awaiting task polls
+  its event between trio checkpoints, for up to ``TRIO_CUDA_POLL_BUDGET_US`` (by
+  default 5000 us on CUDA and 100 us on the simulated device, whose "GPU" threads need
+  the GIL that polling would hold), and for about four times its expected duration
+  when that is known. Completion is seen within one scheduler pass.
+* **Sleeping through** (work expected to take 150 us or more, see trio_cuda._forecast):
+  the task sleeps until shortly before the work's predicted end, then polls. On Linux
+  it sleeps on a timerfd in trio's own I/O wait (trio_cuda._timer), which the notifier
+  fires early if the work completes first; elsewhere it parks on the notifier with a
+  deadline. A completion wakes a sleeping CPU 100-400 us late whatever the mechanism,
+  so the timer, learned from what earlier waits of the same kind took, is what keeps
+  the GPU fed.
+* **The notifier** (:class:`Notifier`): one helper thread per process watches all
+  parked waits. The device *arms* each event so that its completion posts a waker the
+  helper blocks on without the GIL (on CUDA a host function that is ``sem_post``
+  itself, queued on a side stream so the work stream is never stalled). The helper then
+  polls every parked event, fires due timers, and wakes tasks in one ``run_sync_soon``
+  batch per trio run. With nothing parked it blocks indefinitely: no CPU use while
+  idle. While waits are parked it also re-polls every 20 ms, which catches device
+  faults (a faulted context runs no host functions). A device reset posts the waker, so
+  waiters of the old generation are woken with DeviceReset.
 """
 
 from __future__ import annotations
@@ -32,7 +40,12 @@ import trio
 from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
+from ._forecast import SLEEP_MIN_NS, WaitStatistics, forecast
 from ._stream import event_waits
+from ._timer import Timer
+from ._timer import available as _timers
+from ._timer import release as _release_timer
+from ._timer import timer as _new_timer
 
 if TYPE_CHECKING:
     from ._device import Device
@@ -41,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["Notifier", "NotifierStatistics", "notifier", "poll_budget_ns", "spin_poll", "wait_event", "wait_steps"]
 
 _FAULT_POLL_S = 0.02
+_POLL_AFTER_WAKE_NS = 50_000  # a timer-woken task polls at least this long before sleeping again
+_MIN_SLEEP_NS = 30_000  # a timed sleep shorter than this is polled instead
+_FOREVER_NS = 10**12  # a budget this large (1000 s) never sleeps: the pure polling wait
 _budget_ns: int | None = None
 _spin_ns: int | None = None
 
@@ -55,6 +71,7 @@ class NotifierStatistics:
         parked: Waits parked right now.
         wakeups: Times the helper thread woke up.
         batches: ``run_sync_soon`` batches that woke tasks.
+        sleeping: How the adaptive wait slept through long work.
     """
 
     fast_path: int
@@ -62,6 +79,7 @@ class NotifierStatistics:
     parked: int
     wakeups: int
     batches: int
+    sleeping: WaitStatistics
 
 
 def spin_poll(event: Event, started: int, deadline: int) -> bool:
@@ -101,22 +119,39 @@ def poll_budget_ns() -> int:
 
 
 class _Waiter:
-    __slots__ = ("active", "device", "event", "task", "token")
+    __slots__ = ("active", "deadline", "device", "event", "task", "timer", "token")
 
-    def __init__(self, event: Event, token: trio.lowlevel.TrioToken, task: trio.lowlevel.Task) -> None:
+    def __init__(self, event: Event, token: Any, task: Any, deadline: int, timer: Timer | None = None) -> None:
         self.event = event
         self.device = event.device
         self.token = token
         self.task = task
+        self.deadline = deadline  # perf_counter_ns of a timed wake-up, or 0
+        self.timer = timer  # fired on completion instead of rescheduling the task
         self.active = True
 
 
-def _wake(batch: list[tuple[_Waiter, BaseException | None]]) -> None:
+# (waiter, error or None, True if the work completed / False if the timer fired)
+_Wake = tuple[_Waiter, BaseException | None, bool]
+
+
+def _wake(batch: list[_Wake]) -> None:
     # Runs in the trio thread, so it cannot race with the abort function.
-    for w, exc in batch:
+    for w, exc, done in batch:
         if w.active:
             w.active = False
-            trio.lowlevel.reschedule(w.task, outcome.Value(None) if exc is None else outcome.Error(exc))
+            trio.lowlevel.reschedule(w.task, outcome.Value(done) if exc is None else outcome.Error(exc))
+
+
+def _precise_timers() -> None:
+    """Let this thread's timed waits end when asked (Linux rounds them up by 50 us by
+    default, "timer slack"): the helper's timers wake sleeping tasks before their work ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
+    except (OSError, AttributeError):
+        pass  # not Linux: the timers are as precise as the platform makes them
 
 
 class Notifier:
@@ -130,6 +165,7 @@ class Notifier:
         self._subscribed: set[int] = set()
         self.wakeups = 0  # helper-thread wake-ups, for tests and docs
         self.batches = 0  # run_sync_soon calls that woke tasks
+        self._wake_at: int | None = None  # when the helper wakes by itself (None: never)
 
     def parked(self) -> int:
         """How many waits are parked on the helper thread now."""
@@ -137,40 +173,80 @@ class Notifier:
 
     def statistics(self) -> NotifierStatistics:
         """A frozen snapshot of the wake-up counters."""
-        return NotifierStatistics(event_waits[0], event_waits[1], len(self._waiters), self.wakeups, self.batches)
+        return NotifierStatistics(
+            event_waits[0], event_waits[1], len(self._waiters), self.wakeups, self.batches, _forecast.statistics()
+        )
 
-    async def wait(self, event: Event) -> None:
-        """Park the current task until ``event`` completes (or fails, or its device resets)."""
-        w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task())
+    async def wait(self, event: Event, deadline: int = 0, arm: bool = True) -> bool:
+        """Park the current task until ``event`` completes (or fails, or its device
+        resets), or until ``deadline`` (perf_counter_ns; 0: none). True if the event
+        completed, False if the deadline came first. ``arm=False``: the event was armed
+        by an earlier wait of this await."""
+        w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task(), deadline)
         dev = w.device
         with self._lock:
             subscribe = dev.ordinal not in self._subscribed
             self._subscribed.add(dev.ordinal)
         if subscribe:
             dev.on_reset(self._on_reset)
-        dev.arm(event, self._waker)  # a completed or stale event is caught by the first poll
-        with self._lock:
-            self._waiters.append(w)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="trio-cuda-notifier", daemon=True)
-                self._thread.start()
-        self._waker.post()  # let the helper see the new waiter (and start re-polling)
+        if arm:
+            dev.arm(event, self._waker)  # a completed or stale event is caught by the first poll
+        self._add(w)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             w.active = False
             return trio.lowlevel.Abort.SUCCEEDED
 
-        await trio.lowlevel.wait_task_rescheduled(abort)
+        done: bool = await trio.lowlevel.wait_task_rescheduled(abort)
+        return done
+
+    def watch(self, event: Event, timer: Timer, arm: bool = True) -> _Waiter:
+        """Fire ``timer`` when ``event`` completes (or fails, or its device resets); the
+        caller sleeps on the timer. Set the returned waiter's ``active`` to False when done."""
+        w = _Waiter(event, None, None, 0, timer)
+        if arm:
+            event.device.arm(event, self._waker)
+        self._add(w)
+        return w
+
+    def _add(self, w: _Waiter) -> None:
+        with self._lock:
+            subscribe = w.device.ordinal not in self._subscribed
+            self._subscribed.add(w.device.ordinal)
+        if subscribe:
+            w.device.on_reset(self._on_reset)
+        with self._lock:
+            self._waiters.append(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trio-cuda-notifier", daemon=True)
+                self._thread.start()
+            # Let the helper see the new waiter where it would not by itself: it sleeps
+            # with nothing to re-poll, or past this waiter's deadline. (Otherwise the
+            # event's completion posts the waker: no extra pass over every waiter.)
+            wake_at = self._wake_at
+            post = wake_at is None or (w.deadline and w.deadline < wake_at)
+        if post:
+            self._waker.post()
 
     def _on_reset(self, device: Device) -> None:
         self._waker.post()
 
     def _run(self) -> None:
+        _precise_timers()
         waker = self._waker
+        clock = time.perf_counter_ns
         while True:
+            timeout: float | None = None
             with self._lock:
-                busy = bool(self._waiters)
-            waker.wait(_FAULT_POLL_S if busy else None)
+                self._wake_at = None
+                if self._waiters:
+                    timeout = _FAULT_POLL_S
+                    due = [w.deadline for w in self._waiters if w.deadline]
+                    if due:
+                        timeout = min(timeout, max(0.0, (min(due) - clock()) / 1e9))
+                    self._wake_at = clock() + int(timeout * 1e9)
+            if timeout != 0.0:
+                waker.wait(timeout)
             self.wakeups += 1
             # One pass in a function of its own: nothing of it stays referenced while the
             # helper sleeps (an error raised in a task gathers that task's frames).
@@ -181,18 +257,26 @@ class Notifier:
             waiters = self._waiters
             self._waiters = []
         keep: list[_Waiter] = []
-        batches: dict[trio.lowlevel.TrioToken, list[tuple[_Waiter, BaseException | None]]] = {}
+        batches: dict[trio.lowlevel.TrioToken, list[_Wake]] = {}
+        now = time.perf_counter_ns()
         for w in waiters:
             if not w.active:
                 continue
             exc: BaseException | None = None
+            done = True
             try:
                 if not w.device.poll(w.event):
-                    keep.append(w)
-                    continue
+                    if not w.deadline or w.deadline > now:
+                        keep.append(w)
+                        continue
+                    done = False  # the timer: the task polls from here
             except DeviceError as err:  # a fault, a failed op, or a reset
                 exc = err
-            batches.setdefault(w.token, []).append((w, exc))
+            if w.timer is not None:
+                w.active = False
+                w.timer.fire()  # the task polls (and meets the error, if any)
+                continue
+            batches.setdefault(w.token, []).append((w, exc, done))
         if keep:
             with self._lock:
                 self._waiters.extend(keep)
@@ -218,30 +302,33 @@ def notifier() -> Notifier:
     return _notifier
 
 
-async def wait_event(event: Event) -> None:
+async def wait_event(event: Event, kind: Any = None) -> None:
     """Wait in trio for ``event``: a checkpoint even if it has completed already.
+    ``kind``: what the work is, for the adaptive wait to learn its duration by (any
+    hashable; None: nothing is learned).
 
     Raises:
         DeviceFault: The event's work failed or its device faulted.
         DeviceReset: The device was reset while the work was pending.
         trio.Cancelled: The wait was cancelled; the device work goes on regardless.
     """
-    return await _Steps(event)
+    return await _Steps(event, kind)
 
 
 class _Steps:
     """``await``-able :func:`wait_steps` (what wait_event awaits)."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "kind")
 
-    def __init__(self, event: Event) -> None:
+    def __init__(self, event: Event, kind: Any) -> None:
         self.event = event
+        self.kind = kind
 
     def __await__(self) -> Generator[Any, Any, None]:
-        return wait_steps(self.event)
+        return wait_steps(self.event, self.kind)
 
 
-def wait_steps(event: Event) -> Generator[Any, Any, None]:
+def wait_steps(event: Event, kind: Any = None) -> Generator[Any, Any, None]:
     """:func:`wait_event` as a generator, for ``yield from`` in a generator that trio
     runs as a coroutine (the await of an op: one frame less than awaiting a coroutine)."""
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()  # read (and checked) at the first wait
@@ -259,29 +346,128 @@ def wait_steps(event: Event) -> Generator[Any, Any, None]:
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
         yield from trio.lowlevel.checkpoint().__await__()
-        # (if the scheduler came back at once, few tasks are running: spin for a moment)
-        if dev.poll(event) or (spin and spin_poll(event, started, started + budget)):
+        if dev.poll(event):
             event_waits[0] += 1
             return
-    yield from wait_pending(event, started).__await__()
+        # (if the scheduler came back at once, few tasks are running: spin for a moment,
+        # unless the work is known to be long)
+        if spin and (kind is None or _forecast.estimate(kind) < SLEEP_MIN_NS) and spin_poll(event, started, started + budget):
+            event_waits[0] += 1
+            return
+    yield from wait_pending(event, started, kind).__await__()
 
 
-async def wait_pending(event: Event, started: int) -> None:
+_forecast = forecast()
+
+
+async def wait_pending(event: Event, started: int, kind: Any = None) -> None:
     """The rest of :func:`wait_event` after a first poll found ``event`` pending: poll
-    between checkpoints until the budget counted from ``started`` (perf_counter_ns) is
-    spent, then park on the notifier."""
+    between checkpoints while the work is expected to end soon (until the budget counted
+    from ``started``, perf_counter_ns), then sleep through the rest."""
     dev = event.device
     clock = time.perf_counter_ns
     budget = _budget_ns if _budget_ns is not None else poll_budget_ns()
     spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()  # (a test may have reset them)
-    deadline = started + budget  # a budget of 0 parks what the first poll found pending
-    while clock() < deadline:
-        before = clock()
-        await trio.lowlevel.checkpoint()
-        # (if the scheduler came back at once, few tasks are running: spin for a moment
-        # instead of another pass of the loop)
-        if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
-            event_waits[0] += 1
+    fc = _forecast
+    est = fc.estimate(kind) if kind is not None else 0
+    if budget >= _FOREVER_NS or (budget and est < SLEEP_MIN_NS):
+        # Unknown or short work: poll, until the budget or four times the expected duration.
+        window = budget if not est or budget >= _FOREVER_NS else min(budget, max(4 * est, SLEEP_MIN_NS))
+        deadline = started + window  # a budget of 0 parks what the first poll found pending
+        while clock() < deadline:
+            before = clock()
+            await trio.lowlevel.checkpoint()
+            # (if the scheduler came back at once, few tasks are running: spin for a moment
+            # instead of another pass of the loop)
+            if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
+                event_waits[0] += 1
+                fc.observed(kind, clock() - started)
+                return
+    if not budget:
+        event_waits[1] += 1
+        await notifier().wait(event)
+        return
+    await _sleep_through(event, started, kind, est)
+
+
+async def _sleep_on_timer(n: Notifier, event: Event, target: int, arm: bool) -> bool:
+    """Sleep in trio's own I/O wait until ``target`` (perf_counter_ns) or until the
+    notifier sees ``event`` complete, whichever is first; True if it completed first."""
+    t = _new_timer()
+    w = n.watch(event, t, arm)
+    try:
+        t.set(max(1, target - time.perf_counter_ns()))
+        await t.wait()
+    finally:
+        w.active = False
+        _release_timer(t)
+    return time.perf_counter_ns() < target and event.device.poll(event)
+
+
+async def _sleep_through(event: Event, started: int, kind: Any, est: int) -> None:
+    """Sleep until shortly before the work's predicted end, then poll; learn from what
+    is found. The work is predicted to run for ``est`` from ``started`` (perf_counter_ns),
+    or from the predicted end of the work before it on its stream. Work of unknown
+    duration parks until it completes."""
+    dev = event.device
+    clock = time.perf_counter_ns
+    spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()
+    fc = _forecast
+    n = notifier()
+    counts = fc.counts
+    armed = False
+    stream = id(event._stream())
+    base = fc.begin(stream, started, est) if est else started
+    predicted = base + est
+    target = predicted - fc.lead_ns() if est else 0
+    backoff = 0
+    while True:
+        now = clock()
+        if not target:
+            event_waits[1] += 1
+            await n.wait(event, 0, not armed)
+            fc.observed(kind, clock() - base - fc.lateness_ns)  # (less about a wake-up's latency)
             return
-    event_waits[1] += 1
-    await notifier().wait(event)
+        slept = target - now >= _MIN_SLEEP_NS
+        if slept:
+            counts[0] += 1
+            if _timers():
+                done = await _sleep_on_timer(n, event, target, not armed)
+            else:
+                done = await n.wait(event, target, not armed)
+            armed = True
+            woke = clock()
+            if done:
+                event_waits[1] += 1
+                if not backoff:  # woken before the predicted end: the estimate was too long
+                    counts[2] += 1
+                    fc.too_long(kind, woke - base)
+                fc.ended(stream, predicted, woke - fc.lateness_ns)
+                return
+            counts[1] += 1
+            fc.woke(woke - target)
+        # Poll from here, for a while.
+        end = clock() + max(2 * fc.lead_ns(), _POLL_AFTER_WAKE_NS)
+        first = True
+        while True:
+            before = clock()
+            await trio.lowlevel.checkpoint()
+            if dev.poll(event) or (spin and spin_poll(event, before, end)):
+                event_waits[0] += 1
+                seen = clock()
+                if first and slept:
+                    counts[3] += 1
+                    fc.too_long(kind, seen - base)
+                else:
+                    fc.observed(kind, seen - base)
+                fc.ended(stream, predicted, seen)
+                return
+            first = False
+            if clock() >= end:
+                break
+        # Still running: it takes at least this long. Sleep again, twice as long each
+        # time it is still running (from an eighth of the time so far).
+        elapsed = clock() - base
+        fc.at_least(kind, elapsed)
+        backoff = max(elapsed // 8, SLEEP_MIN_NS) if not backoff else 2 * backoff
+        target = clock() + backoff

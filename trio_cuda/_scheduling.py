@@ -10,13 +10,23 @@ from __future__ import annotations
 
 import abc
 import itertools
+import threading
+from dataclasses import dataclass
+
+import trio
 
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
+from ._errors import DeviceError
+from ._guard import LOCK
 from ._registry import as_device
 from ._stream import Stream
 
-__all__ = ["SchedulingPolicy", "SingleStream", "StreamPoolRoundRobin"]
+__all__ = ["PoolStatistics", "SchedulingPolicy", "SingleStream", "StreamPoolByLoad", "StreamPoolRoundRobin"]
+
+#: How many streams the default policy grows its pool to (see StreamPoolByLoad).
+MAX_STREAMS = 16
+_ASK = 4  # streams whose newest event one choice may ask the driver about (~2 us each on an H200)
 
 
 class SchedulingPolicy(abc.ABC):
@@ -45,7 +55,8 @@ class SchedulingPolicy(abc.ABC):
 
 
 class StreamPoolRoundRobin(SchedulingPolicy):
-    """Rotates over a fixed pool of streams so independent work overlaps (the default).
+    """Rotates over a fixed pool of streams so independent work overlaps (the reference's
+    policy; the default is :class:`StreamPoolByLoad`).
 
     A submission goes to the stream the previous submission got while that stream is
     known to be idle (everything on it seen complete), and to the next stream of the
@@ -116,4 +127,175 @@ class SingleStream(SchedulingPolicy):
         return f"SingleStream(device={self.device.ordinal})"
 
 
-set_default_policy_factory(StreamPoolRoundRobin)
+@dataclass(frozen=True)
+class PoolStatistics:
+    """How :class:`StreamPoolByLoad` chose its streams (counts since it was made).
+
+    Attributes:
+        streams: Streams in the pool now.
+        kept: Submissions that stayed on the stream of their task's previous one (it was
+            idle, or the pool was at its cap and the work pending there was that task's own).
+        idle: Submissions (and independent branches) moved to a stream known to be idle.
+        grown: Streams added to the pool because none was idle.
+        shared: Choices that had to share a stream with another task's pending work
+            (every stream busy, the pool at its cap): the least loaded one.
+    """
+
+    streams: int
+    kept: int
+    idle: int
+    grown: int
+    shared: int
+
+
+def _owner() -> int:
+    """Who submits: the current trio task, or else the calling thread (an id: a policy
+    must not keep tasks alive; a reused id only costs a less good choice)."""
+    try:
+        return id(trio.lowlevel.current_task())
+    except RuntimeError:
+        return threading.get_ident()
+
+
+class StreamPoolByLoad(SchedulingPolicy):
+    """Chooses streams by what is pending on them (the default policy).
+
+    A task's submission stays on the stream of its previous one while that stream is
+    idle: one await after another needs no cross-stream wait. Otherwise it goes to a
+    stream known to be idle (everything on it seen complete), so it never queues behind
+    pending work while such a stream exists; with none idle the pool grows by one
+    stream, up to ``max_streams``; at the cap a task stays on its previous stream if all
+    the work pending there is its own, else it takes the stream with the least pending
+    work.
+    Independent branches of one submission (``zip``) each take an idle stream the same
+    way, so they overlap. Dependencies between streams are ordered by the runtime
+    whatever the choice (per buffer).
+
+    "Idle" is what polls have seen; when no stream is known idle, the driver is asked
+    about the newest work of up to four streams (work nobody awaits is seen done only
+    so). A stream handed out and given no work yet is not idle (a zip's branches get
+    distinct streams).
+
+    Args:
+        device: The device (default: the current device).
+        num_streams: Streams made at once (default 4).
+        max_streams: The most the pool grows to (default 16). CUDA maps streams onto
+            ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 unless set), so more
+            streams than that may wait for each other in hardware.
+    """
+
+    def __init__(self, device: Device | int | None = None, num_streams: int = 4, max_streams: int = MAX_STREAMS) -> None:
+        n = as_int(num_streams, "num_streams", minimum=1)
+        cap = as_int(max_streams, "max_streams", minimum=1)
+        if cap < n:
+            raise ValueError(f"max_streams ({cap}) must be at least num_streams ({n})")
+        self.device = as_device(device)
+        self._cap = cap
+        self._streams: list[Stream] = [self.device.create_stream() for _ in range(n)]
+        self._owners: list[int] = [0] * n  # who submitted last to each stream
+        # Each stream's seq when it was last handed out: a stream handed out and not yet
+        # given work (a submission being planned, a zip's other branches) is not idle.
+        self._handed: list[int] = [-1] * n
+        self._of: dict[int, int] = {}  # owner -> index of its last stream
+        self._cursor = 0
+        self._counts = [0, 0, 0, 0]  # kept, idle, grown, shared
+
+    def submission_stream(self) -> Stream:
+        me = _owner()
+        LOCK.acquire()  # (re-entrant: callers may hold it)
+        try:
+            i = self._of.get(me, -1)
+            if i >= 0:
+                s = self._streams[i]
+                if s.seq <= s.done_seq:  # its last stream, idle: stay (no cross-stream wait)
+                    self._owners[i] = me
+                    self._handed[i] = s.seq
+                    self._counts[0] += 1
+                    return s
+            return self._choose(me, i)
+        finally:
+            LOCK.release()
+
+    def next_stream(self) -> Stream:
+        me = _owner()
+        with LOCK:
+            return self._choose(me, -1)
+
+    def _choose(self, me: int, own: int) -> Stream:
+        """An idle stream (rotating from the cursor); else a new stream; else ``own``
+        (the index of the task's last stream, -1: none) while its pending work is the
+        task's alone; else the least loaded (under LOCK)."""
+        streams = self._streams
+        n = len(streams)
+        start = self._cursor
+        handed = self._handed
+        counts = self._counts
+        pick = -1
+        for k in range(n):
+            i = (start + k) % n
+            s = streams[i]
+            if s.seq <= s.done_seq and handed[i] != s.seq:
+                pick = i
+                counts[1] += 1
+                break
+        if pick < 0:
+            # None known idle: ask the driver about a few streams' newest work (work that
+            # finished is seen only when something polls it; fire-and-forget never is).
+            asked = 0
+            for k in range(n):
+                i = (start + k) % n
+                s = streams[i]
+                if handed[i] == s.seq or s.capture is not None or s.handle is None:
+                    continue
+                try:
+                    idle = s.device.poll(s.event_at(s.seq))  # (an event of its newest point)
+                except DeviceError:
+                    idle = False
+                if idle:
+                    pick = i
+                    counts[1] += 1
+                    break
+                asked += 1
+                if asked == _ASK:
+                    break
+        if pick < 0 and n < self._cap:
+            streams.append(self.device.create_stream())
+            self._owners.append(0)
+            handed.append(-1)
+            pick = n
+            counts[2] += 1
+        if pick < 0 and own >= 0 and self._owners[own] == me:
+            pick = own
+            counts[0] += 1
+        if pick < 0:
+            best = None
+            for i in range(n):
+                s = streams[i]
+                load = s.seq - s.done_seq + (handed[i] == s.seq)  # (handed out: work is coming)
+                if best is None or load < best or (load == best and self._owners[i] == me):
+                    best, pick = load, i
+            counts[3] += 1
+        self._cursor = pick + 1
+        self._owners[pick] = me
+        handed[pick] = streams[pick].seq
+        if len(self._of) > 4096:  # owners come and go: forget the old ones
+            self._of.clear()
+        self._of[me] = pick
+        return streams[pick]
+
+    def statistics(self) -> PoolStatistics:
+        """A frozen snapshot of how streams were chosen."""
+        with LOCK:
+            kept, idle, grown, shared = self._counts
+            return PoolStatistics(len(self._streams), kept, idle, grown, shared)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        with LOCK:
+            return tuple(self._streams)
+
+    def __repr__(self) -> str:
+        return f"StreamPoolByLoad(device={self.device.ordinal}, streams={len(self._streams)}, max_streams={self._cap})"
+
+
+set_default_policy_factory(StreamPoolByLoad)

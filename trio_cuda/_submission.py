@@ -186,7 +186,7 @@ class Submitted:
             await trio.lowlevel.cancel_shielded_checkpoint()
         else:
             try:
-                await wait_event(ev)
+                await wait_event(ev, tuple(self._ops))  # (the adaptive wait learns by the ops' names)
             except DeviceError as err:
                 raise name_fault(err, self._ops, self._ordinal) from err
         if len(self._generations) > 1:
@@ -270,7 +270,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
         return value
     try:
-        yield from wait_steps(ev)
+        yield from wait_steps(ev, id(names))  # (names: one list per launch geometry or recipe)
     except DeviceError as err:
         raise name_fault(err, names, stream.device.ordinal) from err
     return value
@@ -287,7 +287,7 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
         await trio.lowlevel.cancel_shielded_checkpoint()
     else:
         try:
-            await wait_event(ev)
+            await wait_event(ev, tuple(plan.ops))  # (the adaptive wait learns by the ops' names)
         except DeviceError as err:
             raise plan.fault(err) from err
     if len(plan.generations) > 1:

@@ -28,7 +28,7 @@ from ._guard import LOCK
 from ._notifier import NotifierStatistics, notifier, wait_event
 from ._op import ScheduledOp
 from ._registry import as_device
-from ._scheduling import SchedulingPolicy, SingleStream, StreamPoolRoundRobin
+from ._scheduling import PoolStatistics, SchedulingPolicy, SingleStream, StreamPoolByLoad, StreamPoolRoundRobin
 from ._stream import Event, Stream
 from ._submission import SubmissionStatistics, Submitted, submit_async
 from ._submission import statistics as _submission_statistics
@@ -36,10 +36,12 @@ from ._submission import statistics as _submission_statistics
 __all__ = [
     "Event",
     "NotifierStatistics",
+    "PoolStatistics",
     "ScheduledOp",
     "SchedulingPolicy",
     "SingleStream",
     "Stream",
+    "StreamPoolByLoad",
     "StreamPoolRoundRobin",
     "SubmissionStatistics",
     "Submitted",

@@ -10,16 +10,20 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api, lowlevel
+from trio_cuda import _notifier, api, lowlevel
+from trio_cuda._forecast import Forecast
 from trio_cuda.kernels import sleep
 
 from ..helpers.devices import counter, started
 
 
-async def test_long_waits_park_on_the_helper_thread() -> None:
+async def test_long_waits_park_on_the_helper_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Work of a duration not learned yet: polled for the budget, then parked.
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
     c = await counter()
     before = lowlevel.notifier_statistics()
     async with trio.open_nursery() as nursery:
@@ -34,8 +38,20 @@ async def test_long_waits_park_on_the_helper_thread() -> None:
     np.testing.assert_array_equal(await c.to_host(), [1])
 
 
-async def test_no_thread_per_wait() -> None:
-    for s in trio_cuda.current_device().policy.streams:  # start every pool stream
+async def test_no_thread_per_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_notifier, "_budget_ns", 0)  # every wait parks on the helper thread
+    dev = trio_cuda.current_device()
+    old = dev.policy
+    # A pool at its full size (the simulated device runs a thread per stream).
+    dev.policy = pool = trio_cuda.StreamPoolByLoad(dev, num_streams=16, max_streams=16)
+    try:
+        await _no_thread_per_wait(pool)
+    finally:
+        dev.policy = old
+
+
+async def _no_thread_per_wait(pool: trio_cuda.StreamPoolByLoad) -> None:
+    for s in pool.streams:  # start every pool stream
         await (await lowlevel.submit(sleep(counter(), 1000), s)).wait()
     await sleep(counter(), 1_000_000)  # and park once, so the helper thread exists
     threads_before = threading.active_count()
@@ -117,7 +133,7 @@ async def test_cancelled_parked_wait_leaves_no_waiter() -> None:
     np.testing.assert_array_equal(await c.to_host(), [1])
 
 
-def _run_child(budget_us: str) -> str:
+def _run_child(budget_us: str | None) -> str:
     # 30 awaits of a 1 ms kernel (loaded first, outside the count).
     code = textwrap.dedent(
         """
@@ -131,23 +147,34 @@ def _run_child(budget_us: str) -> str:
             for _ in range(30):
                 await sleep(c.partition((1,)), 1_000_000)
             s = lowlevel.notifier_statistics()
-            print(s.fast_path - before.fast_path, s.slow_path - before.slow_path)
+            print(s.fast_path - before.fast_path, s.slow_path - before.slow_path, s.sleeping.timed - before.sleeping.timed)
         trio.run(main)
         """
     )
-    env = dict(os.environ, TRIO_CUDA_POLL_BUDGET_US=budget_us, TRIO_CUDA_QUIET="1")
+    env = dict(os.environ, TRIO_CUDA_QUIET="1")
+    env.pop("TRIO_CUDA_POLL_BUDGET_US", None)
+    if budget_us is not None:
+        env["TRIO_CUDA_POLL_BUDGET_US"] = budget_us
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
 def test_poll_budget_chooses_the_path() -> None:
-    # A budget longer than the waits: all on the fast path. No budget: every wait that is
-    # not complete at its first poll (a 1 ms kernel never is) parks.
-    fast, slow = map(int, _run_child("2000000").split())
-    assert (fast, slow) == (30, 0)
-    fast, slow = map(int, _run_child("0").split())
-    assert (fast, slow) == (0, 30)
+    # A budget that never ends: all polled (the pure polling wait). No budget: every wait
+    # that is not complete at its first poll (a 1 ms kernel never is) parks.
+    fast, slow, timed = map(int, _run_child("1e12").split())
+    assert (fast, slow, timed) == (30, 0, 0)
+    fast, slow, timed = map(int, _run_child("0").split())
+    assert (fast, slow, timed) == (0, 30, 0)
+
+
+def test_long_work_is_slept_through_by_default() -> None:
+    # The default (adaptive) wait learns that the kernel takes 1 ms and sleeps through
+    # most of each later one, waking before its predicted end.
+    fast, slow, timed = map(int, _run_child(None).split())
+    assert fast + slow == 30
+    assert timed >= 20, f"only {timed} of 30 waits slept"
 
 
 def test_bad_poll_budget_names_the_variable() -> None:
@@ -176,3 +203,67 @@ def test_armed_event_posts_the_waker_on_completion(dev: trio_cuda.Device) -> Non
     assert time.perf_counter() - t0 >= 0.25
     assert ev.query()
     np.testing.assert_array_equal(api.memcpy(np.zeros(1, np.int32), c).sync(), [2])
+
+
+# -- the adaptive wait: sleeping through long work -------------------------------------------
+
+
+async def _await_n(c: trio_cuda.Partition, ns: int, n: int) -> None:
+    # (through lowlevel.submit: its wait learns by the ops' names, whatever the kernel's
+    # arguments; a direct await learns per launch geometry and scalars)
+    for _ in range(n):
+        await (await lowlevel.submit(sleep(c, ns))).wait()
+
+
+async def test_a_prediction_too_long_is_corrected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
+    c = await counter()
+    await _await_n(c, 20_000_000, 4)  # learns 20 ms
+    s0 = lowlevel.notifier_statistics().sleeping
+    await _await_n(c, 2_000_000, 2)  # the same kernel, much shorter: woken by the completion
+    s1 = lowlevel.notifier_statistics().sleeping
+    assert s1.early > s0.early
+    await _await_n(c, 2_000_000, 6)  # learned: woken by the timer, before the end
+    s2 = lowlevel.notifier_statistics().sleeping
+    assert s2.early - s1.early <= 1, "the estimate did not come down to the work's new length"
+    assert s2.timer_wakes - s1.timer_wakes >= 4
+    np.testing.assert_array_equal(await c.tensor.to_host(), [12])
+
+
+async def test_a_timed_sleep_is_cancelled_at_once_and_the_work_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
+    c = await counter()
+    await _await_n(c, 50_000_000, 3)  # learns 50 ms: later waits sleep through it
+    before = lowlevel.notifier_statistics().sleeping.timed
+    with trio.move_on_after(0.01) as scope:
+        await _await_n(c, 50_000_000, 1)
+    assert scope.cancelled_caught
+    assert lowlevel.notifier_statistics().sleeping.timed == before + 1  # it was sleeping
+    await _await_n(c, 1000, 1)  # ordered after the abandoned kernel on the counter
+    np.testing.assert_array_equal(await c.tensor.to_host(), [5])
+
+
+@pytest.mark.faults_device
+async def test_a_fault_wakes_a_task_sleeping_through_long_work(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ..helpers.faults import scribble
+
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
+    target = await api.zeros((32,))
+    await trio.to_thread.run_sync(scribble.prepare, target.partition((32,)))
+    c = await counter()
+    own = trio_cuda.SingleStream(dev)  # the long kernel's stream is not the faulting one
+    for _ in range(3):  # learned: the next one sleeps until about 30 ms
+        await started(sleep(c, 30_000_000), own)
+    before = lowlevel.notifier_statistics().sleeping.timed
+
+    async def long_wait(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with pytest.raises(trio_cuda.DeviceFault):
+            await started(sleep(c, 3_000_000_000), own, task_status=task_status)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as n:
+        await n.start(long_wait)
+        with pytest.raises(trio_cuda.DeviceFault):
+            await scribble(target.partition((32,))).schedule(trio_cuda.SingleStream(dev))
+    assert lowlevel.notifier_statistics().sleeping.timed > before
+    assert time.perf_counter() - start < 2.0, "the sleeping waiter was not woken by the fault"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -21,9 +24,21 @@ async def slow_op(ns: int = SLOW_NS) -> np.ndarray:
     return await sleep(counter(), ns).first().to_host()
 
 
-def test_default_policy_is_round_robin_over_4_streams(dev: trio_cuda.Device) -> None:
-    p = dev.policy
-    assert isinstance(p, trio_cuda.StreamPoolRoundRobin)
+def test_default_policy_chooses_by_load() -> None:
+    # (a fresh device, in a child: the shared test device's pool may have grown)
+    code = (
+        "import trio_cuda\n"
+        "p = trio_cuda.current_device().policy\n"
+        "print(type(p).__name__, len(p.streams), p.statistics().streams)\n"
+    )
+    env = dict(os.environ, TRIO_CUDA_QUIET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["StreamPoolByLoad", "4", "4"]
+
+
+def test_round_robin_rotates_over_its_pool(dev: trio_cuda.Device) -> None:
+    p = trio_cuda.StreamPoolRoundRobin(dev)
     assert len(p.streams) == 4
     picks = [p.next_stream() for _ in range(8)]
     assert picks[:4] == picks[4:]
@@ -73,11 +88,17 @@ async def test_single_stream_serializes(dev: trio_cuda.Device) -> None:
     assert elapsed >= 1.9 * SLOW_NS / 1e9
 
 
-async def test_zip_branches_overlap() -> None:
-    await slow_op(1000)  # warm up
-    start = time.perf_counter()
-    a, b = await trio_cuda.zip(sleep(counter(), SLOW_NS).first(), sleep(counter(), SLOW_NS).first())
-    elapsed = time.perf_counter() - start
+async def test_zip_branches_overlap(dev: trio_cuda.Device) -> None:
+    old = dev.policy
+    # A pool of its own: earlier tests leave long kernels running on the device's pool.
+    dev.policy = trio_cuda.StreamPoolByLoad(dev)
+    try:
+        await slow_op(1000)  # warm up
+        start = time.perf_counter()
+        a, b = await trio_cuda.zip(sleep(counter(), SLOW_NS).first(), sleep(counter(), SLOW_NS).first())
+        elapsed = time.perf_counter() - start
+    finally:
+        dev.policy = old
     assert elapsed < 1.6 * SLOW_NS / 1e9
     np.testing.assert_array_equal(await a.to_host(), [1])
     np.testing.assert_array_equal(await b.to_host(), [1])
@@ -177,3 +198,110 @@ async def test_submissions_while_work_runs_spread_over_the_pool(dev: trio_cuda.D
 
 async def _await(op: object) -> None:
     await op  # type: ignore[misc]
+
+
+# -- StreamPoolByLoad: streams chosen by what is pending on them ----------------------------
+
+
+async def _hold(pool: trio_cuda.StreamPoolByLoad, task_status: trio.TaskStatus[tuple[trio_cuda.Stream, object]]) -> None:
+    """Submit a long kernel on the stream the pool gives this task; report (stream, its
+    Submitted); wait for it."""
+    c = await counter()
+    s = pool.submission_stream()
+    sub = await trio_cuda.lowlevel.submit(sleep(c, SLOW_NS), s)
+    task_status.started((s, sub))
+    await sub.wait()
+
+
+async def test_by_load_never_queues_behind_another_tasks_pending_work(dev: trio_cuda.Device) -> None:
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=2, max_streams=8)
+    async with trio.open_nursery() as n:
+        held = [await n.start(_hold, pool) for _ in range(3)]
+        busy = {s for s, _ in held}
+        assert len(busy) == 3  # three tasks, three streams: none shares another's pending kernel
+        st = pool.statistics()
+        assert st.streams == 3 and st.grown == 1  # two made at once, one grown
+        mine = pool.submission_stream()  # this task: no pending work anywhere
+        assert mine not in busy
+        assert all(not sub.event.query() for _, sub in held)  # (they were pending all along)
+
+
+async def test_by_load_grows_for_overlap_then_keeps_a_task_on_its_own_busy_stream(dev: trio_cuda.Device) -> None:
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=1, max_streams=2)
+    c = await counter()
+    s = pool.submission_stream()
+    sub = await trio_cuda.lowlevel.submit(sleep(c, SLOW_NS), s)
+    # Its own stream busy, none idle, room to grow: a new stream (the next work overlaps).
+    other = pool.submission_stream()
+    assert other is not s and pool.statistics().grown == 1
+    sub2 = await trio_cuda.lowlevel.submit(sleep(await counter(), SLOW_NS), other)
+    # At the cap, nothing idle: stay on its last stream, whose pending work is its own.
+    before = pool.statistics()
+    assert pool.submission_stream() is other
+    after = pool.statistics()
+    assert (after.kept, after.shared, after.streams) == (before.kept + 1, before.shared, 2)
+    # Another task finds only streams busy with work not its own: the least loaded.
+    async with trio.open_nursery() as n:
+        await n.start(_pick, pool)
+    assert pool.statistics().shared == before.shared + 1
+    await sub.wait()
+    await sub2.wait()
+    # Both seen done: this task's last stream is idle again, and it stays there.
+    assert pool.submission_stream() is other
+
+
+async def _pick(pool: trio_cuda.StreamPoolByLoad, task_status: trio.TaskStatus[trio_cuda.Stream]) -> None:
+    task_status.started(pool.submission_stream())
+
+
+async def test_by_load_shares_the_least_loaded_stream_at_its_cap(dev: trio_cuda.Device) -> None:
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=1, max_streams=2)
+    async with trio.open_nursery() as n:
+        first = [await n.start(_hold, pool) for _ in range(2)]
+        # one more kernel on the first stream: it is now the more loaded one
+        extra = await trio_cuda.lowlevel.submit(sleep(await counter(), 1000), first[0][0])
+        assert pool.statistics().shared == 0
+        s = pool.submission_stream()
+        assert s is first[1][0]
+        st = pool.statistics()
+        assert st.streams == 2 and st.shared == 1
+        await extra.wait()
+
+
+async def test_by_load_arguments_are_checked(dev: trio_cuda.Device) -> None:
+    with pytest.raises(ValueError, match="max_streams"):
+        trio_cuda.StreamPoolByLoad(dev, num_streams=4, max_streams=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        trio_cuda.StreamPoolByLoad(dev, num_streams=0)
+    with pytest.raises(TypeError, match="max_streams"):
+        trio_cuda.StreamPoolByLoad(dev, max_streams=2.5)  # type: ignore[arg-type]
+
+
+async def _short_task(done: list[bool], long_sub: object) -> None:
+    x = await api.zeros((16,))  # allocations, launches and a copy back, all after the long kernel began
+    for _ in range(10):
+        x = await ops.add(x, 1.0)
+    np.testing.assert_array_equal(await x.to_host(), np.full(16, 10.0, np.float32))
+    done.append(not long_sub.event.query())  # type: ignore[attr-defined]
+
+
+async def test_short_tasks_do_not_wait_behind_a_long_kernel(dev: trio_cuda.Device) -> None:
+    # Head of line: one task's long kernel in flight (and a tensor of its freed while it
+    # runs), three short tasks: each finishes while the long kernel is still pending, on
+    # the default policy. (Under StreamPoolRoundRobin two of them queue behind it.)
+    old = dev.policy
+    dev.policy = pool = trio_cuda.StreamPoolByLoad(dev)
+    try:
+        c = await counter()
+        scratch = await api.zeros((1 << 16,))
+        long_sub = await trio_cuda.lowlevel.submit(sleep(c, 3 * SLOW_NS).then(lambda p, t=scratch: ops.add(t, 1.0)))
+        del scratch  # freed while the long work may still use it
+        done: list[bool] = []
+        async with trio.open_nursery() as n:
+            for _ in range(3):
+                n.start_soon(_short_task, done, long_sub)
+        assert done == [True, True, True]
+        assert pool.statistics().shared == 0
+        await long_sub.wait()
+    finally:
+        dev.policy = old

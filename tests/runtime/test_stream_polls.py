@@ -212,6 +212,9 @@ async def test_a_submission_failed_by_another_devices_fault_does_not_read_done_a
     # (after a long kernel there) and device 0's stream waits for it: device 1's fault
     # fails that submission alone.
     d0 = fresh_device
+    d1 = trio_cuda.device(1)
+    # A pool of its own: the faulting launch must not queue behind earlier tests' work.
+    d1.policy = trio_cuda.StreamPoolByLoad(d1)
     c1, z1 = await ready_to_fault(1)
     s0 = d0.create_stream()
     y0 = await api.zeros((32,))
