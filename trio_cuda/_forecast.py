@@ -20,12 +20,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SLEEP_MIN_NS", "Forecast", "WaitStatistics", "forecast"]
+__all__ = ["SLEEP_MIN_NS", "Forecast", "Names", "WaitStatistics", "forecast"]
 
 #: Work expected to take less than this is polled, not slept through.
 SLEEP_MIN_NS = 150_000
 _GUARD_NS = 15_000  # woken this much before the predicted end, on top of the learned lateness
 _MAX_KINDS = 4096
+
+
+class Names(list):  # type: ignore[type-arg]
+    """The op names of a direct submission (what a fault names), which also serve as
+    its kind of work: one such list per launch geometry or recipe, hashed and compared
+    by identity (kept as a key, it is never confused with a later one at its address)."""
+
+    __slots__ = ()
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,11 @@ class Forecast:
         ends[stream] = base + est
         return base
 
+    def forget(self, stream: int) -> None:
+        """Nothing is known about when ``stream``'s latest work ends (a wait cancelled,
+        or work predicted to end later than it did)."""
+        self._ends.pop(stream, None)
+
     def ended(self, stream: int, predicted: int, at: int) -> None:
         """The work predicted to end at ``predicted`` on ``stream`` ended at ``at``."""
         if self._ends.get(stream) == predicted:
@@ -87,7 +104,7 @@ class Forecast:
     def observed(self, kind: Any, ns: int) -> None:
         """Work of ``kind`` was seen to complete ``ns`` after its submission (while
         polling: exact within one pass of the scheduler)."""
-        if kind is None:
+        if kind is None or ns <= 0:  # (a stale prediction of the queue before it)
             return
         est = self._est
         e = est.get(kind)
@@ -106,7 +123,7 @@ class Forecast:
     def too_long(self, kind: Any, bound_ns: int) -> None:
         """Work of ``kind`` had finished when its task woke, ``bound_ns`` after submission:
         its estimate was too long (or the wake-up late). Shrinks the estimate."""
-        if kind is None:
+        if kind is None or bound_ns <= 0:
             return
         e = self._est.get(kind)
         if e is not None:

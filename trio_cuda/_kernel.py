@@ -39,6 +39,7 @@ from ._checks import arg_type, as_int, is_scalar
 from ._direct import direct_enqueue, direct_ready, note_accesses, order_accesses
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
+from ._forecast import Names
 from ._guard import LOCK, _tls, check_blocking_allowed
 from ._op import DeviceOp
 from ._pending import EXECUTING
@@ -236,7 +237,7 @@ class _Config:
         name: str,
     ) -> None:
         self.name = name  # the kernel's (traces label the launch with it)
-        self.names = [name]  # what a fault of a direct launch names (one list: the wait learns by it)
+        self.names = Names([name])  # what a fault of a direct launch names; the wait learns by it
         self.device = device
         self.generation = device.generation
         self.grid = grid

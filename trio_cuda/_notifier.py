@@ -28,6 +28,7 @@ docs/notifier.md):
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Generator
@@ -146,12 +147,14 @@ def _wake(batch: list[_Wake]) -> None:
 def _precise_timers() -> None:
     """Let this thread's timed waits end when asked (Linux rounds them up by 50 us by
     default, "timer slack"): the helper's timers wake sleeping tasks before their work ends."""
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere the timers are as precise as the platform makes them
     try:
         import ctypes
 
         ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK, 1 ns
-    except (OSError, AttributeError):
-        pass  # not Linux: the timers are as precise as the platform makes them
+    except Exception:  # (a tuning only: the helper must run regardless)
+        pass
 
 
 class Notifier:
@@ -183,15 +186,7 @@ class Notifier:
         completed, False if the deadline came first. ``arm=False``: the event was armed
         by an earlier wait of this await."""
         w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task(), deadline)
-        dev = w.device
-        with self._lock:
-            subscribe = dev.ordinal not in self._subscribed
-            self._subscribed.add(dev.ordinal)
-        if subscribe:
-            dev.on_reset(self._on_reset)
-        if arm:
-            dev.arm(event, self._waker)  # a completed or stale event is caught by the first poll
-        self._add(w)
+        self._park(w, arm)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
             w.active = False
@@ -204,10 +199,16 @@ class Notifier:
         """Fire ``timer`` when ``event`` completes (or fails, or its device resets); the
         caller sleeps on the timer. Set the returned waiter's ``active`` to False when done."""
         w = _Waiter(event, None, None, 0, timer)
-        if arm:
-            event.device.arm(event, self._waker)
-        self._add(w)
+        self._park(w, arm)
         return w
+
+    def _park(self, w: _Waiter, arm: bool) -> None:
+        """Add ``w``, then arm its event (``arm``): a completion post always finds it in
+        the list. Where nothing was armed now (already done, stale, or armed by an
+        earlier wait whose post a pass may have taken), the helper is posted."""
+        self._add(w)
+        if not (arm and w.device.arm(w.event, self._waker)):
+            self._waker.post()
 
     def _add(self, w: _Waiter) -> None:
         with self._lock:
@@ -393,13 +394,20 @@ async def wait_pending(event: Event, started: int, kind: Any = None) -> None:
 async def _sleep_on_timer(n: Notifier, event: Event, target: int, arm: bool) -> bool:
     """Sleep in trio's own I/O wait until ``target`` (perf_counter_ns) or until the
     notifier sees ``event`` complete, whichever is first; True if it completed first."""
-    t = _new_timer()
-    w = n.watch(event, t, arm)
     try:
+        t = _new_timer()
+    except OSError:  # (out of file descriptors, say): the notifier's own timers
+        return await n.wait(event, target, arm)
+    w = None
+    try:
+        # Set before the watch: a completion the notifier sees at once fires it, and a
+        # later set would discard that firing.
         t.set(max(1, target - time.perf_counter_ns()))
+        w = n.watch(event, t, arm)
         await t.wait()
     finally:
-        w.active = False
+        if w is not None:
+            w.active = False
         _release_timer(t)
     return time.perf_counter_ns() < target and event.device.poll(event)
 
@@ -409,6 +417,19 @@ async def _sleep_through(event: Event, started: int, kind: Any, est: int) -> Non
     is found. The work is predicted to run for ``est`` from ``started`` (perf_counter_ns),
     or from the predicted end of the work before it on its stream. Work of unknown
     duration parks until it completes."""
+    fc = _forecast
+    stream = id(event._stream())
+    base = fc.begin(stream, started, est) if est else started
+    predicted = base + est
+    try:
+        await _sleep_steps(event, started, kind, est, stream, base, predicted)
+    except BaseException:
+        fc.forget(stream)  # (cancelled: nothing says when its work ends)
+        raise
+
+
+async def _sleep_steps(event: Event, started: int, kind: Any, est: int, stream: int, base: int, predicted: int) -> None:
+    """The steps of :func:`_sleep_through` (the work predicted to end at ``predicted``)."""
     dev = event.device
     clock = time.perf_counter_ns
     spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()
@@ -416,9 +437,6 @@ async def _sleep_through(event: Event, started: int, kind: Any, est: int) -> Non
     n = notifier()
     counts = fc.counts
     armed = False
-    stream = id(event._stream())
-    base = fc.begin(stream, started, est) if est else started
-    predicted = base + est
     target = predicted - fc.lead_ns() if est else 0
     backoff = 0
     while True:
@@ -439,7 +457,9 @@ async def _sleep_through(event: Event, started: int, kind: Any, est: int) -> Non
             woke = clock()
             if done:
                 event_waits[1] += 1
-                if not backoff:  # woken before the predicted end: the estimate was too long
+                if woke < base:  # queued behind work predicted to end later than it did
+                    fc.forget(stream)
+                elif not backoff:  # woken before the predicted end: the estimate was too long
                     counts[2] += 1
                     fc.too_long(kind, woke - base)
                 fc.ended(stream, predicted, woke - fc.lateness_ns)

@@ -18,7 +18,7 @@ import trio
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
 from ._errors import DeviceError
-from ._guard import LOCK
+from ._guard import LOCK, check_not_forked
 from ._registry import as_device
 from ._stream import Stream
 
@@ -27,6 +27,7 @@ __all__ = ["PoolStatistics", "SchedulingPolicy", "SingleStream", "StreamPoolByLo
 #: How many streams the default policy grows its pool to (see StreamPoolByLoad).
 MAX_STREAMS = 16
 _ASK = 4  # streams whose newest event one choice may ask the driver about (~2 us each on an H200)
+_HANDED_FOR = 64  # choices after which a stream handed out and given no work counts as idle again
 
 
 class SchedulingPolicy(abc.ABC):
@@ -196,6 +197,8 @@ class StreamPoolByLoad(SchedulingPolicy):
         # Each stream's seq when it was last handed out: a stream handed out and not yet
         # given work (a submission being planned, a zip's other branches) is not idle.
         self._handed: list[int] = [-1] * n
+        self._choices = 0  # choices made; a hand-out older than _HANDED_FOR of them lapses
+        self._handed_at: list[int] = [0] * n
         self._of: dict[int, int] = {}  # owner -> index of its last stream
         self._cursor = 0
         self._counts = [0, 0, 0, 0]  # kept, idle, grown, shared
@@ -210,6 +213,7 @@ class StreamPoolByLoad(SchedulingPolicy):
                 if s.seq <= s.done_seq:  # its last stream, idle: stay (no cross-stream wait)
                     self._owners[i] = me
                     self._handed[i] = s.seq
+                    self._handed_at[i] = self._choices
                     self._counts[0] += 1
                     return s
             return self._choose(me, i)
@@ -230,6 +234,12 @@ class StreamPoolByLoad(SchedulingPolicy):
         start = self._cursor
         handed = self._handed
         counts = self._counts
+        self._choices += 1
+        lapsed = self._choices - _HANDED_FOR
+        handed_at = self._handed_at
+        for i in range(n):  # (a submission that enqueued nothing, or was cancelled)
+            if handed[i] >= 0 and handed_at[i] < lapsed:
+                handed[i] = -1
         pick = -1
         for k in range(n):
             i = (start + k) % n
@@ -241,14 +251,18 @@ class StreamPoolByLoad(SchedulingPolicy):
         if pick < 0:
             # None known idle: ask the driver about a few streams' newest work (work that
             # finished is seen only when something polls it; fire-and-forget never is).
+            check_not_forked()  # (a forked child reaches no driver: ForkedProcessError)
             asked = 0
             for k in range(n):
                 i = (start + k) % n
                 s = streams[i]
                 if handed[i] == s.seq or s.capture is not None or s.handle is None:
                     continue
+                dev = s.device
+                if s.generation != dev.generation or dev._resetting:
+                    continue  # (a reset is under way: no driver calls on its streams)
                 try:
-                    idle = s.device.poll(s.event_at(s.seq))  # (an event of its newest point)
+                    idle = dev.poll(s.event_at(s.seq))  # (an event of its newest point)
                 except DeviceError:
                     idle = False
                 if idle:
@@ -262,6 +276,7 @@ class StreamPoolByLoad(SchedulingPolicy):
             streams.append(self.device.create_stream())
             self._owners.append(0)
             handed.append(-1)
+            handed_at.append(0)
             pick = n
             counts[2] += 1
         if pick < 0 and own >= 0 and self._owners[own] == me:
@@ -278,6 +293,7 @@ class StreamPoolByLoad(SchedulingPolicy):
         self._cursor = pick + 1
         self._owners[pick] = me
         handed[pick] = streams[pick].seq
+        handed_at[pick] = self._choices
         if len(self._of) > 4096:  # owners come and go: forget the old ones
             self._of.clear()
         self._of[me] = pick

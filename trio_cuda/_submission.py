@@ -270,7 +270,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
         return value
     try:
-        yield from wait_steps(ev, id(names))  # (names: one list per launch geometry or recipe)
+        yield from wait_steps(ev, names)  # (names: one Names per launch geometry or recipe, the kind)
     except DeviceError as err:
         raise name_fault(err, names, stream.device.ordinal) from err
     return value

@@ -26,6 +26,7 @@ from .. import _kernel
 from .._checks import BFLOAT16, arg_type, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._direct import direct_enqueue, direct_ready, lane_step
+from .._forecast import Names
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
 from .._op import DeviceOp
@@ -570,7 +571,7 @@ def _recipe(
         res = (kind, (i, result._offset, result.shape, result._strides, result.dtype, result._tracked))
     uses = tuple(i for i, a in enumerate(args) if type(a) is Tensor)
     allocs = [(nbytes, what) for _, _, nbytes, what in rec.allocs]
-    return _Recipe(lane.device, uses, allocs, steps, list(plan.ops[nops:]), res)
+    return _Recipe(lane.device, uses, allocs, steps, Names(plan.ops[nops:]), res)
 
 
 # -- dtypes ---------------------------------------------------------------------------------
