@@ -100,6 +100,17 @@ def _healthy_devices():  # type: ignore[no-untyped-def]
     _reset_faulted()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_forecast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's waits start with nothing learned, as in a new process: what an
+    earlier test's kernels took does not decide whether this test's waits poll, park
+    or sleep on a timer."""
+    from trio_cuda import _notifier
+    from trio_cuda._forecast import Forecast
+
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
+
+
 @pytest.fixture
 def dev() -> trio_cuda.Device:
     return trio_cuda.device(0)

@@ -197,10 +197,19 @@ class Notifier:
 
     def watch(self, event: Event, timer: Timer, arm: bool = True) -> _Waiter:
         """Fire ``timer`` when ``event`` completes (or fails, or its device resets); the
-        caller sleeps on the timer. Set the returned waiter's ``active`` to False when done."""
+        caller sleeps on the timer, then calls :meth:`unwatch`."""
         w = _Waiter(event, None, None, 0, timer)
         self._park(w, arm)
         return w
+
+    def unwatch(self, w: _Waiter) -> None:
+        """The sleeper of ``w`` is awake: ``w`` leaves the list (it is not parked now)."""
+        with self._lock:
+            w.active = False
+            try:
+                self._waiters.remove(w)
+            except ValueError:
+                pass  # (the helper's pass has it, or fired it)
 
     def _park(self, w: _Waiter, arm: bool) -> None:
         """Add ``w``, then arm its event (``arm``): a completion post always finds it in
@@ -407,7 +416,7 @@ async def _sleep_on_timer(n: Notifier, event: Event, target: int, arm: bool) -> 
         await t.wait()
     finally:
         if w is not None:
-            w.active = False
+            n.unwatch(w)
         _release_timer(t)
     return time.perf_counter_ns() < target and event.device.poll(event)
 

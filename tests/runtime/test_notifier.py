@@ -76,9 +76,11 @@ async def _no_thread_per_wait(pool: trio_cuda.StreamPoolByLoad) -> None:
     assert thread_peak == threads_before
 
 
-async def test_wakeups_are_batched(dev: trio_cuda.Device) -> None:
+async def test_wakeups_are_batched(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
     # Eight waits queued behind one long op on the same stream complete together and are
-    # woken in fewer trio callbacks than waits: each callback serves a batch.
+    # woken in fewer trio callbacks than waits: each callback serves a batch. (Durations
+    # not learned yet: the waits park; learned ones would sleep on timers instead.)
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
     policy = trio_cuda.SingleStream(dev)
     slow_before = lowlevel.notifier_statistics().slow_path
     batches_before = lowlevel.notifier_statistics().batches
@@ -104,7 +106,10 @@ def _cpu_of_thread(name: str) -> float:
     raise AssertionError(f"no thread {name}")
 
 
-async def test_idle_runtime_uses_no_cpu() -> None:
+async def test_idle_runtime_uses_no_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a duration not learned yet: the wait parks and is woken by the completion's post;
+    # a wait that slept through it on a timer would see that post arrive afterwards)
+    monkeypatch.setattr(_notifier, "_forecast", Forecast())
     await sleep(counter(), 50_000_000)  # parks: the helper thread exists and has worked
     assert lowlevel.notifier_statistics().parked == 0
     before = lowlevel.notifier_statistics().wakeups

@@ -305,3 +305,32 @@ async def test_short_tasks_do_not_wait_behind_a_long_kernel(dev: trio_cuda.Devic
         await long_sub.wait()
     finally:
         dev.policy = old
+
+
+@pytest.mark.faults_device
+async def test_by_load_makes_no_driver_call_on_streams_from_before_a_reset(
+    dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After a reset the pool's streams keep their old driver streams until a submission
+    # rebinds them; those that looked busy must not be asked about (an event recorded on
+    # a destroyed CUDA stream crashes the process).
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=2, max_streams=2)
+    for s in pool.streams:
+        await trio_cuda.lowlevel.submit(sleep(await counter(), SLOW_NS), s)
+        s.mark()  # a point past its last event: asking about it would record a new one
+    await trio.to_thread.run_sync(dev.reset)
+    old = {id(s.handle) for s in pool.streams}
+    recorded: list[object] = []
+    real = dev._driver.record
+
+    def record(event: object, stream: object) -> None:
+        recorded.append(stream)
+        real(event, stream)
+
+    monkeypatch.setattr(dev._driver, "record", record)
+    async with trio.open_nursery() as n:
+        s = await n.start(_pick, pool)
+    assert s in pool.streams
+    assert not [h for h in recorded if id(h) in old]
+    x = await trio_cuda.lowlevel.submit(api.ones((4,)), s)  # the stream is rebound on use
+    np.testing.assert_array_equal(await (await x.wait()).to_host(), np.ones(4, np.float32))
