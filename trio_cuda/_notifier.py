@@ -215,11 +215,6 @@ class Notifier:
         """Add ``w``, then arm its event (``arm``): a completion post always finds it in
         the list. Where nothing was armed now (already done, stale, or armed by an
         earlier wait whose post a pass may have taken), the helper is posted."""
-        self._add(w)
-        if not (arm and w.device.arm(w.event, self._waker)):
-            self._waker.post()
-
-    def _add(self, w: _Waiter) -> None:
         with self._lock:
             subscribe = w.device.ordinal not in self._subscribed
             self._subscribed.add(w.device.ordinal)
@@ -235,7 +230,7 @@ class Notifier:
             # event's completion posts the waker: no extra pass over every waiter.)
             wake_at = self._wake_at
             post = wake_at is None or (w.deadline and w.deadline < wake_at)
-        if post:
+        if not (arm and w.device.arm(w.event, self._waker)) or post:
             self._waker.post()
 
     def _on_reset(self, device: Device) -> None:
@@ -356,12 +351,11 @@ def wait_steps(event: Event, kind: Any = None) -> Generator[Any, Any, None]:
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
         yield from trio.lowlevel.checkpoint().__await__()
-        if dev.poll(event):
-            event_waits[0] += 1
-            return
         # (if the scheduler came back at once, few tasks are running: spin for a moment,
         # unless the work is known to be long)
-        if spin and (kind is None or _forecast.estimate(kind) < SLEEP_MIN_NS) and spin_poll(event, started, started + budget):
+        if dev.poll(event) or (
+            spin and (kind is None or _forecast.estimate(kind) < SLEEP_MIN_NS) and spin_poll(event, started, started + budget)
+        ):
             event_waits[0] += 1
             return
     yield from wait_pending(event, started, kind).__await__()
@@ -429,16 +423,15 @@ async def _sleep_through(event: Event, started: int, kind: Any, est: int) -> Non
     fc = _forecast
     stream = id(event._stream())
     base = fc.begin(stream, started, est) if est else started
-    predicted = base + est
     try:
-        await _sleep_steps(event, started, kind, est, stream, base, predicted)
+        await _sleep_steps(event, kind, est, stream, base)
     except BaseException:
         fc.forget(stream)  # (cancelled: nothing says when its work ends)
         raise
 
 
-async def _sleep_steps(event: Event, started: int, kind: Any, est: int, stream: int, base: int, predicted: int) -> None:
-    """The steps of :func:`_sleep_through` (the work predicted to end at ``predicted``)."""
+async def _sleep_steps(event: Event, kind: Any, est: int, stream: int, base: int) -> None:
+    """The steps of :func:`_sleep_through`: the work predicted to end at ``base + est``."""
     dev = event.device
     clock = time.perf_counter_ns
     spin = _spin_ns if _spin_ns is not None else _spin_ns_of_backend()
@@ -446,6 +439,7 @@ async def _sleep_steps(event: Event, started: int, kind: Any, est: int, stream: 
     n = notifier()
     counts = fc.counts
     armed = False
+    predicted = base + est
     target = predicted - fc.lead_ns() if est else 0
     backoff = 0
     while True:
@@ -468,7 +462,8 @@ async def _sleep_steps(event: Event, started: int, kind: Any, est: int, stream: 
                 event_waits[1] += 1
                 if woke < base:  # queued behind work predicted to end later than it did
                     fc.forget(stream)
-                elif not backoff:  # woken before the predicted end: the estimate was too long
+                    return
+                if not backoff:  # woken before the predicted end: the estimate was too long
                     counts[2] += 1
                     fc.too_long(kind, woke - base)
                 fc.ended(stream, predicted, woke - fc.lateness_ns)

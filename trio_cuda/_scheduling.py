@@ -197,7 +197,7 @@ class StreamPoolByLoad(SchedulingPolicy):
         # Each stream's seq when it was last handed out: a stream handed out and not yet
         # given work (a submission being planned, a zip's other branches) is not idle.
         self._handed: list[int] = [-1] * n
-        self._choices = 0  # choices made; a hand-out older than _HANDED_FOR of them lapses
+        self._choices = 0  # choices made (a hand-out lapses after _HANDED_FOR of them)
         self._handed_at: list[int] = [0] * n
         self._of: dict[int, int] = {}  # owner -> index of its last stream
         self._cursor = 0
@@ -211,9 +211,7 @@ class StreamPoolByLoad(SchedulingPolicy):
             if i >= 0:
                 s = self._streams[i]
                 if s.seq <= s.done_seq:  # its last stream, idle: stay (no cross-stream wait)
-                    self._owners[i] = me
-                    self._handed[i] = s.seq
-                    self._handed_at[i] = self._choices
+                    self._hand_out(i, me)
                     self._counts[0] += 1
                     return s
             return self._choose(me, i)
@@ -232,19 +230,14 @@ class StreamPoolByLoad(SchedulingPolicy):
         streams = self._streams
         n = len(streams)
         start = self._cursor
-        handed = self._handed
         counts = self._counts
         self._choices += 1
-        lapsed = self._choices - _HANDED_FOR
-        handed_at = self._handed_at
-        for i in range(n):  # (a submission that enqueued nothing, or was cancelled)
-            if handed[i] >= 0 and handed_at[i] < lapsed:
-                handed[i] = -1
+        reserved = self._reserved
         pick = -1
         for k in range(n):
             i = (start + k) % n
             s = streams[i]
-            if s.seq <= s.done_seq and handed[i] != s.seq:
+            if s.seq <= s.done_seq and not reserved(i):
                 pick = i
                 counts[1] += 1
                 break
@@ -256,7 +249,7 @@ class StreamPoolByLoad(SchedulingPolicy):
             for k in range(n):
                 i = (start + k) % n
                 s = streams[i]
-                if handed[i] == s.seq or s.capture is not None or s.handle is None:
+                if reserved(i) or s.capture is not None or s.handle is None:
                     continue
                 dev = s.device
                 if s.generation != dev.generation or dev._resetting:
@@ -275,8 +268,8 @@ class StreamPoolByLoad(SchedulingPolicy):
         if pick < 0 and n < self._cap:
             streams.append(self.device.create_stream())
             self._owners.append(0)
-            handed.append(-1)
-            handed_at.append(0)
+            self._handed.append(-1)
+            self._handed_at.append(0)
             pick = n
             counts[2] += 1
         if pick < 0 and own >= 0 and self._owners[own] == me:
@@ -286,18 +279,27 @@ class StreamPoolByLoad(SchedulingPolicy):
             best = None
             for i in range(n):
                 s = streams[i]
-                load = s.seq - s.done_seq + (handed[i] == s.seq)  # (handed out: work is coming)
+                load = s.seq - s.done_seq + reserved(i)  # (handed out: work is coming)
                 if best is None or load < best or (load == best and self._owners[i] == me):
                     best, pick = load, i
             counts[3] += 1
         self._cursor = pick + 1
-        self._owners[pick] = me
-        handed[pick] = streams[pick].seq
-        handed_at[pick] = self._choices
+        self._hand_out(pick, me)
         if len(self._of) > 4096:  # owners come and go: forget the old ones
             self._of.clear()
         self._of[me] = pick
         return streams[pick]
+
+    def _reserved(self, i: int) -> bool:
+        """Stream ``i`` was handed out and has been given no work since, within the last
+        _HANDED_FOR choices (later, a submission that enqueued nothing or was cancelled)."""
+        return self._handed[i] == self._streams[i].seq and self._handed_at[i] >= self._choices - _HANDED_FOR
+
+    def _hand_out(self, i: int, me: int) -> None:
+        """Note that stream ``i`` goes to ``me`` now."""
+        self._owners[i] = me
+        self._handed[i] = self._streams[i].seq
+        self._handed_at[i] = self._choices
 
     def statistics(self) -> PoolStatistics:
         """A frozen snapshot of how streams were chosen."""
