@@ -244,7 +244,9 @@ async def test_a_timed_sleep_is_cancelled_at_once_and_the_work_completes(monkeyp
     with trio.move_on_after(0.01) as scope:
         await _await_n(c, 50_000_000, 1)
     assert scope.cancelled_caught
-    assert lowlevel.notifier_statistics().sleeping.timed == before + 1  # it was sleeping
+    # It was sleeping through the work when cancelled (more than once if the host's load
+    # made the kernel outlast its prediction: then it sleeps again in shorter steps).
+    assert lowlevel.notifier_statistics().sleeping.timed > before
     await _await_n(c, 1000, 1)  # ordered after the abandoned kernel on the counter
     np.testing.assert_array_equal(await c.tensor.to_host(), [5])
 
