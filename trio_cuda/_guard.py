@@ -32,16 +32,15 @@ import os
 import threading
 from collections.abc import Callable
 
-import trio
-
 from ._errors import ForkedProcessError, NestedExecutionError
+from ._loop import loop_name
 
 __all__ = [
     "LOCK",
     "check_blocking_allowed",
     "check_not_forked",
     "check_not_nested",
-    "in_trio",
+    "loop_hint",
     "mark_started",
     "on_fork_child",
     "submitting",
@@ -127,22 +126,21 @@ def check_not_nested(what: str) -> None:
         )
 
 
-def in_trio() -> bool:
-    """True if the calling thread runs a trio task right now."""
-    try:
-        trio.lowlevel.current_task()
-    except RuntimeError:
-        return False
-    return True
+def loop_hint(loop: str) -> str:
+    """How to run a blocking call off the ``loop`` ("trio" or "asyncio") thread."""
+    if loop == "trio":
+        return "await trio.to_thread.run_sync(...)"
+    return "await asyncio.to_thread(...), or await anyio.to_thread.run_sync(...) under anyio"
 
 
 def check_blocking_allowed(what: str) -> None:
-    """Raise if a blocking call would stall a running trio loop (or nest in a submission),
-    or in a forked child (see :func:`check_not_forked`)."""
+    """Raise if a blocking call would stall a running trio or asyncio loop (or nest in a
+    submission), or in a forked child (see :func:`check_not_forked`)."""
     check_not_forked()
     check_not_nested(what)
-    if in_trio():
+    loop = loop_name()
+    if loop is not None:
         raise RuntimeError(
-            f"{what} would block the trio event loop; use 'await' inside trio "
-            "(or run the blocking call in a worker thread: await trio.to_thread.run_sync(...))"
+            f"{what} would block the {loop} event loop; use 'await' inside {loop} "
+            f"(or run the blocking call in a worker thread: {loop_hint(loop)})"
         )

@@ -34,10 +34,10 @@ import threading
 from typing import Any
 
 import numpy as np
-import trio
 
+from . import _loop
 from ._checks import BFLOAT16
-from ._guard import LOCK, check_not_forked, in_trio
+from ._guard import LOCK, check_not_forked, loop_hint
 from ._notifier import wait_event
 from ._op import extensions
 from ._tensor import Tensor, c_strides
@@ -164,16 +164,19 @@ def _pending_write(t: Tensor, what: str = "DLPack", unusable: type[Exception] = 
     return stream.event_at(seq)
 
 
-def _refuse_on_trio_thread(t: Tensor, ev: Any, what: str) -> None:
+def _refuse_on_loop_thread(t: Tensor, ev: Any, what: str) -> None:
     """Raise if ``ev`` (the tensor's pending write) is still pending and the caller is a
-    trio task: the export would have the host wait for it, and on the trio thread that
-    wait would stall every task of the loop for as long as the write takes."""
-    if ev is None or not in_trio() or t.device.poll(ev):  # (a non-blocking look)
+    trio or asyncio task: the export would have the host wait for it, and on the loop's
+    thread that wait would stall every task of the loop for as long as the write takes."""
+    if ev is None:
+        return
+    loop = _loop.loop_name()
+    if loop is None or t.device.poll(ev):  # (a non-blocking look)
         return
     raise BufferError(
-        f"{what} of a tensor with a pending write would block the trio event loop until the "
-        "write completes; wait for it first with 'await t.ready()' (or export from a worker "
-        "thread: await trio.to_thread.run_sync(...))"
+        f"{what} of a tensor with a pending write would block the {loop} event loop until the "
+        f"write completes; wait for it first with 'await t.ready()' (or export from a worker "
+        f"thread: {loop_hint(loop)})"
     )
 
 
@@ -183,11 +186,11 @@ async def ready(t: Tensor) -> None:
     The same checkpoint as ``await op``: a cancellation check first, then a wait on the
     write's event (or, with nothing pending, a cancel-shielded schedule point).
     """
-    await trio.lowlevel.checkpoint_if_cancelled()
+    await _loop.checkpoint_if_cancelled()
     with LOCK:
         ev = _pending_write(t, "Tensor.ready()", ValueError)
     if ev is None:
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        await _loop.cancel_shielded_checkpoint()
     else:
         await wait_event(ev)
 
@@ -208,7 +211,7 @@ def dlpack(t: Tensor, stream: Any = None, max_version: Any = None, dl_device: An
     if ev is not None and not cuda:
         # The simulated device: the host reads the memory itself, so the write must be
         # over; in a trio task only if it is already (a thread or plain code waits).
-        _refuse_on_trio_thread(t, ev, "DLPack export")
+        _refuse_on_loop_thread(t, ev, "DLPack export")
         dev.wait_blocking(ev)
     managed = _DLManagedTensor()
     shape = (ctypes.c_int64 * max(t.ndim, 1))(*t.shape)
@@ -241,7 +244,7 @@ def cuda_array_interface(t: Tensor) -> dict[str, Any]:
             stream = int(w[0].handle) or None
     # A consumer of the interface may synchronize the named stream on the host (numba
     # does by default): not on the trio thread.
-    _refuse_on_trio_thread(t, ev, "__cuda_array_interface__")
+    _refuse_on_loop_thread(t, ev, "__cuda_array_interface__")
     return {
         "shape": t.shape,
         "typestr": t.dtype.str if t.dtype != BFLOAT16 else "<V2",

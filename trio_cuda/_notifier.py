@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import outcome
 import trio
 
+from . import _loop
 from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
@@ -144,6 +145,19 @@ def _wake(batch: list[_Wake]) -> None:
             trio.lowlevel.reschedule(w.task, outcome.Value(done) if exc is None else outcome.Error(exc))
 
 
+def _wake_futures(batch: list[_Wake]) -> None:
+    # Runs in the asyncio loop's thread, as the waiters' cancellation does.
+    for w, exc, done in batch:
+        if w.active:
+            w.active = False
+            fut = w.task
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(done)
+                else:
+                    fut.set_exception(exc)
+
+
 def _precise_timers() -> None:
     """Let this thread's timed waits end when asked (Linux rounds them up by 50 us by
     default, "timer slack"): the helper's timers wake sleeping tasks before their work ends."""
@@ -158,7 +172,8 @@ def _precise_timers() -> None:
 
 
 class Notifier:
-    """The slow path: one helper thread that wakes parked trio tasks in batches."""
+    """The slow path: one helper thread that wakes parked tasks in batches, through
+    each task's own loop (trio's token, asyncio's ``call_soon_threadsafe``)."""
 
     def __init__(self) -> None:
         self._waker = backend().new_waker()
@@ -185,6 +200,8 @@ class Notifier:
         resets), or until ``deadline`` (perf_counter_ns; 0: none). True if the event
         completed, False if the deadline came first. ``arm=False``: the event was armed
         by an earlier wait of this await."""
+        if _loop.loop_name() != "trio":
+            return await self._wait_asyncio(event, deadline, arm)
         w = _Waiter(event, trio.lowlevel.current_trio_token(), trio.lowlevel.current_task(), deadline)
         self._park(w, arm)
 
@@ -193,6 +210,18 @@ class Notifier:
             return trio.lowlevel.Abort.SUCCEEDED
 
         done: bool = await trio.lowlevel.wait_task_rescheduled(abort)
+        return done
+
+    async def _wait_asyncio(self, event: Event, deadline: int, arm: bool) -> bool:
+        loop = _loop.running_asyncio_loop()
+        fut: Any = loop.create_future()
+        w = _Waiter(event, loop, fut, deadline)
+        self._park(w, arm)
+        try:
+            done: bool = await fut
+        except BaseException:
+            w.active = False  # (cancelled: the helper drops it at its next pass)
+            raise
         return done
 
     def watch(self, event: Event, timer: Timer, arm: bool = True) -> _Waiter:
@@ -262,7 +291,7 @@ class Notifier:
             waiters = self._waiters
             self._waiters = []
         keep: list[_Waiter] = []
-        batches: dict[trio.lowlevel.TrioToken, list[_Wake]] = {}
+        batches: dict[Any, list[_Wake]] = {}  # per trio token or asyncio loop
         now = time.perf_counter_ns()
         for w in waiters:
             if not w.active:
@@ -288,8 +317,11 @@ class Notifier:
         for token, batch in batches.items():
             self.batches += 1
             try:
-                token.run_sync_soon(_wake, batch)
-            except trio.RunFinishedError:
+                if isinstance(token, trio.lowlevel.TrioToken):
+                    token.run_sync_soon(_wake, batch)
+                else:
+                    token.call_soon_threadsafe(_wake_futures, batch)
+            except (trio.RunFinishedError, RuntimeError):  # (that run or loop has ended)
                 pass
 
 
@@ -308,14 +340,15 @@ def notifier() -> Notifier:
 
 
 async def wait_event(event: Event, kind: Any = None) -> None:
-    """Wait in trio for ``event``: a checkpoint even if it has completed already.
+    """Wait in trio or asyncio for ``event``: a checkpoint even if it has completed already.
     ``kind``: what the work is, for the adaptive wait to learn its duration by (any
     hashable; None: nothing is learned).
 
     Raises:
         DeviceFault: The event's work failed or its device faulted.
         DeviceReset: The device was reset while the work was pending.
-        trio.Cancelled: The wait was cancelled; the device work goes on regardless.
+        trio.Cancelled, asyncio.CancelledError: The wait was cancelled; the device work
+            goes on regardless.
     """
     return await _Steps(event, kind)
 
@@ -344,13 +377,13 @@ def wait_steps(event: Event, kind: Any = None) -> Generator[Any, Any, None]:
         # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
             event_waits[0] += 1
-            yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
+            yield from _loop.cancel_shielded_checkpoint()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        yield from trio.lowlevel.checkpoint().__await__()
+        yield from _loop.checkpoint()
         # (if the scheduler came back at once, few tasks are running: spin for a moment,
         # unless the work is known to be long)
         if dev.poll(event) or (
@@ -380,7 +413,7 @@ async def wait_pending(event: Event, started: int, kind: Any = None) -> None:
         deadline = started + window  # a budget of 0 parks what the first poll found pending
         while clock() < deadline:
             before = clock()
-            await trio.lowlevel.checkpoint()
+            await _loop.checkpoint()
             # (if the scheduler came back at once, few tasks are running: spin for a moment
             # instead of another pass of the loop)
             if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
@@ -475,7 +508,7 @@ async def _sleep_steps(event: Event, kind: Any, est: int, stream: int, base: int
         first = True
         while True:
             before = clock()
-            await trio.lowlevel.checkpoint()
+            await _loop.checkpoint()
             if dev.poll(event) or (spin and spin_poll(event, before, end)):
                 event_waits[0] += 1
                 seen = clock()

@@ -7,9 +7,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import trio
-
-from . import _trace
+from . import _loop, _trace
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls
@@ -253,10 +251,10 @@ class Need:
         elif kind == "plan":
             # Another submission (perhaps in this trio run) finishes its own wait first.
             if not data.done.is_set():
-                await trio.to_thread.run_sync(data.done.wait, abandon_on_cancel=True)
-            await trio.lowlevel.checkpoint()
+                await _loop.run_in_thread(data.done.wait)
+            await _loop.checkpoint()
         else:
-            await trio.to_thread.run_sync(self.wait_blocking, abandon_on_cancel=True)
+            await _loop.run_in_thread(self.wait_blocking)
 
 
 def _load_kernels(needs: list[_KernelNeed]) -> None:

@@ -13,8 +13,7 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-import trio
-
+from . import _loop
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
 from ._errors import DeviceError
@@ -150,12 +149,10 @@ class PoolStatistics:
 
 
 def _owner() -> int:
-    """Who submits: the current trio task, or else the calling thread (an id: a policy
-    must not keep tasks alive; a reused id only costs a less good choice)."""
-    try:
-        return id(trio.lowlevel.current_task())
-    except RuntimeError:
-        return threading.get_ident()
+    """Who submits: the current trio or asyncio task, or else the calling thread (an id:
+    a policy must not keep tasks alive; a reused id only costs a less good choice)."""
+    task = _loop.current_task()
+    return id(task) if task is not None else threading.get_ident()
 
 
 class StreamPoolByLoad(SchedulingPolicy):

@@ -32,9 +32,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import trio
-
-from . import _trace
+from . import _loop, _trace
 from ._capture import Capture
 from ._errors import DeviceError
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
@@ -149,11 +147,14 @@ def submit_blocking(op: Any, stream: Stream, capture: Capture | None = None) -> 
 
 
 async def _finish_shielded(plan: Plan, need: Need | None) -> None:
-    with trio.CancelScope(shield=True):
+    async def finish() -> None:
+        nonlocal need
         while need is not None:
             await need.wait_async()
             with LOCK:
                 need = plan.advance()
+
+    await _loop.shielded(finish)
 
 
 class Submitted:
@@ -183,7 +184,7 @@ class Submitted:
             raise RuntimeError("the output of this submission was taken already")
         ev = self.event
         if ev is None:
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            await _loop.cancel_shielded_checkpoint()
         else:
             try:
                 await wait_event(ev, tuple(self._ops))  # (the adaptive wait learns by the ops' names)
@@ -219,11 +220,11 @@ def _finish(value: Any, pending: Any, staging: tuple[Staging, ...]) -> Any:
 
 
 async def _enqueue_async(plan: Plan, need: Need | None) -> None:
-    """Wait for what the plan needs (in trio) until it enqueues."""
+    """Wait for what the plan needs (in the task's loop) until it enqueues."""
     while need is not None:
         try:
             await need.wait_async()
-        except trio.Cancelled:
+        except _loop.CANCELLED:
             # Decided under LOCK: a submission starting to rely on this one takes LOCK too,
             # so it either sees this one abandoned (and plans the ops itself) or is counted.
             with LOCK:
@@ -242,8 +243,8 @@ async def _enqueue_async(plan: Plan, need: Need | None) -> None:
 
 
 async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
-    """Plan and enqueue ``op`` (waiting in trio where needed); do not wait for its work."""
-    await trio.lowlevel.checkpoint_if_cancelled()
+    """Plan and enqueue ``op`` (waiting in the task's loop where needed); do not wait for its work."""
+    await _loop.checkpoint_if_cancelled()
     if stream is None:
         stream = current_device()._submission_stream()
     plan, value, need = begin(op, stream)
@@ -254,9 +255,10 @@ async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
 
 def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     """``await op`` (``DeviceOp.__await__``): submit on ``stream`` (default: the current
-    device's policy) and wait in trio, through trio's public checkpoints. A generator
-    rather than a coroutine: the common await is then one frame of its own."""
-    yield from trio.lowlevel.checkpoint_if_cancelled().__await__()
+    device's policy) and wait in the task's loop (trio or asyncio, through their public
+    checkpoints). A generator rather than a coroutine: the common await is then one frame
+    of its own."""
+    yield from _loop.checkpoint_if_cancelled()
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
@@ -267,7 +269,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         return (yield from _run_planned(op, stream).__await__())
     value, ev, names = done
     if ev is None:
-        yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
+        yield from _loop.cancel_shielded_checkpoint()
         return value
     try:
         yield from wait_steps(ev, names)  # (names: one Names per launch geometry or recipe, the kind)
@@ -278,13 +280,13 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
 
 async def _run_planned(op: Any, stream: Stream) -> Any:
     """The general path of ``await op`` (after the cancel check): plan, enqueue (waiting
-    in trio where needed), wait for the submission's event."""
+    in the task's loop where needed), wait for the submission's event."""
     plan, value, need = begin(op, stream)
     if need is not None:
         await _enqueue_async(plan, need)
     ev = plan.event
     if ev is None:
-        await trio.lowlevel.cancel_shielded_checkpoint()
+        await _loop.cancel_shielded_checkpoint()
     else:
         try:
             await wait_event(ev, tuple(plan.ops))  # (the adaptive wait learns by the ops' names)

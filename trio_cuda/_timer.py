@@ -1,4 +1,4 @@
-"""A precise timer a trio task can sleep on: a Linux ``timerfd`` in trio's own epoll.
+"""A precise timer a task can sleep on: a Linux ``timerfd`` in its loop's own I/O wait.
 
 trio's own sleeps end on its I/O wait's timeout, which Python rounds up to whole
 milliseconds; an await that sleeps through long GPU work must wake within tens of
@@ -13,7 +13,7 @@ import ctypes
 import os
 import sys
 
-import trio
+from . import _loop
 
 __all__ = ["Timer", "available", "timer"]
 
@@ -67,8 +67,8 @@ class Timer:
         self.set(1)
 
     async def wait(self) -> None:
-        """Sleep in trio until the timer fires (cancellable), then clear it."""
-        await trio.lowlevel.wait_readable(self.fd)
+        """Sleep in the task's loop until the timer fires (cancellable), then clear it."""
+        await _loop.wait_readable(self.fd)
         self.clear()
 
     def clear(self) -> None:

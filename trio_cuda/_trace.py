@@ -31,6 +31,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from . import _loop
+
 __all__ = ["Tracer", "active"]
 
 active: Tracer | _Nvtx | None = None
@@ -152,13 +154,10 @@ class Tracer:
         info = getattr(plan, "_trace", None) or {"t_begin": time.perf_counter()}
         sub = next(self._ids)
         task = task_key = None
-        try:
-            import trio
-
-            current = trio.lowlevel.current_task()
-            task, task_key = current.name, current  # the task itself: ids are reused
-        except RuntimeError:
-            pass
+        current = _loop.current_task()
+        if current is not None:
+            # (the task itself: ids are reused; asyncio's tasks are named by get_name())
+            task, task_key = getattr(current, "name", None) or current.get_name(), current
         info.update(
             id=sub, task=task, task_key=task_key, thread=threading.current_thread().name, ops=list(getattr(plan, "ops", ()))[:8]
         )

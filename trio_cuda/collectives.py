@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-import trio
 
+from . import _loop
 from ._backends import backend
 from ._backends._boundary import CollectiveCall
 from ._checks import BFLOAT16, arg_type, is_int
@@ -270,8 +270,8 @@ class ProcessGroup(_Base):
 
     @classmethod
     async def join(cls, unique_id: bytes, nranks: int, rank: int, device: int | Device | None = None) -> ProcessGroup:
-        """Join from trio code: the blocking join runs in a worker thread."""
-        return await trio.to_thread.run_sync(cls, unique_id, nranks, rank, device)
+        """Join from trio or asyncio code: the blocking join runs in a worker thread."""
+        return await _loop.run_in_thread(cls, unique_id, nranks, rank, device, abandon_on_cancel=False)
 
     def _make(self) -> Any:
         if self._generations is not None:

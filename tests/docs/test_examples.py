@@ -20,6 +20,8 @@ from ..helpers.examples import EXAMPLES
         # small sizes on both backends (the full-size runs are recorded in benchmarks/results)
         ("async_mlp.py", ["--batch", "96", "--features", "24", "--hidden", "40", "--reps", "1"]),
         ("train_mlp_ddp.py", ["--steps", "60", "--batch", "96", "--features", "16", "--hidden", "32", "--outputs", "4"]),
+        # a FastAPI service under uvicorn (asyncio): 200 requests over 20 connections, checked
+        ("serve_fastapi.py", ["--self-check"]),
     ],
 )
 def test_example_runs_and_checks_itself(name: str, args: list[str]) -> None:

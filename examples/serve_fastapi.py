@@ -1,0 +1,261 @@
+"""A FastAPI service under uvicorn (asyncio) whose model runs on trio-cuda.
+
+Concurrent requests are batched dynamically: a batcher task gathers up to ``--max-batch``
+requests, or what arrived within ``--window-ms`` of the first, and runs the whole batch
+as one awaited DAG (upload, two linear layers, read-back). The event loop keeps serving
+other requests and ``/health`` while the GPU works. Each request may carry a deadline:
+when it passes, that request answers 504 and stops waiting; a request still queued is
+dropped before its batch is submitted, and a batch already on the GPU finishes for the
+other requests in it.
+
+    pip install "trio-cuda[serve]"
+    python examples/serve_fastapi.py                 # serve on 127.0.0.1:8000
+    python examples/serve_fastapi.py --self-check    # serve, load-test itself, check every answer
+
+Endpoints: ``POST /infer`` with ``{"x": [FEATURES floats], "deadline_ms": 50}``
+(deadline optional) gives ``{"y": [...]}``; ``GET /health`` gives the batcher's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import trio_cuda
+from trio_cuda import api, ops
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, HTTPException
+except ImportError:  # pragma: no cover - the [serve] extra is missing
+    sys.exit('serve_fastapi.py needs FastAPI and uvicorn: pip install "trio-cuda[serve]"')
+
+
+class Model:
+    """A two-layer MLP: ``relu(x @ w1 + b1) @ w2 + b2``, weights resident on the device."""
+
+    def __init__(self, features: int, hidden: int, outputs: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        host = {
+            "w1": rng.standard_normal((features, hidden)) / np.sqrt(features),
+            "b1": rng.standard_normal(hidden) * 0.1,
+            "w2": rng.standard_normal((hidden, outputs)) / np.sqrt(hidden),
+            "b2": rng.standard_normal(outputs) * 0.1,
+        }
+        self.host = {k: v.astype(np.float32) for k, v in host.items()}
+        self.features = features
+        self.dev: dict[str, trio_cuda.Tensor] = {}
+
+    async def load(self) -> None:
+        for name, value in self.host.items():
+            self.dev[name] = await api.from_host(value)
+
+    def forward(self, x: np.ndarray) -> trio_cuda.DeviceOp[np.ndarray]:
+        """The batch's whole DAG, awaited once: upload, two layers, read-back."""
+        w = self.dev
+        h = ops.relu(ops.matmul(api.from_host(x), w["w1"]) + w["b1"])
+        return (ops.matmul(h, w["w2"]) + w["b2"]).to_host()
+
+    def reference(self, x: np.ndarray) -> np.ndarray:
+        h = self.host
+        return np.maximum(x @ h["w1"] + h["b1"], 0) @ h["w2"] + h["b2"]
+
+
+@dataclass
+class Request:
+    x: np.ndarray
+    answer: asyncio.Future[np.ndarray] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Batcher:
+    """Gathers requests into batches and runs each batch as one await."""
+
+    def __init__(self, model: Model, max_batch: int, window_s: float) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        self.window_s = window_s
+        self.queue: asyncio.Queue[Request] = asyncio.Queue()
+        self.batches = 0
+        self.served = 0
+        self.dropped = 0  # requests whose deadline passed before their batch was submitted
+        self.largest = 0
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            closes = time.perf_counter() + self.window_s
+            while len(batch) < self.max_batch:
+                left = closes - time.perf_counter()
+                if left <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                except TimeoutError:
+                    break
+            live = [r for r in batch if not r.answer.done()]  # (a passed deadline cancels the future)
+            self.dropped += len(batch) - len(live)
+            if not live:
+                continue
+            try:
+                y = await self.model.forward(np.stack([r.x for r in live]))
+            except Exception as exc:  # (a device fault: every request of the batch gets it)
+                for r in live:
+                    if not r.answer.done():
+                        r.answer.set_exception(exc)
+                continue
+            self.batches += 1
+            self.largest = max(self.largest, len(live))
+            for r, row in zip(live, y, strict=True):
+                if not r.answer.done():
+                    r.answer.set_result(row)
+                    self.served += 1
+
+
+def make_app(model: Model, max_batch: int = 32, window_ms: float = 2.0) -> FastAPI:
+    batcher = Batcher(model, max_batch, window_ms / 1e3)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await model.load()
+        task = asyncio.create_task(batcher.run())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.batcher = batcher
+
+    @app.post("/infer")
+    async def infer(body: dict[str, Any]) -> dict[str, Any]:
+        x = np.asarray(body.get("x"), np.float32)
+        if x.shape != (model.features,):
+            raise HTTPException(422, f"x must be a list of {model.features} numbers")
+        req = Request(x)
+        batcher.queue.put_nowait(req)
+        deadline = body.get("deadline_ms")
+        try:
+            async with asyncio.timeout(None if deadline is None else float(deadline) / 1e3):
+                y = await asyncio.shield(req.answer)
+        except TimeoutError:
+            req.answer.cancel()  # a queued request is dropped; its batch, if running, goes on
+            raise HTTPException(504, "deadline passed") from None
+        return {"y": y.tolist()}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "ok": True,
+            "batches": batcher.batches,
+            "served": batcher.served,
+            "dropped": batcher.dropped,
+            "largest_batch": batcher.largest,
+            "queued": batcher.queue.qsize(),
+        }
+
+    return app
+
+
+async def self_check(model: Model, args: argparse.Namespace) -> int:
+    """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
+    ``--connections`` connections (and /health probes meanwhile), check every answer."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = make_app(model, args.max_batch, args.window_ms)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((args.requests, model.features), np.float32)
+    want = model.reference(xs)
+    bad: list[str] = []
+    health_ms: list[float] = []
+    limits = httpx.Limits(max_connections=args.connections)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+        next_i = 0
+
+        async def connection() -> None:
+            nonlocal next_i
+            while next_i < args.requests:
+                i, next_i = next_i, next_i + 1
+                r = await client.post("/infer", json={"x": xs[i].tolist()})
+                if r.status_code != 200:
+                    bad.append(f"request {i}: HTTP {r.status_code}")
+                elif not np.allclose(r.json()["y"], want[i], rtol=1e-4, atol=1e-4):
+                    bad.append(f"request {i}: wrong answer")
+
+        async def prober(stop: asyncio.Event) -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = await client.get("/health")
+                health_ms.append((time.perf_counter() - t) * 1e3)
+                if r.status_code != 200 or not r.json()["ok"]:
+                    bad.append("health failed")
+                await asyncio.sleep(0.005)
+
+        start = time.perf_counter()
+        stop = asyncio.Event()
+        probe = asyncio.create_task(prober(stop))
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(args.connections):
+                tg.create_task(connection())
+        elapsed = time.perf_counter() - start
+        stop.set()
+        await probe
+        # A deadline that cannot be met answers 504; the service goes on answering.
+        r = await client.post("/infer", json={"x": xs[0].tolist(), "deadline_ms": 0})
+        if r.status_code != 504:
+            bad.append(f"a passed deadline answered HTTP {r.status_code}, not 504")
+        r = await client.post("/infer", json={"x": xs[1].tolist()})
+        if r.status_code != 200 or not np.allclose(r.json()["y"], want[1], rtol=1e-4, atol=1e-4):
+            bad.append("the request after a deadline failed")
+        stats = (await client.get("/health")).json()
+    server.should_exit = True
+    await serving
+    p50, p99 = np.percentile(health_ms, [50, 99]) if health_ms else (float("nan"), float("nan"))
+    print(
+        f"{args.requests} requests over {args.connections} connections in {elapsed:.2f} s "
+        f"({args.requests / elapsed:.0f} req/s), {stats['batches']} batches (largest {stats['largest_batch']}); "
+        f"/health p50 {p50:.2f} ms, p99 {p99:.2f} ms"
+    )
+    if bad:
+        print("FAILED:", *bad[:10], sep="\n  ")
+        return 1
+    print(f"all {args.requests} answers correct (checked against numpy)")
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--features", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--outputs", type=int, default=16)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--window-ms", type=float, default=2.0)
+    p.add_argument("--self-check", action="store_true", help="serve, load-test on 127.0.0.1, check every answer, exit")
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--connections", type=int, default=20)
+    args = p.parse_args()
+    model = Model(args.features, args.hidden, args.outputs)
+    if args.self_check:
+        sys.exit(asyncio.run(self_check(model, args)))
+    uvicorn.run(make_app(model, args.max_batch, args.window_ms), host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

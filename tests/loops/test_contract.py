@@ -1,0 +1,306 @@
+"""The await's contract under every loop: trio, asyncio and asyncio on uvloop, through
+anyio (whose asyncio backend runs plain asyncio tasks and whose trio backend runs trio).
+
+Each test is a plain function that runs its body with ``run`` (anyio.run on one loop,
+with a deadline): pytest-trio's trio mode takes only coroutine tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Awaitable
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import trio_cuda
+from trio_cuda import api, collectives, lowlevel, ops
+from trio_cuda.kernels import add, sleep
+
+from ..helpers.devices import counter, needs_devices, settle
+from ..helpers.faults import scribble
+from ..helpers.loops import LOOPS, Run, started
+
+SLOW_NS = 400_000_000
+
+
+@pytest.fixture(params=LOOPS)
+def run(request: pytest.FixtureRequest) -> Run:
+    return request.param  # type: ignore[no-any-return]
+
+
+def test_every_kind_of_op_is_awaitable(run: Run, dev: trio_cuda.Device) -> None:
+    async def body() -> None:
+        xs = np.arange(8, dtype=np.float32)
+        x = await api.from_host(xs)  # creation from host data
+        z = await api.zeros((8,))  # creation on the device
+        await api.memcpy(z, x)  # a copy
+        np.testing.assert_array_equal(await z.to_host(), xs)  # a read-back
+        y = await ops.add(x, 1.0)  # ops
+        np.testing.assert_array_equal(
+            await ops.matmul(y.reshape((2, 4)), y.reshape((4, 2))).to_host(), (xs + 1).reshape(2, 4) @ (xs + 1).reshape(4, 2)
+        )
+        await add(z.partition((8,)), x, y)  # a kernel
+        np.testing.assert_array_equal(await z.to_host(), 2 * xs + 1)
+        both = await trio_cuda.zip(api.full((2,), 3.0), api.full((2,), 4.0)).then(lambda ab: ops.add(*ab)).to_host()
+        np.testing.assert_array_equal(both, [7, 7])  # a composed DAG
+        seen: list[object] = []
+        assert await trio_cuda.external(lambda s: seen.append(s) or "ran", writes=[z]) == "ran"  # external work
+        assert len(seen) == 1
+        out = await api.zeros((8,))
+        graph = ops.add(x, y, out=out).graph()  # a graph launch
+        assert await graph.launch() is out
+        np.testing.assert_array_equal(await out.to_host(), 2 * xs + 1)
+        c = await counter()
+        sub = await lowlevel.submit(sleep(c, 1000))  # submit, then wait
+        await sub.wait()
+        np.testing.assert_array_equal(await c.tensor.to_host(), [1])
+        t = await (await lowlevel.submit(ops.add(x, 2.0))).wait()
+        await t.ready()  # Tensor.ready()
+        async with trio_cuda.trace() as tr:  # trace as an async context manager
+            await ops.add(x, 3.0)
+        assert tr.events is not None and any("add" in str(e.get("name", "")) for e in tr.events["traceEvents"])
+
+    run(body)
+
+
+@needs_devices(2)
+def test_collectives_are_awaitable(run: Run) -> None:
+    async def body() -> None:
+        group = collectives.Group([0, 1])
+        xs = [await api.from_host(np.full(4, d + 1.0, np.float32), device=d) for d in (0, 1)]
+        await group.all_reduce(xs)
+        for x in xs:
+            np.testing.assert_array_equal(await x.to_host(), [3, 3, 3, 3])
+
+    run(body)
+
+
+def test_cancelled_before_submission_runs_nothing(run: Run, dev: trio_cuda.Device) -> None:
+    async def body() -> None:
+        c = await counter()
+        before = dev.statistics().submissions
+        op = sleep(c, 1000)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await op
+        assert scope.cancelled_caught
+        assert dev.statistics().submissions == before  # nothing was submitted
+        await op  # not consumed: it runs now, once
+        np.testing.assert_array_equal(await c.tensor.to_host(), [1])
+
+    run(body)
+
+
+def test_cancelled_after_submission_returns_promptly_and_memory_outlives_the_work(run: Run, dev: trio_cuda.Device) -> None:
+    async def body() -> None:
+        await sleep(counter(), 1000)  # (compiled and loaded)
+        await anyio.to_thread.run_sync(settle)
+        baseline = dev.memory_in_use()
+        c = await counter()
+        start = time.perf_counter()
+        with anyio.move_on_after(0.05) as scope:
+            await sleep(c, SLOW_NS).then(lambda _: api.zeros((1 << 16,)))
+        elapsed = time.perf_counter() - start
+        assert scope.cancelled_caught
+        assert elapsed < SLOW_NS / 2e9, f"the cancelled await took {elapsed:.3f} s"
+        del c
+        gc.collect()
+        assert dev.memory_in_use() > baseline  # the pending work's memory is still held
+        await anyio.to_thread.run_sync(settle)
+        assert dev.memory_in_use() == baseline  # and let go once the GPU is done
+
+    run(body)
+
+
+def test_every_await_is_a_schedule_point_and_a_cancellation_point(run: Run) -> None:
+    async def body() -> None:
+        x = await api.zeros((4,))
+        await x.ready()
+        ran: list[int] = []
+
+        async def other() -> None:
+            ran.append(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await x.ready()  # nothing pending: still a schedule point
+            assert ran == [1]
+            tg.start_soon(other)
+            await ops.add(x, 1.0)
+            assert ran == [1, 1]
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await x.ready()
+        assert scope.cancelled_caught
+
+    run(body)
+
+
+def test_the_loop_runs_other_tasks_while_long_work_is_awaited(run: Run) -> None:
+    async def body() -> None:
+        await sleep(counter(), 1000)
+        ticks = 0
+        c = await counter()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await anyio.sleep(0.005)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await sleep(c, 200_000_000)
+            tg.cancel_scope.cancel()
+        assert ticks >= 10, f"the loop ran {ticks} ticks of 5 ms during a 200 ms kernel"
+
+    run(body)
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_many_tasks_get_their_own_results(run: Run, budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_cuda import _notifier
+
+    if budget is not None:  # every wait parks on the notifier
+        monkeypatch.setattr(_notifier, "_budget_ns", budget)
+    results: dict[int, np.ndarray] = {}
+
+    async def task(i: int) -> None:
+        x = await api.full((16,), float(i))
+        for _ in range(3):
+            x = await ops.add(x, 1.0)
+        results[i] = await x.to_host()
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(task, i)
+
+    run(body)
+    assert sorted(results) == list(range(64))
+    for i, r in results.items():
+        np.testing.assert_array_equal(r, np.full(16, i + 3.0, np.float32))
+
+
+def test_writes_then_reads_across_tasks_are_ordered(run: Run) -> None:
+    async def body() -> None:
+        c = await counter()
+        async with anyio.create_task_group() as tg:
+            await tg.start(started, sleep(c, 50_000_000))  # submitted: later reads see it
+            got = await c.tensor.to_host()
+        np.testing.assert_array_equal(got, [1])
+
+    run(body)
+
+
+def test_long_work_is_slept_through(run: Run) -> None:
+    async def body() -> None:
+        c = await counter()
+        for _ in range(4):  # learned from the first ones: the later ones sleep on a timer
+            await (await lowlevel.submit(sleep(c, 30_000_000))).wait()
+        np.testing.assert_array_equal(await c.tensor.to_host(), [4])
+
+    before = lowlevel.notifier_statistics().sleeping.timed
+    run(body)
+    assert lowlevel.notifier_statistics().sleeping.timed > before
+
+
+def test_bad_input_raises_before_any_work(run: Run, dev: trio_cuda.Device) -> None:
+    async def body() -> None:
+        x = await api.zeros((4,))
+        before = dev.statistics().submissions
+        with pytest.raises(ValueError):
+            await ops.add(x, api.zeros((5,)))
+        with pytest.raises(TypeError):
+            await ops.add(x, "one")  # type: ignore[arg-type]
+        assert dev.statistics().submissions == before
+
+    run(body)
+
+
+def test_blocking_calls_are_refused_on_the_loop_thread(run: Run) -> None:
+    async def body() -> str:
+        with pytest.raises(RuntimeError, match="would block") as info:
+            api.zeros((2,)).sync()
+        # From a worker thread of the loop, the same call works.
+        out = await anyio.to_thread.run_sync(lambda: api.full((2,), 5.0).to_host().sync())
+        np.testing.assert_array_equal(out, [5, 5])
+        return str(info.value)
+
+    message = run(body)
+    assert ("trio.to_thread" in message) if run.backend == "trio" else ("asyncio.to_thread" in message and "anyio" in message)
+
+
+@pytest.mark.faults_device
+def test_a_fault_reaches_every_awaiter_and_the_task_group_cancels_siblings(run: Run, dev: trio_cuda.Device) -> None:
+    outcome: list[str] = []
+
+    async def waiter(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await started(sleep(counter(), 3_000_000_000), trio_cuda.SingleStream(dev), task_status=task_status)
+        except trio_cuda.DeviceFault:
+            outcome.append("fault")
+
+    async def sibling(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            await anyio.sleep(30)
+        except anyio.get_cancelled_exc_class():
+            outcome.append("cancelled")
+            raise
+
+    async def body() -> None:
+        target = await api.zeros((32,))
+        await anyio.to_thread.run_sync(scribble.prepare, target.partition((32,)))
+        await sleep(counter(), 1000)
+        async with anyio.create_task_group() as waiters:  # (not cancelled by the fault)
+            for _ in range(2):
+                await waiters.start(waiter)
+            with pytest.raises(BaseExceptionGroup) as info:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(sibling)
+                    tg.start_soon(_await, scribble(target.partition((32,))))
+        assert info.value.subgroup(trio_cuda.DeviceFault) is not None
+
+    start = time.perf_counter()
+    run(body)
+    assert time.perf_counter() - start < 2.5, "the waiters of 3 s kernels were not woken by the fault"
+    assert sorted(outcome) == ["cancelled", "fault", "fault"]
+
+
+@pytest.mark.faults_device
+def test_a_reset_wakes_waiters_with_device_reset(run: Run, dev: trio_cuda.Device) -> None:
+    got: list[BaseException] = []
+
+    async def waiter(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await started(sleep(counter(), SLOW_NS).first().to_host(), task_status=task_status)
+        except trio_cuda.DeviceReset as err:
+            got.append(err)
+
+    async def body() -> None:
+        await sleep(counter(), 1000)
+        with anyio.fail_after(SLOW_NS / 2e9):  # long before the kernels could end
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    await tg.start(waiter)
+                tg.start_soon(anyio.to_thread.run_sync, dev.reset)
+        np.testing.assert_array_equal(await api.full((3,), 2.0).to_host(), [2, 2, 2])
+
+    run(body)
+    assert len(got) == 3 and all(e.device == dev.ordinal for e in got)
+
+
+def test_outside_any_loop_the_error_says_what_to_do() -> None:
+    coro = _await(api.zeros((2,)))
+    with pytest.raises(RuntimeError, match="trio or asyncio"):
+        coro.send(None)
+    coro.close()
+
+
+async def _await(op: Awaitable[Any]) -> Any:
+    return await op

@@ -1,0 +1,187 @@
+"""The event loop an await runs under: trio, or asyncio (directly, or under anyio).
+
+trio is the first-class runtime; asyncio gets the same contract through the same code.
+Every place the runtime yields to its loop goes through the primitives here, which ask,
+per call, which loop is running the calling task:
+
+* trio names itself in sniffio's thread-local (``sniffio.thread_local.name``) while it
+  runs a task: one attribute read, so the trio path stays what it was;
+* otherwise the task must be an asyncio task (``asyncio.current_task()``); anyio's asyncio
+  backend runs plain asyncio tasks, its trio backend trio tasks.
+
+What differs under asyncio, and why (docs/asyncio.md):
+
+* A schedule point is a bare ``yield`` (asyncio's own ``sleep(0)``); a pending
+  ``task.cancel()`` is delivered there. asyncio has no shielded schedule point, so the
+  schedule point after completed work is an ordinary one: a cancel that arrives then
+  raises CancelledError (the work is complete; nothing is left running).
+* "Cancelled already?" is asked of ``Task.cancelling()`` (a task with a cancel request
+  yields once, and asyncio delivers the CancelledError before anything is submitted),
+  and, where anyio is imported, of anyio (its cancel scopes cancel their own task only
+  at its next yield).
+* A shielded wait (finishing a submission another one relies on) runs as a task of its
+  own, awaited through ``asyncio.shield`` until it is done; then the cancel is honoured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import sys
+import types
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+import sniffio
+import trio
+
+__all__ = [
+    "CANCELLED",
+    "cancel_shielded_checkpoint",
+    "checkpoint",
+    "checkpoint_if_cancelled",
+    "current_task",
+    "loop_name",
+    "run_in_thread",
+    "running_asyncio_loop",
+    "shielded",
+    "wait_readable",
+]
+
+#: What a cancelled wait raises, under either loop.
+CANCELLED = (trio.Cancelled, asyncio.CancelledError)
+
+_sniffed = sniffio.thread_local  # (trio sets .name = "trio" while it runs a task)
+
+
+def loop_name() -> str | None:
+    """``"trio"`` or ``"asyncio"``: which loop runs the calling task (None: none does)."""
+    if _sniffed.name == "trio":
+        return "trio"
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+    return "asyncio"
+
+
+def running_asyncio_loop() -> asyncio.AbstractEventLoop:
+    """The calling thread's running asyncio loop, or a RuntimeError that says what to do."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "trio_cuda work is awaited inside a trio or asyncio task (trio.run, asyncio.run, "
+            "anyio.run); from plain code, op.sync() runs it and waits"
+        ) from None
+
+
+def current_task() -> Any:
+    """The calling trio or asyncio task (None outside both)."""
+    if _sniffed.name == "trio":
+        return trio.lowlevel.current_task()
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
+
+
+@types.coroutine
+def checkpoint() -> Generator[Any, Any, None]:
+    """A schedule point and a cancellation point."""
+    if _sniffed.name == "trio":
+        yield from trio.lowlevel.checkpoint().__await__()
+    else:
+        running_asyncio_loop()
+        yield
+
+
+@types.coroutine
+def checkpoint_if_cancelled() -> Generator[Any, Any, None]:
+    """Raise the cancellation if the calling task is cancelled (under trio, and under
+    asyncio when a cancel is pending); otherwise return at once."""
+    if _sniffed.name == "trio":
+        yield from trio.lowlevel.checkpoint_if_cancelled().__await__()
+        return
+    running_asyncio_loop()
+    task = asyncio.current_task()
+    if task is None:
+        return
+    if task.cancelling():
+        yield  # (a pending cancel is thrown in here; one already handled is not)
+        return
+    anyio = sys.modules.get("anyio")
+    if anyio is not None:
+        # An anyio cancel scope cancelled by its own task cancels it only at its next
+        # yield: anyio itself knows (a no-op for a task outside anyio's scopes).
+        yield from anyio.lowlevel.checkpoint_if_cancelled().__await__()
+
+
+@types.coroutine
+def cancel_shielded_checkpoint() -> Generator[Any, Any, None]:
+    """A schedule point that trio does not cancel (after work that has completed).
+    Under asyncio, which has no such point, an ordinary one."""
+    if _sniffed.name == "trio":
+        yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
+    else:
+        running_asyncio_loop()
+        yield
+
+
+async def wait_readable(fd: int) -> None:
+    """Sleep in the loop's own I/O wait until ``fd`` is readable (cancellable)."""
+    if _sniffed.name == "trio":
+        await trio.lowlevel.wait_readable(fd)
+        return
+    loop = running_asyncio_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, _set_once, ready)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any, abandon_on_cancel: bool = True) -> Any:
+    """``fn(*args)`` in a worker thread of the loop (trio's ``to_thread``, asyncio's default
+    executor). ``abandon_on_cancel``: a cancel returns at once and the thread's result is
+    dropped; otherwise the cancel waits for the thread, then is raised."""
+    if _sniffed.name == "trio":
+        return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel)
+    loop = running_asyncio_loop()
+    ctx = contextvars.copy_context()  # (as asyncio.to_thread: the thread sees the task's context)
+    fut = loop.run_in_executor(None, functools.partial(ctx.run, fn, *args))
+    if abandon_on_cancel:
+        return await fut
+    return await _shield_until_done(fut)
+
+
+async def shielded(fn: Callable[[], Awaitable[None]]) -> None:
+    """Run ``await fn()`` to its end whatever cancels the caller meanwhile (the caller
+    raises its own cancellation afterwards)."""
+    if _sniffed.name == "trio":
+        with trio.CancelScope(shield=True):
+            await fn()
+        return
+    running_asyncio_loop()
+    await _shield_until_done(asyncio.ensure_future(fn()))
+
+
+async def _shield_until_done(fut: asyncio.Future[Any]) -> Any:
+    cancelled: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError as exc:
+            if fut.cancelled():
+                raise
+            cancelled = exc  # (anyio's cancel scopes cancel again at every yield)
+    if cancelled is not None and fut.exception() is None:
+        raise cancelled  # (as trio: an error of the shielded work itself wins)
+    return fut.result()
