@@ -168,12 +168,6 @@ def test_a_pending_keyboard_interrupt_is_delivered_at_the_await() -> None:
     assert submitted == [0]
 
 
-def test_outside_trio_the_await_says_so() -> None:
-    coro = api.ones((4,)).__await__()
-    with pytest.raises(RuntimeError, match="async context"):
-        coro.send(None)
-
-
 async def test_a_fault_at_the_first_poll_names_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     dev = trio_cuda.current_device()
     x, y, z = await operands()
