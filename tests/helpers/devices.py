@@ -35,8 +35,9 @@ def settle() -> None:
 async def started(
     op: object, policy: trio_cuda.SchedulingPolicy | None = None, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> object:
-    """For ``await nursery.start(started, op[, policy])``: reports started once ``op`` is
-    enqueued (its work is then ordered before anything submitted later), then waits for it."""
+    """For ``await nursery.start(started, op[, policy])`` (or an anyio task group's
+    ``start``): reports started once ``op`` is enqueued (its work is then ordered before
+    anything submitted later), then waits for it."""
     stream = policy.next_stream() if policy is not None else None
     sub = await trio_cuda.lowlevel.submit(op, stream)  # type: ignore[arg-type]
     task_status.started()

@@ -9,9 +9,6 @@ from typing import Any
 import anyio
 import pytest
 
-import trio_cuda
-from trio_cuda import lowlevel
-
 DEADLINE = float(os.environ.get("TRIO_CUDA_TEST_DEADLINE", "90"))
 
 
@@ -42,14 +39,3 @@ def _uvloop() -> list[Any]:
 
 
 LOOPS = [pytest.param(Run("trio"), id="trio"), pytest.param(Run("asyncio"), id="asyncio"), *_uvloop()]
-
-
-async def started(
-    op: object, policy: trio_cuda.SchedulingPolicy | None = None, *, task_status: Any = anyio.TASK_STATUS_IGNORED
-) -> object:
-    """For ``await task_group.start(started, op[, policy])`` (anyio): reports started once
-    ``op`` is enqueued, then waits for it."""
-    stream = policy.next_stream() if policy is not None else None
-    sub = await lowlevel.submit(op, stream)  # type: ignore[arg-type]
-    task_status.started()
-    return await sub.wait()

@@ -20,9 +20,9 @@ import trio_cuda
 from trio_cuda import api, collectives, lowlevel, ops
 from trio_cuda.kernels import add, sleep
 
-from ..helpers.devices import counter, needs_devices, settle
+from ..helpers.devices import counter, needs_devices, settle, started
 from ..helpers.faults import scribble
-from ..helpers.loops import LOOPS, Run, started
+from ..helpers.loops import LOOPS, Run
 
 SLOW_NS = 400_000_000
 
