@@ -31,10 +31,12 @@ import functools
 import sys
 import types
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any
+from typing import Any, TypeVar
 
 import sniffio
 import trio
+
+_T = TypeVar("_T")
 
 __all__ = [
     "CANCELLED",
@@ -148,7 +150,7 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def run_in_thread(fn: Callable[..., Any], *args: Any, abandon_on_cancel: bool = True) -> Any:
+async def run_in_thread(fn: Callable[..., _T], *args: Any, abandon_on_cancel: bool = True) -> _T:
     """``fn(*args)`` in a worker thread of the loop (trio's ``to_thread``, asyncio's default
     executor). ``abandon_on_cancel``: a cancel returns at once and the thread's result is
     dropped; otherwise the cancel waits for the thread, then is raised."""
@@ -159,7 +161,8 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, abandon_on_cancel: b
     fut = loop.run_in_executor(None, functools.partial(ctx.run, fn, *args))
     if abandon_on_cancel:
         return await fut
-    return await _shield_until_done(fut)
+    result: _T = await _shield_until_done(fut)
+    return result
 
 
 async def shielded(fn: Callable[[], Awaitable[None]]) -> None:
