@@ -1,0 +1,267 @@
+"""A FastAPI service under load: trio-cuda against the same app written with PyTorch.
+
+Each service is ``examples/serve_fastapi.py``'s app (the same batcher: up to
+``--max-batch`` requests or ``--window-ms`` per batch; the same MLP, ``--depth`` hidden
+layers, float32) in a uvicorn process of its own, on 127.0.0.1; only the model's forward
+differs:
+
+* ``trio-cuda``: the batch's DAG (upload, layers, read-back) awaited on the asyncio loop.
+* ``torch sync``: PyTorch on the GPU called in the handler, then ``torch.cuda.synchronize()``
+  and the read-back: the loop is blocked while the GPU works (the common first version).
+* ``torch thread``: the same PyTorch call through ``anyio.to_thread.run_sync`` (the common
+  fix): the loop is free, a worker thread waits.
+
+The load comes from this process (``serve_fastapi.load_test``, httpx over
+``--connections`` connections, ``--requests`` requests a round, with a ``GET /health``
+every 5 ms meanwhile); every answer is checked against numpy. All services are started
+first and loaded one at a time in ``--rounds`` interleaved rounds (the order reversed
+every other round). Figures, medians over the rounds: requests/s, request latency p50 and
+p99, ``/health`` latency p50 and p99 (how responsive the loop stayed).
+
+The PyTorch services need PyTorch with CUDA; on the simulated device (or without torch)
+only trio-cuda is measured and the figures mean nothing (``--smoke``: tiny sizes).
+
+Usage: ``python benchmarks/bench_serve.py [--rounds 3] [--out DIR]``. Writes
+``serve-<date>.md`` and ``.json`` under ``--out`` (default benchmarks/results). Exits 1 if
+an answer was wrong or a service failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from serve_fastapi import Model, load_test, make_app  # noqa: E402
+
+SERVICES = ["trio-cuda", "torch sync", "torch thread"]
+SMOKE = {"rounds": 1, "requests": 60, "connections": 6, "features": 16, "hidden": 32, "outputs": 4, "depth": 1}
+FIGURES = [
+    ("requests_per_s", "requests/s"),
+    ("request_p50_ms", "request p50, ms"),
+    ("request_p99_ms", "request p99, ms"),
+    ("health_p50_ms", "/health p50, ms"),
+    ("health_p99_ms", "/health p99, ms"),
+]
+
+
+class TorchModel:
+    """The same MLP in PyTorch on the GPU; ``forward`` blocks the loop (``sync``) or runs
+    in a worker thread (``thread``)."""
+
+    def __init__(self, model: Model, mode: str) -> None:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = False  # float32 as trio-cuda and numpy compute it
+        self.torch = torch
+        self.host = model.host
+        self.features = model.features
+        self.mode = mode
+        self.dev: list[tuple[Any, Any]] = []
+
+    async def load(self) -> None:
+        self.dev = [(self.torch.from_numpy(w).cuda(), self.torch.from_numpy(b).cuda()) for w, b in self.host]
+
+    def _run(self, x: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        h = torch.from_numpy(x).cuda()
+        for w, b in self.dev[:-1]:
+            h = torch.relu(h @ w + b)
+        w, b = self.dev[-1]
+        y = h @ w + b
+        torch.cuda.synchronize()
+        return y.cpu().numpy()  # type: ignore[no-any-return]
+
+    async def forward(self, x: np.ndarray) -> np.ndarray:
+        if self.mode == "sync":
+            return self._run(x)
+        import anyio
+
+        return await anyio.to_thread.run_sync(self._run, x)
+
+
+def torch_missing() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return "PyTorch has no CUDA device"
+    return None
+
+
+def model_of(args: argparse.Namespace) -> Model:
+    return Model(args.features, args.hidden, args.outputs, args.depth)
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The child: one service on ``--port`` until it is terminated."""
+    import uvicorn
+
+    model: Any = model_of(args)
+    if args.serve != "trio-cuda":
+        model = TorchModel(model, args.serve.split()[1])
+    app = make_app(model, args.max_batch, args.window_ms)
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_up(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while True:
+            if child.poll() is not None:
+                raise RuntimeError(f"the service exited with code {child.returncode} before answering")
+            try:
+                if (await client.get("/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the service did not answer /health within {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+
+
+def child_args(args: argparse.Namespace, name: str, port: int) -> list[str]:
+    sizes = ["features", "hidden", "outputs", "depth", "max_batch", "window_ms"]
+    flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sizes]
+    return [sys.executable, __file__, "--serve", name, f"--port={port}", *flags]
+
+
+async def bench(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[dict[str, float]]], list[str]]:
+    model = model_of(args)
+    rng = np.random.default_rng(1)
+    problems: list[str] = []
+    children: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    try:
+        for name in names:
+            port = free_port()
+            children[name] = (subprocess.Popen(child_args(args, name, port), env=dict(os.environ)), f"http://127.0.0.1:{port}")
+        for child, url in children.values():
+            await wait_up(url, child, args.start_timeout)
+        rounds: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+        xs = rng.standard_normal((args.requests, model.features), np.float32)
+        want = model.reference(xs)  # (once: every round sends the same requests)
+        warm = min(len(xs), args.connections * 4)
+        for _, url in children.values():
+            await load_test(url, xs[:warm], want[:warm], args.connections)  # compile, load, fill the pools
+        for r in range(args.rounds):
+            for name in names if r % 2 == 0 else reversed(names):
+                load = await load_test(children[name][1], xs, want, args.connections)
+                problems += [f"{name}: {b}" for b in load.bad[:5]]
+                rounds[name].append(load.summary())
+    finally:
+        for child, _ in children.values():
+            child.terminate()
+        for name, (child, _) in children.items():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                problems.append(f"{name}: the service did not stop within 30 s of SIGTERM")
+    return rounds, problems
+
+
+def table(rounds: dict[str, list[dict[str, float]]]) -> list[str]:
+    names = list(rounds)
+    others = names[1:]
+    head = ["figure", *names, *(f"{n} / trio-cuda" for n in others)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, label in FIGURES:
+        med = {n: statistics.median(r[key] for r in rounds[n]) for n in names}
+        cells = [label, *(f"{med[n]:.3g}" for n in names)]
+        for n in others:
+            cells.append(f"{med[n] / med['trio-cuda']:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, for the simulated device")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=2000, help="requests a round")
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--features", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--outputs", type=int, default=16)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--window-ms", type=float, default=2.0)
+    ap.add_argument("--services", default=",".join(SERVICES), help="services to measure, trio-cuda first")
+    ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a service may take to answer first")
+    ap.add_argument("--serve", choices=SERVICES, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    known, _ = ap.parse_known_args(argv)
+    if known.smoke:
+        ap.set_defaults(**SMOKE)
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve(args)
+        return 0
+    names = [n.strip() for n in args.services.split(",") if n.strip()]
+    if not names or names[0] != "trio-cuda" or any(n not in SERVICES for n in names):
+        ap.error(f"--services: a comma-separated list of {', '.join(SERVICES)}, trio-cuda first")
+    notes = []
+    missing = torch_missing()
+    if missing and len(names) > 1:
+        notes.append(f"- {missing}: the PyTorch services are not measured")
+        names = names[:1]
+    started = time.perf_counter()
+    rounds, problems = asyncio.run(bench(args, names))
+
+    import trio_cuda
+
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = trio_cuda.current_device().name
+    text = "\n".join(
+        [
+            f"# A FastAPI service under load ({stamp})",
+            "",
+            f"GPU: {gpu}, backend {trio_cuda.backend_name()}, python {sys.version.split()[0]}, trio-cuda "
+            f"{trio_cuda.__version__}. MLP {args.features} -> {args.hidden} x {args.depth + 1} -> {args.outputs}, "
+            f"float32; batches of up to {args.max_batch} or {args.window_ms} ms; {args.requests} requests a round "
+            f"over {args.connections} connections, /health every 5 ms; {args.rounds} interleaved rounds, medians.",
+            "",
+            *table(rounds),
+            "",
+            *notes,
+            *(f"- PROBLEM: {p}" for p in problems),
+            "- every answer checked against numpy" if not problems else "",
+            f"- whole run: {time.perf_counter() - started:.1f} s",
+            "",
+        ]
+    )
+    print(text)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    day = dt.date.today().isoformat()
+    (out / f"serve-{day}.md").write_text(text)
+    record = {"when": stamp, "gpu": gpu, "args": vars(args), "rounds": rounds, "problems": problems}
+    (out / f"serve-{day}.json").write_text(json.dumps(record, indent=2))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""benchmarks/bench_serve.py runs end to end in its smoke mode (on the simulated device):
+its services start in processes of their own, answer every request correctly, and stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
+
+
+def test_bench_serve_smoke(tmp_path: pathlib.Path) -> None:
+    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--services", "trio-cuda", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    (md,) = tmp_path.glob("serve-*.md")
+    (js,) = tmp_path.glob("serve-*.json")
+    text = md.read_text()
+    assert "every answer checked against numpy" in text and "PROBLEM" not in text
+    (one,) = json.loads(js.read_text())["rounds"]["trio-cuda"]
+    assert one["requests_per_s"] > 0
+    assert 0 < one["request_p50_ms"] <= one["request_p99_ms"]
+    assert 0 < one["health_p50_ms"] <= one["health_p99_ms"]
+
+
+def test_bench_serve_refuses_unknown_services(tmp_path: pathlib.Path) -> None:
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--services", "trio-cuda,tensorflow", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "--services" in r.stderr
+    assert not list(tmp_path.iterdir())
