@@ -11,7 +11,7 @@ differs:
 * ``torch thread``: the same PyTorch call through ``anyio.to_thread.run_sync`` (the common
   fix): the loop is free, a worker thread waits.
 
-The load comes from this process (``serve_fastapi.load_test``, httpx over
+The load comes from this process (``serve_fastapi.load_test``, keep-alive HTTP/1.1 over
 ``--connections`` connections, ``--requests`` requests a round, with a ``GET /health``
 every 5 ms meanwhile); every answer is checked against numpy. All services are started
 first and loaded one at a time in ``--rounds`` interleaved rounds (the order reversed
@@ -45,7 +45,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from serve_fastapi import Model, load_test, make_app  # noqa: E402
+from serve_fastapi import Connection, Model, load_test, make_app  # noqa: E402
 
 SERVICES = ["trio-cuda", "torch sync", "torch thread"]
 SMOKE = {"rounds": 1, "requests": 60, "connections": 6, "features": 16, "hidden": 32, "outputs": 4, "depth": 1}
@@ -125,21 +125,22 @@ def free_port() -> int:
 
 
 async def wait_up(url: str, child: subprocess.Popen[bytes], timeout_s: float) -> None:
-    import httpx
-
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
-        while True:
-            if child.poll() is not None:
-                raise RuntimeError(f"the service exited with code {child.returncode} before answering")
+    while True:
+        if child.poll() is not None:
+            raise RuntimeError(f"the service exited with code {child.returncode} before answering")
+        try:
+            conn = await Connection.open(url)
             try:
-                if (await client.get("/health")).status_code == 200:
+                if (await conn.request("GET", "/health"))[0] == 200:
                     return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the service did not answer /health within {timeout_s:.0f} s")
-            await asyncio.sleep(0.1)
+            finally:
+                await conn.close()
+        except (OSError, asyncio.IncompleteReadError):
+            pass  # (not listening yet)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the service did not answer /health within {timeout_s:.0f} s")
+        await asyncio.sleep(0.1)
 
 
 def child_args(args: argparse.Namespace, name: str, port: int) -> list[str]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import socket
 import sys
 import time
@@ -188,56 +189,99 @@ class Load:
         }
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the service. A load generator must cost far
+    less a request than the service it measures; a general client (httpx) spends
+    milliseconds a request in Python, which would make the client the bottleneck."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.host = host
+
+    @classmethod
+    async def open(cls, url: str) -> Connection:
+        host, _, port = url.removeprefix("http://").rstrip("/").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port or 80))
+        return cls(reader, writer, f"{host}:{port}")
+
+    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        """Send one request; its status and body."""
+        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        self.writer.write(head.encode() + b"\r\n" + (body or b""))
+        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = None
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        if length is None:  # (uvicorn gives JSON answers a length; no chunked reading here)
+            raise RuntimeError(f"{method} {path}: an answer without Content-Length")
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
+
+
 async def load_test(url: str, xs: np.ndarray, want: np.ndarray, connections: int, probe_every_s: float = 0.005) -> Load:
     """Send one ``POST /infer`` per row of ``xs`` over ``connections`` connections (and
-    ``GET /health`` every ``probe_every_s`` meanwhile); check each answer against ``want``."""
-    import httpx
-
-    bad: list[str] = []
+    ``GET /health`` every ``probe_every_s`` on one more meanwhile); check each answer
+    against ``want`` afterwards (the bodies are encoded before and decoded after the
+    timed part, so the client's cost a request stays small)."""
+    bodies = [json.dumps({"x": row.tolist()}).encode() for row in xs]
+    answers: list[tuple[int, bytes]] = [(0, b"")] * len(xs)
     request_ms: list[float] = []
     health_ms: list[float] = []
-    limits = httpx.Limits(max_connections=connections + 1)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
-        next_i = 0
+    bad: list[str] = []
+    conns = [await Connection.open(url) for _ in range(connections + 1)]
+    next_i = 0
 
-        async def connection() -> None:
-            nonlocal next_i
-            while next_i < len(xs):
-                i, next_i = next_i, next_i + 1
-                t = time.perf_counter()
-                r = await client.post("/infer", json={"x": xs[i].tolist()})
-                request_ms.append((time.perf_counter() - t) * 1e3)
-                if r.status_code != 200:
-                    bad.append(f"request {i}: HTTP {r.status_code}")
-                elif not np.allclose(r.json()["y"], want[i], rtol=1e-3, atol=1e-3):
-                    bad.append(f"request {i}: wrong answer")
+    async def connection(conn: Connection) -> None:
+        nonlocal next_i
+        while next_i < len(xs):
+            i, next_i = next_i, next_i + 1
+            t = time.perf_counter()
+            answers[i] = await conn.request("POST", "/infer", bodies[i])
+            request_ms.append((time.perf_counter() - t) * 1e3)
 
-        async def prober(stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                t = time.perf_counter()
-                r = await client.get("/health")
-                health_ms.append((time.perf_counter() - t) * 1e3)
-                if r.status_code != 200 or not r.json()["ok"]:
-                    bad.append("health failed")
-                await asyncio.sleep(probe_every_s)
+    async def prober(conn: Connection, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            status, body = await conn.request("GET", "/health")
+            health_ms.append((time.perf_counter() - t) * 1e3)
+            if status != 200 or not json.loads(body)["ok"]:
+                bad.append("health failed")
+            await asyncio.sleep(probe_every_s)
 
+    try:
         start = time.perf_counter()
         stop = asyncio.Event()
-        probe = asyncio.create_task(prober(stop))
+        probe = asyncio.create_task(prober(conns[-1], stop))
         async with asyncio.TaskGroup() as tg:
-            for _ in range(connections):
-                tg.create_task(connection())
+            for conn in conns[:-1]:
+                tg.create_task(connection(conn))
         elapsed = time.perf_counter() - start
         stop.set()
         await probe
+    finally:
+        for conn in conns:
+            await conn.close()
+    for i, (status, body) in enumerate(answers):
+        if status != 200:
+            bad.append(f"request {i}: HTTP {status}")
+        elif not np.allclose(json.loads(body)["y"], want[i], rtol=1e-3, atol=1e-3):
+            bad.append(f"request {i}: wrong answer")
     return Load(elapsed, request_ms, health_ms, bad)
 
 
 async def self_check(model: Model, args: argparse.Namespace) -> int:
     """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
     ``--connections`` connections (and /health probes meanwhile), check every answer."""
-    import httpx
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -251,15 +295,18 @@ async def self_check(model: Model, args: argparse.Namespace) -> int:
     want = model.reference(xs)
     load = await load_test(url, xs, want, args.connections)
     bad = load.bad
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+    conn = await Connection.open(url)
+    try:
         # A deadline that cannot be met answers 504; the service goes on answering.
-        r = await client.post("/infer", json={"x": xs[0].tolist(), "deadline_ms": 0})
-        if r.status_code != 504:
-            bad.append(f"a passed deadline answered HTTP {r.status_code}, not 504")
-        r = await client.post("/infer", json={"x": xs[1].tolist()})
-        if r.status_code != 200 or not np.allclose(r.json()["y"], want[1], rtol=1e-3, atol=1e-3):
+        status, _ = await conn.request("POST", "/infer", json.dumps({"x": xs[0].tolist(), "deadline_ms": 0}).encode())
+        if status != 504:
+            bad.append(f"a passed deadline answered HTTP {status}, not 504")
+        status, body = await conn.request("POST", "/infer", json.dumps({"x": xs[1].tolist()}).encode())
+        if status != 200 or not np.allclose(json.loads(body)["y"], want[1], rtol=1e-3, atol=1e-3):
             bad.append("the request after a deadline failed")
-        stats = (await client.get("/health")).json()
+        stats = json.loads((await conn.request("GET", "/health"))[1])
+    finally:
+        await conn.close()
     server.should_exit = True
     await serving
     f = load.summary()

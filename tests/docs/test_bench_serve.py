@@ -13,7 +13,6 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
-pytest.importorskip("httpx")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
 

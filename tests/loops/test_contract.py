@@ -273,11 +273,14 @@ def test_a_reset_wakes_waiters_with_device_reset(run: Run, dev: trio_cuda.Device
 
     async def body() -> None:
         await sleep(counter(), 1000)
-        with anyio.fail_after(SLOW_NS / 2e9):  # long before the kernels could end
-            async with anyio.create_task_group() as tg:
-                for _ in range(3):
-                    await tg.start(waiter)
-                tg.start_soon(anyio.to_thread.run_sync, dev.reset)
+        async with anyio.create_task_group() as outer:
+            with anyio.fail_after(SLOW_NS / 2e9):  # long before the kernels could end
+                async with anyio.create_task_group() as tg:
+                    for _ in range(3):
+                        await tg.start(waiter)
+                    # The reset itself may take as long as the device's running work (CUDA
+                    # tears the context down); the waiters must not wait for it.
+                    outer.start_soon(anyio.to_thread.run_sync, dev.reset)
         np.testing.assert_array_equal(await api.full((3,), 2.0).to_host(), [2, 2, 2])
 
     run(body)
