@@ -17,7 +17,7 @@ import numpy as np
 from ._checks import arg_type, check_dtype, check_shape, is_scalar, nbytes_of
 from ._device import Device
 from ._memory import Buffer
-from ._op import DeviceOp, _ext, _tensor_of
+from ._op import DeviceOp, TensorMath, _ext, _tensor_of
 from ._plan import Lane, Plan, _StagingSlot
 from ._registry import as_device
 from ._tensor import Partition, Tensor, plan_read_to_host
@@ -196,9 +196,18 @@ def arange(
 
 
 def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
-    """A new tensor holding a copy of a numpy array (read when the op is submitted)."""
+    """A new tensor holding a copy of a numpy array (read when the op is submitted), or
+    of anything ``np.asarray`` takes (a list, a scalar: converted at once, with numpy's
+    dtypes: Python floats give float64)."""
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"from_host() needs a numpy array, got {arg_type(array)}")
+        if isinstance(array, (TensorMath, Partition)):
+            raise TypeError(
+                f"from_host() takes host data, not {arg_type(array)} (already on the device: use it as it is, or ops.copy)"
+            )
+        try:
+            array = np.asarray(array)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"from_host() needs a numpy array or what np.asarray takes, got {arg_type(array)} ({err})") from None
     dt = check_dtype(array.dtype)
     return _Alloc(array.shape, dt, None, array, _explicit_device(device))
 

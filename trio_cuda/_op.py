@@ -25,6 +25,8 @@ import inspect
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
 
+import numpy as np
+
 from ._checks import arg_type, as_int, check_shape
 from ._errors import fresh
 from ._pending import Claimed, Continue, Done, Failed, Pending, contains_pending, resolve
@@ -33,11 +35,9 @@ from ._stream import Stream
 from ._submission import await_op, run_sync
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from ._tensor import Partition, Tensor
 
-__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "is_function", "value", "zip"]
+__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "is_function", "one_item", "value", "zip"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -71,6 +71,29 @@ def is_function(fn: object) -> bool:
     """True if ``fn`` can be called for a result: callable, and not an op (whose
     ``__call__`` only raises, to explain how to run it)."""
     return callable(fn) and not isinstance(fn, DeviceOp)
+
+
+_SCALAR_HINT = "{}() of a device tensor or op: its value is on the device; 'await t.item()' gives a Python scalar"
+
+
+def one_item(a: np.ndarray) -> Any:
+    """The one element of a host array as a Python scalar (``item``'s last step)."""
+    if a.size != 1:
+        raise ValueError(f"item(): the tensor has {a.size} elements (shape {a.shape}); only one element converts to a scalar")
+    return a.item()
+
+
+def _comparable(x: Any) -> bool:
+    # (arrays and lists too: the op refuses them with the way to upload them)
+    return isinstance(x, (TensorMath, int, float, np.generic, np.ndarray, list, tuple))
+
+
+def _compare(name: str, x: Any, y: Any) -> DeviceOp[Tensor]:
+    """``ops.<name>(x, y)``, or NotImplemented for an operand no op takes (Python then
+    falls back to identity for ``==`` and ``!=``)."""
+    if not _comparable(y):
+        return NotImplemented  # type: ignore[no-any-return]
+    return _ext(name)(x, y)  # type: ignore[no-any-return]
 
 
 class TensorMath:
@@ -110,6 +133,65 @@ class TensorMath:
 
     def __rmatmul__(self, other: Any) -> DeviceOp[Tensor]:
         return _ext("matmul")(other, self)  # type: ignore[no-any-return]
+
+    # Comparisons are elementwise ops, as numpy's: ``a == b`` is an op giving a bool
+    # tensor, so equality is not identity; hashing stays identity (ops and tensors are
+    # dict keys and set members by what they are). Operands of other kinds get
+    # NotImplemented (``t == None`` is False, ``tuple.index`` works).
+    def __hash__(self) -> int:
+        return object.__hash__(self)
+
+    def __eq__(self, other: Any) -> DeviceOp[Tensor]:  # type: ignore[override]
+        return _compare("equal", self, other)
+
+    def __ne__(self, other: Any) -> DeviceOp[Tensor]:  # type: ignore[override]
+        return _compare("not_equal", self, other)
+
+    def __lt__(self, other: Any) -> DeviceOp[Tensor]:
+        return _compare("less", self, other)
+
+    def __le__(self, other: Any) -> DeviceOp[Tensor]:
+        return _compare("less_equal", self, other)
+
+    def __gt__(self, other: Any) -> DeviceOp[Tensor]:
+        return _compare("greater", self, other)
+
+    def __ge__(self, other: Any) -> DeviceOp[Tensor]:
+        return _compare("greater_equal", self, other)
+
+    def __and__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_and")(self, other)  # type: ignore[no-any-return]
+
+    def __rand__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_and")(other, self)  # type: ignore[no-any-return]
+
+    def __or__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_or")(self, other)  # type: ignore[no-any-return]
+
+    def __ror__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_or")(other, self)  # type: ignore[no-any-return]
+
+    def __xor__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_xor")(self, other)  # type: ignore[no-any-return]
+
+    def __rxor__(self, other: Any) -> DeviceOp[Tensor]:
+        return _ext("bitwise_xor")(other, self)  # type: ignore[no-any-return]
+
+    def __invert__(self) -> DeviceOp[Tensor]:
+        return _ext("invert")(self)  # type: ignore[no-any-return]
+
+    def __bool__(self) -> bool:
+        raise TypeError(
+            "the truth value of a device tensor or op is unknown on the host (and of more than one "
+            "element, ambiguous, as numpy says): read it back first, e.g. "
+            "'if (await (a == b).to_host()).all():'"
+        )
+
+    def __float__(self) -> float:
+        raise TypeError(_SCALAR_HINT.format("float"))
+
+    def __int__(self) -> int:
+        raise TypeError(_SCALAR_HINT.format("int"))
 
     def __neg__(self) -> DeviceOp[Tensor]:
         return _ext("negative")(self)  # type: ignore[no-any-return]
@@ -286,6 +368,11 @@ class DeviceOp(TensorMath, Generic[T]):
     def to_host(self) -> DeviceOp[np.ndarray]:
         """Copy the output tensor (or partition) into a new numpy array."""
         return _ToHost(self)
+
+    def item(self) -> DeviceOp[Any]:
+        """The output tensor's one element as a Python scalar: ``await loss.item()``
+        (a tensor of more elements fails the op with ``ValueError``)."""
+        return _ToHost(self).map(one_item)
 
     # views of the output tensor (free: no device work)
     def __getitem__(self, key: Any) -> DeviceOp[Tensor]:

@@ -20,7 +20,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, _ext, value
+from ._op import DeviceOp, TensorMath, _ext, one_item, value
 from ._pending import Pending
 from ._plan import Lane, Plan
 
@@ -178,9 +178,6 @@ class Tensor(TensorMath):
             "'await tensor.to_host()' (or tensor.to_host().sync() outside trio)"
         )
 
-    def __bool__(self) -> bool:
-        raise TypeError("the truth value of a device tensor is unknown on the host; read it back with to_host()")
-
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d tensor")
@@ -278,6 +275,20 @@ class Tensor(TensorMath):
     def to_host(self) -> DeviceOp[np.ndarray]:
         """An op that copies the data into a new numpy array."""
         return value(self).to_host()
+
+    def item(self) -> DeviceOp[Any]:
+        """An op giving the one element as a Python scalar: ``loss = await t.item()``
+        (numpy's ``item``). A tensor of more or fewer elements is refused at once."""
+        n = math.prod(self.shape)
+        if n != 1:
+            raise ValueError(f"item(): the tensor has {n} elements (shape {self.shape}); only one element converts to a scalar")
+        return value(self).to_host().map(one_item)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a trio_cuda.Tensor lives in device memory and does not pickle: "
+            "pickle its data instead ('await tensor.to_host()' gives a numpy array)"
+        )
 
 
 class Partition:

@@ -28,6 +28,23 @@ from ._tensor import Partition, Tensor
 # abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
 # shadow the builtins (use ops.sum, ...).
 __all__ = [
+    "invert",
+    "bitwise_xor",
+    "bitwise_or",
+    "bitwise_and",
+    "logical_not",
+    "logical_xor",
+    "logical_or",
+    "logical_and",
+    "isfinite",
+    "isinf",
+    "isnan",
+    "greater_equal",
+    "greater",
+    "less_equal",
+    "less",
+    "not_equal",
+    "equal",
     "add",
     "argmax",
     "astype",
@@ -130,6 +147,93 @@ def rsqrt(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 def tanh(x: TensorLike, *, out: TensorLike = None) -> Op:
     return _elementwise.elementwise("tanh", x, out=out)
+
+
+# -- comparisons and logic (bool results) ----------------------------------------------------------
+def equal(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x == y`` elementwise, a bool tensor (compared in the promoted dtype, as numpy's;
+    NaN equals nothing)."""
+    return _elementwise.elementwise("equal", x, y, out=out)
+
+
+def not_equal(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x != y`` elementwise, a bool tensor (NaN differs from everything)."""
+    return _elementwise.elementwise("not_equal", x, y, out=out)
+
+
+def less(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x < y`` elementwise, a bool tensor."""
+    return _elementwise.elementwise("less", x, y, out=out)
+
+
+def less_equal(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x <= y`` elementwise, a bool tensor."""
+    return _elementwise.elementwise("less_equal", x, y, out=out)
+
+
+def greater(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x > y`` elementwise, a bool tensor."""
+    return _elementwise.elementwise("greater", x, y, out=out)
+
+
+def greater_equal(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x >= y`` elementwise, a bool tensor."""
+    return _elementwise.elementwise("greater_equal", x, y, out=out)
+
+
+def isnan(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """True where ``x`` is NaN (never for integers and bools)."""
+    return _elementwise.elementwise("isnan", x, out=out)
+
+
+def isinf(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """True where ``x`` is +inf or -inf."""
+    return _elementwise.elementwise("isinf", x, out=out)
+
+
+def isfinite(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """True where ``x`` is neither infinite nor NaN."""
+    return _elementwise.elementwise("isfinite", x, out=out)
+
+
+def logical_and(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x and y`` elementwise on truth values (nonzero is true), a bool tensor."""
+    return _elementwise.elementwise("logical_and", x, y, out=out)
+
+
+def logical_or(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x or y`` elementwise on truth values, a bool tensor."""
+    return _elementwise.elementwise("logical_or", x, y, out=out)
+
+
+def logical_xor(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """True where exactly one of ``x`` and ``y`` is true, a bool tensor."""
+    return _elementwise.elementwise("logical_xor", x, y, out=out)
+
+
+def logical_not(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``not x`` elementwise on truth values, a bool tensor."""
+    return _elementwise.elementwise("logical_not", x, out=out)
+
+
+def bitwise_and(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x & y`` on integers and bools (on bools: logical and, as numpy's)."""
+    return _elementwise.elementwise("bitwise_and", x, y, out=out)
+
+
+def bitwise_or(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x | y`` on integers and bools."""
+    return _elementwise.elementwise("bitwise_or", x, y, out=out)
+
+
+def bitwise_xor(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x ^ y`` on integers and bools."""
+    return _elementwise.elementwise("bitwise_xor", x, y, out=out)
+
+
+def invert(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """``~x`` on integers (bitwise) and bools (logical not, as numpy's)."""
+    return _elementwise.elementwise("invert", x, out=out)
 
 
 def where(cond: TensorLike, x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
@@ -345,6 +449,16 @@ _op.extensions.update(
         "log_softmax": log_softmax,
         "astype": astype,
         "copy": copy,
+        "equal": equal,
+        "not_equal": not_equal,
+        "less": less,
+        "less_equal": less_equal,
+        "greater": greater,
+        "greater_equal": greater_equal,
+        "bitwise_and": bitwise_and,
+        "bitwise_or": bitwise_or,
+        "bitwise_xor": bitwise_xor,
+        "invert": invert,
         # planning helpers for the layers below (api.memcpy, dup): not part of this namespace
         "contiguous": _elementwise.contiguous,
         "copy_into": _elementwise.copy_into,

@@ -59,6 +59,8 @@ class Ufunc:
     like: Any  # numpy ufunc for dtype resolution
     kinds: str = "biuf"
     weak_second: Any = None  # resolve as like(x, weak_second) (relu: maximum(x, 0))
+    load: str = "num"  # how operands enter expr: "num" (in the compute dtype) or "truth" (as bools)
+    bool_expr: str | None = None  # expr when the loop dtype is bool (invert: logical, as numpy's)
 
     opname: str = field(init=False, repr=False, compare=False)  # ops.<name>, as errors and traces say
 
@@ -68,6 +70,15 @@ class Ufunc:
 
 def _u(name: str, nin: int, expr: str, np_fn: Callable[..., Any], like: Any, kinds: str = "biuf", weak: Any = None) -> Ufunc:
     return Ufunc(name, nin, expr, np_fn, like, kinds, weak)
+
+
+def _logic(name: str, nin: int, expr: str, np_fn: Callable[..., Any]) -> Ufunc:
+    """A logical op: operands enter as truth values (nonzero), the result is bool."""
+    return Ufunc(name, nin, expr, np_fn, np_fn, "biuf", None, "truth")
+
+
+def _bits(name: str, nin: int, expr: str, np_fn: Callable[..., Any], bool_expr: str) -> Ufunc:
+    return Ufunc(name, nin, expr, np_fn, np_fn, "biu", None, "num", bool_expr)
 
 
 UFUNCS: dict[str, Ufunc] = {
@@ -101,6 +112,26 @@ UFUNCS: dict[str, Ufunc] = {
             np.exp,
             "iuf",
         ),
+        # comparisons give bool; they compare in the promoted dtype, as numpy's
+        _u("equal", 2, "x0 == x1", np.equal, np.equal),
+        _u("not_equal", 2, "x0 != x1", np.not_equal, np.not_equal),
+        _u("less", 2, "x0 < x1", np.less, np.less),
+        _u("less_equal", 2, "x0 <= x1", np.less_equal, np.less_equal),
+        _u("greater", 2, "x0 > x1", np.greater, np.greater),
+        _u("greater_equal", 2, "x0 >= x1", np.greater_equal, np.greater_equal),
+        # (x - x is NaN exactly for infinities and NaN: no float-only math calls, so
+        # integer and bool inputs compile too)
+        _u("isnan", 1, "x0 != x0", np.isnan, np.isnan),
+        _u("isinf", 1, "(x0 == x0) and ((x0 - x0) != (x0 - x0))", np.isinf, np.isinf),
+        _u("isfinite", 1, "(x0 - x0) == (x0 - x0)", np.isfinite, np.isfinite),
+        _logic("logical_and", 2, "x0 and x1", np.logical_and),
+        _logic("logical_or", 2, "x0 or x1", np.logical_or),
+        _logic("logical_xor", 2, "x0 != x1", np.logical_xor),
+        _logic("logical_not", 1, "not x0", np.logical_not),
+        _bits("bitwise_and", 2, "x0 & x1", np.bitwise_and, "x0 and x1"),
+        _bits("bitwise_or", 2, "x0 | x1", np.bitwise_or, "x0 or x1"),
+        _bits("bitwise_xor", 2, "x0 ^ x1", np.bitwise_xor, "x0 != x1"),
+        _bits("invert", 1, "~x0", np.invert, "not x0"),
         _u(
             "gelu_exact",
             1,
@@ -227,7 +258,8 @@ class Elementwise(TensorOp):
         operands, out = args[:-1], args[-1]
         u = self._u
         loop, result = _resolve(u, operands)
-        return _plan_elementwise(plan, lane, self.name, u.expr, u.np_fn, operands, ("num",) * u.nin, loop, result, out)
+        expr = u.bool_expr if u.bool_expr is not None and loop == np.bool_ else u.expr
+        return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, (u.load,) * u.nin, loop, result, out)
 
 
 def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
