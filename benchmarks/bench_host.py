@@ -84,7 +84,6 @@ import argparse
 import dataclasses
 import datetime as dt
 import gc
-import json
 import pathlib
 import resource
 import statistics
@@ -98,7 +97,7 @@ import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import trio_cuda
-from benchmarks import _peers, bench_decode, bench_runtime
+from benchmarks import _peers, _results, bench_decode, bench_runtime
 from trio_cuda import api, lowlevel
 from trio_cuda.kernels import sleep
 
@@ -708,11 +707,6 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    day = dt.date.today().isoformat()
-    (out / f"host-{day}.md").write_text(text)
     record = {
         "when": stamp,
         "gpu": dev.name,
@@ -721,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         "trio": ours,
         "peers": list(peers.values()),
     }
-    (out / f"host-{day}.json").write_text(json.dumps(record, indent=2, default=str))
+    _results.write(args.out, "host", text, record)
     return 1 if ours["errors"] else 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.metadata
-import json
 import pathlib
 import statistics
 import sys
@@ -43,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import trio_cuda
-from benchmarks import bench_decode, bench_runtime
+from benchmarks import _results, bench_decode, bench_runtime
 from trio_cuda import api
 
 #: name: (anyio backend, backend options)
@@ -228,13 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    day = dt.date.today().isoformat()
-    (out / f"loops-{day}.md").write_text(text)
     record = {"when": stamp, "gpu": dev.name, "backend": trio_cuda.backend_name(), "args": vars(args), "rounds": rounds}
-    (out / f"loops-{day}.json").write_text(json.dumps(record, indent=2))
+    _results.write(args.out, "loops", text, record)
     return 1 if wrong else 0
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import pathlib
 import socket
@@ -45,7 +44,10 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
 from serve_fastapi import Connection, Model, load_test, make_app  # noqa: E402
+
+from benchmarks import _results  # noqa: E402
 
 SERVICES = ["trio-cuda", "torch sync", "torch thread"]
 SMOKE = {"rounds": 1, "requests": 60, "connections": 6, "features": 16, "hidden": 32, "outputs": 4, "depth": 1}
@@ -254,13 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     )
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    day = dt.date.today().isoformat()
-    (out / f"serve-{day}.md").write_text(text)
     record = {"when": stamp, "gpu": gpu, "args": vars(args), "rounds": rounds, "problems": problems}
-    (out / f"serve-{day}.json").write_text(json.dumps(record, indent=2))
+    _results.write(args.out, "serve", text, record)
     return 1 if problems else 0
 
 
