@@ -200,14 +200,23 @@ def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Ten
     of anything ``np.asarray`` takes (a list, a scalar: converted at once, with numpy's
     dtypes: Python floats give float64)."""
     if not isinstance(array, np.ndarray):
+        given = array
         if isinstance(array, (TensorMath, Partition)):
             raise TypeError(
                 f"from_host() takes host data, not {arg_type(array)} (already on the device: use it as it is, or ops.copy)"
             )
+        # another library's device array is adopted, not copied through the host
+        kind = type(array)  # (the type's attributes: a property is not evaluated)
+        if hasattr(kind, "__cuda_array_interface__") or (
+            hasattr(kind, "__dlpack__") and not hasattr(kind, "__array__") and not hasattr(kind, "__array_interface__")
+        ):
+            raise TypeError(f"from_host() needs host data, got {arg_type(array)}")
         try:
             array = np.asarray(array)
         except (TypeError, ValueError) as err:
-            raise TypeError(f"from_host() needs a numpy array or what np.asarray takes, got {arg_type(array)} ({err})") from None
+            raise TypeError(f"from_host() needs a numpy array or what np.asarray takes, got {arg_type(given)} ({err})") from None
+        if array.dtype == object:
+            raise TypeError(f"from_host() needs a numpy array or numbers np.asarray makes one of, got {arg_type(given)}")
     dt = check_dtype(array.dtype)
     return _Alloc(array.shape, dt, None, array, _explicit_device(device))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -40,6 +40,13 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         strides.append(acc)
         acc *= max(d, 1)
     return tuple(reversed(strides))
+
+
+def _in_place(oper: str, op: str) -> str:
+    return (
+        f"'t {oper} v' on a trio_cuda.Tensor: ops are lazy, so this would rebind t to an op and leave the "
+        f"tensor unchanged; write into it with 'await ops.{op}(t, v, out=t)' (or rebind on purpose: t = t {oper[0]} v)"
+    )
 
 
 class Tensor(TensorMath):
@@ -176,6 +183,30 @@ class Tensor(TensorMath):
         raise TypeError(
             "a trio_cuda.Tensor lives in device memory; copy it to the host with "
             "'await tensor.to_host()' (or tensor.to_host().sync() outside trio)"
+        )
+
+    # In-place habits: Python's ``t += v`` would rebind ``t`` to a lazy op and leave the
+    # tensor as it was, silently; a tensor refuses, naming the op that writes into it.
+    def __iadd__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("+=", "add"))
+
+    def __isub__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("-=", "subtract"))
+
+    def __imul__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("*=", "multiply"))
+
+    def __itruediv__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("/=", "divide"))
+
+    def __imatmul__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("@=", "matmul"))
+
+    def __setitem__(self, key: Any, v: Any) -> None:
+        raise TypeError(
+            "a trio_cuda.Tensor is written by ops, not by assignment: for a tensor or op v, "
+            "'await ops.copy(v, out=t[key])'; for a scalar, "
+            "'await ops.copy(ops.full_like(t[key], v), out=t[key])'"
         )
 
     def __len__(self) -> int:

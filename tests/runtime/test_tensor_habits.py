@@ -1,6 +1,6 @@
-"""Getting values to the host the way numpy and PyTorch users reach for: item() as an op,
-float()/int() and pickling refused with the way to do it, from_host taking what
-np.asarray takes."""
+"""What numpy and PyTorch habits do with a tensor: item() as an op; float()/int(),
+pickling, in-place operators and item assignment refused with the way to do it (never
+a silent no-op); from_host taking what np.asarray takes."""
 
 from __future__ import annotations
 
@@ -77,3 +77,40 @@ def test_from_host_refuses_device_data_and_odd_objects() -> None:
     with pytest.raises(TypeError):
         api.from_host(object())
     assert isinstance(t, trio_cuda.Tensor)
+
+
+@pytest.mark.parametrize(("oper", "name"), [("+=", "add"), ("-=", "subtract"), ("*=", "multiply"), ("/=", "divide")])
+def test_in_place_operators_on_a_tensor_refuse_and_name_the_op(oper: str, name: str) -> None:
+    t = api.from_host(np.ones(3, np.float32)).sync()
+    scope = {"t": t}
+    with pytest.raises(TypeError, match=rf"ops\.{name}\(t, v, out=t\)"):
+        exec(f"t {oper} 2", scope)
+    assert scope["t"] is t  # not rebound
+    # the named way works: the tensor itself is written
+    getattr(ops, name)(t, 2.0, out=t).sync()
+    want = {"add": 3.0, "subtract": -1.0, "multiply": 2.0, "divide": 0.5}[name]
+    assert t.to_host().sync().tolist() == [want] * 3
+
+
+def test_in_place_matmul_refuses() -> None:
+    t = api.from_host(np.eye(2, dtype=np.float32)).sync()
+    with pytest.raises(TypeError, match=r"ops\.matmul\(t, v, out=t\)"):
+        t @= t
+
+
+def test_an_op_in_place_operator_stays_lazy() -> None:
+    t = api.from_host(np.ones(2, np.float32)).sync()
+    op = t + 1
+    op += 1  # an op is a description: rebinding to a longer one is what it means
+    assert op.to_host().sync().tolist() == [3.0, 3.0]
+    assert t.to_host().sync().tolist() == [1.0, 1.0]
+
+
+def test_item_assignment_refuses_and_both_named_ways_work() -> None:
+    t = api.from_host(np.zeros(4, np.float32)).sync()
+    with pytest.raises(TypeError, match=r"ops\.copy\(v, out=t\[key\]\)"):
+        t[1:3] = 5.0
+    v = api.from_host(np.array([7.0, 8.0], np.float32)).sync()
+    ops.copy(v, out=t[1:3]).sync()
+    ops.copy(ops.full_like(t[3:], 9.0), out=t[3:]).sync()
+    assert t.to_host().sync().tolist() == [0.0, 7.0, 8.0, 9.0]
