@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +24,26 @@ SLOW_NS = 300_000_000  # 0.3 s
 
 async def slow_op(ns: int = SLOW_NS) -> np.ndarray:
     return await sleep(counter(), ns).first().to_host()
+
+
+@contextlib.contextmanager
+def policy(dev: trio_cuda.Device, p: trio_cuda.SchedulingPolicy) -> Iterator[trio_cuda.SchedulingPolicy]:
+    """``dev`` schedules with ``p`` inside the block, with its own policy again after."""
+    old = dev.policy
+    dev.policy = p
+    try:
+        yield p
+    finally:
+        dev.policy = old
+
+
+async def two_slow_ops() -> float:
+    """Seconds that two independent slow ops, awaited by two tasks at once, take."""
+    start = time.perf_counter()
+    async with trio.open_nursery() as n:
+        n.start_soon(slow_op)
+        n.start_soon(slow_op)
+    return time.perf_counter() - start
 
 
 def test_default_policy_chooses_by_load() -> None:
@@ -65,47 +87,27 @@ def test_policy_arguments_are_checked(dev: trio_cuda.Device) -> None:
 
 
 async def test_independent_slow_ops_overlap_on_the_pool(dev: trio_cuda.Device) -> None:
-    old = dev.policy
     # A pool of its own: earlier tests leave long kernels running on the device's pool
     # (cancelled awaits), and a pool at its cap may have to queue behind one of them.
-    dev.policy = trio_cuda.StreamPoolByLoad(dev)
-    try:
+    with policy(dev, trio_cuda.StreamPoolByLoad(dev)):
         await slow_op(1000)  # warm up
-        start = time.perf_counter()
-        async with trio.open_nursery() as n:
-            n.start_soon(slow_op)
-            n.start_soon(slow_op)
-        elapsed = time.perf_counter() - start
-    finally:
-        dev.policy = old
+        elapsed = await two_slow_ops()
     assert elapsed < 1.6 * SLOW_NS / 1e9, f"two slow ops took {elapsed:.3f} s: no overlap"
 
 
 async def test_single_stream_serializes(dev: trio_cuda.Device) -> None:
-    old = dev.policy
-    dev.policy = trio_cuda.SingleStream(dev)
-    try:
-        start = time.perf_counter()
-        async with trio.open_nursery() as n:
-            n.start_soon(slow_op)
-            n.start_soon(slow_op)
-        elapsed = time.perf_counter() - start
-    finally:
-        dev.policy = old
+    with policy(dev, trio_cuda.SingleStream(dev)):
+        elapsed = await two_slow_ops()
     assert elapsed >= 1.9 * SLOW_NS / 1e9
 
 
 async def test_zip_branches_overlap(dev: trio_cuda.Device) -> None:
-    old = dev.policy
     # A pool of its own: earlier tests leave long kernels running on the device's pool.
-    dev.policy = trio_cuda.StreamPoolByLoad(dev)
-    try:
+    with policy(dev, trio_cuda.StreamPoolByLoad(dev)):
         await slow_op(1000)  # warm up
         start = time.perf_counter()
         a, b = await trio_cuda.zip(sleep(counter(), SLOW_NS).first(), sleep(counter(), SLOW_NS).first())
         elapsed = time.perf_counter() - start
-    finally:
-        dev.policy = old
     assert elapsed < 1.6 * SLOW_NS / 1e9
     np.testing.assert_array_equal(await a.to_host(), [1])
     np.testing.assert_array_equal(await b.to_host(), [1])
