@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
+
+from ..helpers.benchmarks import run_smoke
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_host.py"
 
@@ -24,18 +23,7 @@ LABELS = [
 
 
 def test_bench_host_smoke(tmp_path: pathlib.Path) -> None:
-    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    mds = list(tmp_path.glob("host-*.md"))
-    assert len(mds) == 1 and len(list(tmp_path.glob("host-*.json"))) == 1
-    text = mds[0].read_text()
+    text, _ = run_smoke("host", tmp_path)  # (one report and one record)
     header = next(line for line in text.splitlines() if line.startswith("| figure |"))
     assert [c.strip() for c in header.strip("|").split("|")][1] == "trio-cuda"
     rows = {}

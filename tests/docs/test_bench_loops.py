@@ -3,11 +3,11 @@ and measures every loop it can run."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from ..helpers.benchmarks import run_smoke
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_loops.py"
 
@@ -20,18 +20,7 @@ LABELS = [
 
 
 def test_bench_loops_smoke(tmp_path: pathlib.Path) -> None:
-    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--loops", "trio,asyncio", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    (md,) = tmp_path.glob("loops-*.md")
-    (js,) = tmp_path.glob("loops-*.json")
-    text = md.read_text()
+    text, record = run_smoke("loops", tmp_path, "--loops", "trio,asyncio")
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -42,7 +31,6 @@ def test_bench_loops_smoke(tmp_path: pathlib.Path) -> None:
         assert label in rows, f"no row {label!r} in\n{text}"
         assert float(rows[label][1].replace(",", "")) > 0 and float(rows[label][2].replace(",", "")) > 0
         assert rows[label][3].endswith(("met", "MISSED")), rows[label]
-    record = json.loads(js.read_text())
     assert [len(record["rounds"][n]) for n in ("trio", "asyncio")] == [2, 2]
     assert "every result checked" in text and "WRONG" not in text
 

@@ -3,8 +3,6 @@ its services start in processes of their own, answer every request correctly, an
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,24 +12,15 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from ..helpers.benchmarks import run_smoke
+
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
 
 
 def test_bench_serve_smoke(tmp_path: pathlib.Path) -> None:
-    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--services", "trio-cuda", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    (md,) = tmp_path.glob("serve-*.md")
-    (js,) = tmp_path.glob("serve-*.json")
-    text = md.read_text()
+    text, record = run_smoke("serve", tmp_path, "--services", "trio-cuda")
     assert "every answer checked against numpy" in text and "PROBLEM" not in text
-    (one,) = json.loads(js.read_text())["rounds"]["trio-cuda"]
+    (one,) = record["rounds"]["trio-cuda"]
     assert one["requests_per_s"] > 0
     assert 0 < one["request_p50_ms"] <= one["request_p99_ms"]
     assert 0 < one["health_p50_ms"] <= one["health_p99_ms"]
