@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, TypeVarTuple, overload
+from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, overload
 
 import numpy as np
 
@@ -34,18 +34,28 @@ from ._plan import Lane, Plan
 from ._stream import Stream
 from ._submission import await_op, run_sync
 
-if TYPE_CHECKING:
-    from ._tensor import Partition, Tensor
-
 __all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "is_function", "one_item", "value", "zip"]
 
-T = TypeVar("T")
+T = TypeVar("T", covariant=True)
 U = TypeVar("U")
 A = TypeVar("A")
 B = TypeVar("B")
 C = TypeVar("C")
 D = TypeVar("D")
 Ts = TypeVarTuple("Ts")
+# The tensor conveniences are typed by what the output can do, not by naming Tensor and
+# Partition: those live a layer above (their to_host() makes one of these ops).
+V = TypeVar("V")
+P_co = TypeVar("P_co", covariant=True)
+
+
+class _Partitions(Protocol[P_co]):
+    def partition(self, tile_shape: Any) -> P_co: ...
+
+
+class _Unpartitions(Protocol[P_co]):
+    def unpartition(self) -> P_co: ...
+
 
 # Filled by higher layers: "capture" (op, stream) -> CudaGraph; the math ops later.
 extensions: dict[str, Callable[..., Any]] = {}
@@ -88,7 +98,7 @@ def _comparable(x: Any) -> bool:
     return isinstance(x, (TensorMath, int, float, np.generic, np.ndarray, list, tuple))
 
 
-def _compare(name: str, x: Any, y: Any) -> DeviceOp[Tensor]:
+def _compare(name: str, x: Any, y: Any) -> DeviceOp[Any]:
     """``ops.<name>(x, y)``, or NotImplemented for an operand no op takes (Python then
     falls back to identity for ``==`` and ``!=``)."""
     if not _comparable(y):
@@ -104,34 +114,34 @@ class TensorMath:
 
     __array_ufunc__ = None  # numpy scalars and arrays defer to the reflected operators
 
-    def __add__(self, other: Any) -> DeviceOp[Tensor]:
+    def __add__(self, other: Any) -> DeviceOp[Any]:
         return _ext("add")(self, other)  # type: ignore[no-any-return]
 
-    def __radd__(self, other: Any) -> DeviceOp[Tensor]:
+    def __radd__(self, other: Any) -> DeviceOp[Any]:
         return _ext("add")(other, self)  # type: ignore[no-any-return]
 
-    def __sub__(self, other: Any) -> DeviceOp[Tensor]:
+    def __sub__(self, other: Any) -> DeviceOp[Any]:
         return _ext("subtract")(self, other)  # type: ignore[no-any-return]
 
-    def __rsub__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rsub__(self, other: Any) -> DeviceOp[Any]:
         return _ext("subtract")(other, self)  # type: ignore[no-any-return]
 
-    def __mul__(self, other: Any) -> DeviceOp[Tensor]:
+    def __mul__(self, other: Any) -> DeviceOp[Any]:
         return _ext("multiply")(self, other)  # type: ignore[no-any-return]
 
-    def __rmul__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rmul__(self, other: Any) -> DeviceOp[Any]:
         return _ext("multiply")(other, self)  # type: ignore[no-any-return]
 
-    def __truediv__(self, other: Any) -> DeviceOp[Tensor]:
+    def __truediv__(self, other: Any) -> DeviceOp[Any]:
         return _ext("divide")(self, other)  # type: ignore[no-any-return]
 
-    def __rtruediv__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rtruediv__(self, other: Any) -> DeviceOp[Any]:
         return _ext("divide")(other, self)  # type: ignore[no-any-return]
 
-    def __matmul__(self, other: Any) -> DeviceOp[Tensor]:
+    def __matmul__(self, other: Any) -> DeviceOp[Any]:
         return _ext("matmul")(self, other)  # type: ignore[no-any-return]
 
-    def __rmatmul__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rmatmul__(self, other: Any) -> DeviceOp[Any]:
         return _ext("matmul")(other, self)  # type: ignore[no-any-return]
 
     # Comparisons are elementwise ops, as numpy's: ``a == b`` is an op giving a bool
@@ -141,43 +151,43 @@ class TensorMath:
     def __hash__(self) -> int:
         return object.__hash__(self)
 
-    def __eq__(self, other: Any) -> DeviceOp[Tensor]:  # type: ignore[override]
+    def __eq__(self, other: Any) -> DeviceOp[Any]:  # type: ignore[override]
         return _compare("equal", self, other)
 
-    def __ne__(self, other: Any) -> DeviceOp[Tensor]:  # type: ignore[override]
+    def __ne__(self, other: Any) -> DeviceOp[Any]:  # type: ignore[override]
         return _compare("not_equal", self, other)
 
-    def __lt__(self, other: Any) -> DeviceOp[Tensor]:
+    def __lt__(self, other: Any) -> DeviceOp[Any]:
         return _compare("less", self, other)
 
-    def __le__(self, other: Any) -> DeviceOp[Tensor]:
+    def __le__(self, other: Any) -> DeviceOp[Any]:
         return _compare("less_equal", self, other)
 
-    def __gt__(self, other: Any) -> DeviceOp[Tensor]:
+    def __gt__(self, other: Any) -> DeviceOp[Any]:
         return _compare("greater", self, other)
 
-    def __ge__(self, other: Any) -> DeviceOp[Tensor]:
+    def __ge__(self, other: Any) -> DeviceOp[Any]:
         return _compare("greater_equal", self, other)
 
-    def __and__(self, other: Any) -> DeviceOp[Tensor]:
+    def __and__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_and")(self, other)  # type: ignore[no-any-return]
 
-    def __rand__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rand__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_and")(other, self)  # type: ignore[no-any-return]
 
-    def __or__(self, other: Any) -> DeviceOp[Tensor]:
+    def __or__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_or")(self, other)  # type: ignore[no-any-return]
 
-    def __ror__(self, other: Any) -> DeviceOp[Tensor]:
+    def __ror__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_or")(other, self)  # type: ignore[no-any-return]
 
-    def __xor__(self, other: Any) -> DeviceOp[Tensor]:
+    def __xor__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_xor")(self, other)  # type: ignore[no-any-return]
 
-    def __rxor__(self, other: Any) -> DeviceOp[Tensor]:
+    def __rxor__(self, other: Any) -> DeviceOp[Any]:
         return _ext("bitwise_xor")(other, self)  # type: ignore[no-any-return]
 
-    def __invert__(self) -> DeviceOp[Tensor]:
+    def __invert__(self) -> DeviceOp[Any]:
         return _ext("invert")(self)  # type: ignore[no-any-return]
 
     def __bool__(self) -> bool:
@@ -193,63 +203,63 @@ class TensorMath:
     def __int__(self) -> int:
         raise TypeError(_SCALAR_HINT.format("int"))
 
-    def __neg__(self) -> DeviceOp[Tensor]:
+    def __neg__(self) -> DeviceOp[Any]:
         return _ext("negative")(self)  # type: ignore[no-any-return]
 
-    def __abs__(self) -> DeviceOp[Tensor]:
+    def __abs__(self) -> DeviceOp[Any]:
         return _ext("abs")(self)  # type: ignore[no-any-return]
 
-    def astype(self, dtype: Any, *, copy: bool = True) -> DeviceOp[Tensor]:
+    def astype(self, dtype: Any, *, copy: bool = True) -> DeviceOp[Any]:
         """The output tensor converted to ``dtype`` (see :func:`trio_cuda.ops.astype`)."""
         return _ext("astype")(self, dtype, copy=copy)  # type: ignore[no-any-return]
 
-    def copy(self) -> DeviceOp[Tensor]:
+    def copy(self) -> DeviceOp[Any]:
         """A C-contiguous copy of the output tensor."""
         return _ext("copy")(self)  # type: ignore[no-any-return]
 
-    def relu(self) -> DeviceOp[Tensor]:
+    def relu(self) -> DeviceOp[Any]:
         return _ext("relu")(self)  # type: ignore[no-any-return]
 
-    def gelu(self, approximate: str = "tanh") -> DeviceOp[Tensor]:
+    def gelu(self, approximate: str = "tanh") -> DeviceOp[Any]:
         return _ext("gelu")(self, approximate=approximate)  # type: ignore[no-any-return]
 
-    def silu(self) -> DeviceOp[Tensor]:
+    def silu(self) -> DeviceOp[Any]:
         return _ext("silu")(self)  # type: ignore[no-any-return]
 
-    def sigmoid(self) -> DeviceOp[Tensor]:
+    def sigmoid(self) -> DeviceOp[Any]:
         return _ext("sigmoid")(self)  # type: ignore[no-any-return]
 
-    def exp(self) -> DeviceOp[Tensor]:
+    def exp(self) -> DeviceOp[Any]:
         return _ext("exp")(self)  # type: ignore[no-any-return]
 
-    def log(self) -> DeviceOp[Tensor]:
+    def log(self) -> DeviceOp[Any]:
         return _ext("log")(self)  # type: ignore[no-any-return]
 
-    def sqrt(self) -> DeviceOp[Tensor]:
+    def sqrt(self) -> DeviceOp[Any]:
         return _ext("sqrt")(self)  # type: ignore[no-any-return]
 
-    def tanh(self) -> DeviceOp[Tensor]:
+    def tanh(self) -> DeviceOp[Any]:
         return _ext("tanh")(self)  # type: ignore[no-any-return]
 
-    def sum(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+    def sum(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("sum")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def mean(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+    def mean(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("mean")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def max(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+    def max(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("max")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def min(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+    def min(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("min")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def argmax(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Tensor]:
+    def argmax(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("argmax")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def softmax(self, axis: int = -1) -> DeviceOp[Tensor]:
+    def softmax(self, axis: int = -1) -> DeviceOp[Any]:
         return _ext("softmax")(self, axis)  # type: ignore[no-any-return]
 
-    def log_softmax(self, axis: int = -1) -> DeviceOp[Tensor]:
+    def log_softmax(self, axis: int = -1) -> DeviceOp[Any]:
         return _ext("log_softmax")(self, axis)  # type: ignore[no-any-return]
 
 
@@ -352,16 +362,16 @@ class DeviceOp(TensorMath, Generic[T]):
         return SharedOp(self)
 
     # tensor conveniences: the whole pipeline reads as one chain
-    def partition(self, tile_shape: Any) -> DeviceOp[Partition]:
+    def partition(self: DeviceOp[_Partitions[U]], tile_shape: Any) -> DeviceOp[U]:
         """Partition the output tensor (see :meth:`Tensor.partition`)."""
         tile = check_shape(tile_shape, "tile_shape")
         return _Map(self, lambda v: _tensor_of(v, "partition()").partition(tile))
 
-    def unpartition(self) -> DeviceOp[Tensor]:
+    def unpartition(self: DeviceOp[_Unpartitions[U]]) -> DeviceOp[U]:
         """The tensor of the output partition."""
         return _Map(self, lambda v: _tensor_of(v, "unpartition()"))
 
-    def reshape(self, *shape: Any) -> DeviceOp[Tensor]:
+    def reshape(self: DeviceOp[V], *shape: Any) -> DeviceOp[V]:
         """Reshape the output tensor (a view; see :meth:`Tensor.reshape`)."""
         return _Map(self, lambda v: _tensor_of(v, "reshape()").reshape(*shape))
 
@@ -375,11 +385,11 @@ class DeviceOp(TensorMath, Generic[T]):
         return _ToHost(self).map(one_item)
 
     # views of the output tensor (free: no device work)
-    def __getitem__(self, key: Any) -> DeviceOp[Tensor]:
+    def __getitem__(self: DeviceOp[V], key: Any) -> DeviceOp[V]:
         """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`)."""
         return _Map(self, lambda v: _tensor_of(v, "indexing")[key])
 
-    def transpose(self, *axes: Any) -> DeviceOp[Tensor]:
+    def transpose(self: DeviceOp[V], *axes: Any) -> DeviceOp[V]:
         """The output tensor with its axes permuted (a view)."""
         return _Map(self, lambda v: _tensor_of(v, "transpose()").transpose(*axes))
 
@@ -437,7 +447,7 @@ class DeviceOp(TensorMath, Generic[T]):
 
     # Last in the class: the name T would shadow the type variable in later annotations.
     @property
-    def T(self) -> DeviceOp[Tensor]:
+    def T(self: DeviceOp[V]) -> DeviceOp[V]:
         """The output tensor with its axes reversed (a view)."""
         return _Map(self, lambda v: _tensor_of(v, ".T").T)
 
@@ -649,7 +659,7 @@ class _ToHost(DeviceOp["np.ndarray"]):
         return _tensor_of(args[0], "to_host()")._plan_to_host(plan, lane)
 
 
-def value(x: T) -> DeviceOp[T]:
+def value(x: U) -> DeviceOp[U]:
     """An op whose output is the already-known value ``x`` (no device work)."""
     return _Value(x)
 
