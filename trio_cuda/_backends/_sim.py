@@ -244,7 +244,7 @@ class _SimDevice(DeviceDriver):
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
 
     # -- faults ---------------------------------------------------------------
-    def _set_fault(self, fault: DeviceFault) -> None:
+    def set_fault(self, fault: DeviceFault) -> None:
         if fault.device is None:
             fault = DeviceFault(fault.message, device=self.ordinal, op=fault.op)
         with _cond:
@@ -283,7 +283,7 @@ class _SimDevice(DeviceDriver):
             try:
                 cmd.fn()
             except BaseException as exc:
-                self._set_fault(_describe_fault(cmd.what, exc))
+                self.set_fault(_describe_fault(cmd.what, exc))
             return
         err = stream.error
         if err is None:
@@ -306,7 +306,7 @@ class _SimDevice(DeviceDriver):
             self._poison(cmd.writes, f.fault)  # what it would have written is not there
             return
         except BaseException as exc:
-            self._set_fault(_describe_fault(cmd.what, exc))
+            self.set_fault(_describe_fault(cmd.what, exc))
             return
         if cmd.full:
             for ptr in cmd.writes:
