@@ -46,8 +46,20 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from ._boundary import (
+    ArrayArg,
+    AttentionDesc,
+    Backend,
+    CollectiveCall,
+    DeviceDriver,
+    GemmDesc,
+    KernelSource,
+    Waker,
+    scalar_dtype,
+)
 from ._cublaslt import WORKSPACE, Gemms
+from ._cudnn import Attentions
+from ._cudnn import load as _load_cudnn
 
 try:
     from . import _cudafast
@@ -419,6 +431,7 @@ class CudaDevice(DeviceDriver):
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
+        self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
         # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md at bdba8f3):
@@ -457,6 +470,7 @@ class CudaDevice(DeviceDriver):
         self._launchers = {}
         self._notify = {}
         self._gemms.forget()
+        self._attention.forget()
         try:
             check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
             cu.cuDevicePrimaryCtxRelease(self.cu_device)  # balanced by the retain in _setup
@@ -493,6 +507,9 @@ class CudaDevice(DeviceDriver):
         ws = self._gemms.workspaces.pop(int(stream), None)
         if ws is not None:
             cu.cuMemFreeAsync(ws, stream)  # after the GEMMs queued on it
+        ws = self._attention.drop_stream(int(stream))
+        if ws is not None:
+            cu.cuMemFreeAsync(ws, stream)  # after the attentions queued on it
         # Returns at once; work already enqueued completes first.
         cu.cuStreamDestroy(stream)
 
@@ -707,6 +724,54 @@ class CudaDevice(DeviceDriver):
             plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
         except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
             raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
+
+    def attention_check(self) -> None:
+        _load_cudnn()
+
+    def attention(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
+        """cuDNN's fused SDPA (see _cudnn): inside a capture and on another library's
+        stream, a plan that needs no workspace."""
+        if _tls.token is not self._token:
+            self._current()
+        if capturing is None:
+            capturing = self._capturing(stream)
+        attn = self._attention
+        try:
+            plan = attn.plan(desc, not (capturing or foreign))
+        except ImportError:
+            raise
+        except Exception as exc:  # the library refuses the problem (or has no plan without a workspace)
+            raise self._attention_error(desc, capturing, "cannot run", exc) from exc
+        ws = 0
+        if plan.workspace:
+            s = int(stream)
+            ws = attn.workspace(s, plan.workspace, lambda n: self.alloc(n, stream), lambda p: cu.cuMemFreeAsync(p, stream))
+        try:
+            attn.bind(int(stream))
+            plan.run(q, k, v, bias, o, ws)
+        except Exception as exc:
+            raise self._attention_error(desc, capturing, "failed to enqueue", exc) from exc
+
+    def _attention_error(self, desc: AttentionDesc, capturing: bool, what: str, exc: Exception) -> DeviceError:
+        qs, ks, vs, _ = desc.shapes
+        err = GraphCaptureError if capturing else LaunchError
+        during = " inside a graph capture" if capturing else ""
+        return err(
+            f"cuDNN {what} scaled_dot_product_attention of q {qs}, k {ks}, v {vs} ({desc.dtype}){during}: {exc}",
+            device=self.ordinal,
+            op="scaled_dot_product_attention",
+        )
 
     def at_exit(self) -> None:
         """Destroy the replayed GEMMs' graphs and capture stream before the interpreter's
