@@ -19,7 +19,7 @@ import pytest
 import trio
 
 import trio_cuda
-from trio_cuda import api, ops
+from trio_cuda import api, lowlevel, ops
 
 from ..helpers.devices import ON_CUDA
 
@@ -138,6 +138,24 @@ async def test_out_is_written_and_returned() -> None:
     # out= aliasing q: the inputs are read before the output is written
     await sdpa(q, k, q, out=q)
     close(await q.to_host(), reference(hq, hk, hq), BF16)
+
+
+async def test_repeated_calls_on_the_same_memory_are_ordered_after_writes_to_it() -> None:
+    # from the second call on the same tensors the op is submitted directly (its recipe
+    # prepared): it still waits for a copy into its input queued on another stream
+    # behind longer work
+    _, hk, hv, q, k, v = await qkv(1, 2, 32, 32, 16, np.float16)
+    *_, bq, bk, bv = await qkv(2, 4, 384, 384, 64, np.float16)
+    o = await api.empty((1, 2, 32, 16), dtype=np.float16)
+    other = trio_cuda.current_device().create_stream()
+    for _ in range(3):
+        new = data(1, 2, 32, 16, dtype=np.float16)
+        busy = await lowlevel.submit(sdpa(bq, bk, bv), other)
+        copying = await lowlevel.submit(api.memcpy(q, new), other)
+        await sdpa(q, k, v, out=o)
+        close(await o.to_host(), reference(new, hk, hv), np.dtype(np.float16))
+        await busy.wait()
+        await copying.wait()
 
 
 async def test_inputs_may_be_ops_and_tasks_run_it_concurrently() -> None:

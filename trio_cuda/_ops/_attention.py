@@ -23,9 +23,22 @@ import numpy as np
 from .._backends._boundary import AttentionDesc
 from .._checks import BFLOAT16, arg_type, is_scalar
 from .._device import Device
+from .._direct import note_accesses, order_accesses
 from .._plan import Lane, Plan
+from .._stream import Stream
 from .._tensor import Tensor, c_strides
-from ._core import TensorOp, alloc, broadcast_view, check_out, device_of, operand, output, replayable_step, view
+from ._core import (
+    TensorOp,
+    alloc,
+    broadcast_view,
+    check_out,
+    device_of,
+    operand,
+    output,
+    prepared_step,
+    replayable_step,
+    view,
+)
 from ._elementwise import _plan_elementwise, copy_into, finish
 
 __all__ = ["Attention", "scaled_dot_product_attention"]
@@ -168,6 +181,32 @@ def _attention_step(lane: Lane, arg: tuple[AttentionDesc, Tensor, Tensor, Tensor
     for t in (q, k, v, bias):
         if t is not None:
             lane.was_read(t._buffer, seq, t._tracked)
+
+
+def _prepare_attention(arg: tuple[AttentionDesc, Tensor, Tensor, Tensor, Tensor | None, Tensor]) -> Any:
+    """_attention_step prepared for a recipe's direct submissions (see
+    _core.prepared_step): the same memory each time, so the addresses are taken once."""
+    desc, q, k, v, bias, o = arg
+    static = (desc, q.ptr, k.ptr, v.ptr, bias.ptr if bias is not None else 0, o.ptr)
+    reads: tuple[int, ...] = (1, 2, 3)  # (no conditional expression: see _matmul._prepare_gemm)
+    if bias is not None:
+        reads = (1, 2, 3, 4)
+    return _attention_direct, static, (5,), reads
+
+
+def _attention_direct(s: Stream, arg: tuple[tuple[AttentionDesc, int, int, int, int, int], Any, Any]) -> None:
+    """_attention_step of a direct submission (not capturing, unless another library's
+    stream may be: see _matmul._gemm_direct). Under LOCK."""
+    (desc, q, k, v, bias, o), writes, reads = arg
+    order_accesses(s, writes, reads)
+    device = s.device
+    capturing = None if device._foreign_streams else False
+    device._driver.attention(desc, q, k, v, bias, o, s.handle, capturing, s._foreign)
+    s.seq += 1
+    note_accesses(s, s.seq, writes, reads)
+
+
+prepared_step(_attention_step, _prepare_attention)
 
 
 class Attention(TensorOp):
