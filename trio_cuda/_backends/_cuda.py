@@ -740,37 +740,24 @@ class CudaDevice(DeviceDriver):
         capturing: bool | None = None,
         foreign: bool = False,
     ) -> None:
-        """cuDNN's fused SDPA (see _cudnn): inside a capture and on another library's
-        stream, a plan that needs no workspace."""
+        """cuDNN's fused SDPA (see _cudnn)."""
         if _tls.token is not self._token:
             self._current()
         if capturing is None:
             capturing = self._capturing(stream)
-        attn = self._attention
-        try:
-            plan = attn.plan(desc, not (capturing or foreign))
-        except ImportError:
-            raise
-        except Exception as exc:  # the library refuses the problem (or has no plan without a workspace)
-            raise self._attention_error(desc, capturing, "cannot run", exc) from exc
-        ws = 0
-        if plan.workspace:
-            s = int(stream)
-            ws = attn.workspace(s, plan.workspace, lambda n: self.alloc(n, stream), lambda p: cu.cuMemFreeAsync(p, stream))
-        try:
-            attn.bind(int(stream))
-            plan.run(q, k, v, bias, o, ws)
-        except Exception as exc:
-            raise self._attention_error(desc, capturing, "failed to enqueue", exc) from exc
-
-    def _attention_error(self, desc: AttentionDesc, capturing: bool, what: str, exc: Exception) -> DeviceError:
-        qs, ks, vs, _ = desc.shapes
-        err = GraphCaptureError if capturing else LaunchError
-        during = " inside a graph capture" if capturing else ""
-        return err(
-            f"cuDNN {what} scaled_dot_product_attention of q {qs}, k {ks}, v {vs} ({desc.dtype}){during}: {exc}",
-            device=self.ordinal,
-            op="scaled_dot_product_attention",
+        self._attention.call(
+            desc,
+            q,
+            k,
+            v,
+            bias,
+            o,
+            int(stream),
+            capturing,
+            foreign,
+            lambda n: self.alloc(n, stream),
+            lambda p: cu.cuMemFreeAsync(p, stream),  # after the attentions queued on it
+            self.ordinal,
         )
 
     def at_exit(self) -> None:

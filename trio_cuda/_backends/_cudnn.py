@@ -17,8 +17,9 @@ it replays; another library may destroy its stream and reuse the handle): when c
 best plan needs one, a plan without is built for those calls; a problem with none is
 refused (GraphCaptureError inside a capture, LaunchError otherwise).
 
-Plans stay for the life of the device's context (a plan's kernels may still be running
-when it would be evicted, and cuDNN may unload them with it); a reset drops them all.
+Plans are never evicted (one could still be running when it would be: nothing tells when
+the kernels of a built cuDNN plan are done with it); a reset drops them all with the
+context.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import DeviceError, GraphCaptureError, LaunchError
 from ._boundary import AttentionDesc
 
 __all__ = ["Attentions", "load"]
@@ -110,7 +112,6 @@ class Attentions:
         self.stream: int | None = None  # the stream the handle is bound to
         self.plans: dict[tuple[AttentionDesc, bool], _Plan] = {}
         self.workspaces: dict[int, tuple[int, int]] = {}  # stream handle -> (device pointer, bytes)
-        self.builds = 0  # plans built (a statistic for tests and benchmarks)
 
     def plan(self, desc: AttentionDesc, workspace_ok: bool) -> _Plan:
         """The plan of ``desc``; without ``workspace_ok`` one that needs no workspace."""
@@ -126,13 +127,44 @@ class Attentions:
         if self.handle is None:
             self.handle = cudnn.create_handle()
         p = _Plan(cudnn, self.handle, desc, True)
-        self.builds += 1
         self.plans[(desc, True)] = p
         if not workspace_ok and p.workspace:
             p = _Plan(cudnn, self.handle, desc, False)
-            self.builds += 1
         self.plans[(desc, workspace_ok)] = p
         return p
+
+    def call(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: int,
+        capturing: bool,
+        foreign: bool,
+        alloc: Callable[[int], int],
+        free: Callable[[int], None],
+        ordinal: int,
+    ) -> None:
+        """Enqueue ``desc`` on ``stream`` (CudaDevice.attention; ``alloc(nbytes)`` and
+        ``free(ptr)``: device memory ordered on that stream): inside a capture and on
+        another library's stream, a plan that needs no workspace."""
+        try:
+            plan = self.plan(desc, not (capturing or foreign))
+        except ImportError:
+            raise
+        except Exception as exc:  # the library refuses the problem (or has no plan without a workspace)
+            raise _error(desc, capturing, "cannot run", exc, ordinal) from exc
+        ws = 0
+        if plan.workspace:
+            ws = self.workspace(stream, plan.workspace, alloc, free)
+        try:
+            self.bind(stream)
+            plan.run(q, k, v, bias, o, ws)
+        except Exception as exc:
+            raise _error(desc, capturing, "failed to enqueue", exc, ordinal) from exc
 
     def bind(self, stream: int) -> None:
         """Run the handle's next calls on ``stream``."""
@@ -168,3 +200,14 @@ class Attentions:
         self.stream = None
         self.plans = {}
         self.workspaces = {}
+
+
+def _error(desc: AttentionDesc, capturing: bool, what: str, exc: Exception, ordinal: int) -> DeviceError:
+    qs, ks, vs, _ = desc.shapes
+    err = GraphCaptureError if capturing else LaunchError
+    during = " inside a graph capture" if capturing else ""
+    return err(
+        f"cuDNN {what} scaled_dot_product_attention of q {qs}, k {ks}, v {vs} ({desc.dtype}){during}: {exc}",
+        device=ordinal,
+        op="scaled_dot_product_attention",
+    )
