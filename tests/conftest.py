@@ -48,7 +48,9 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
                 # A crash ends stderr with a long list of extension modules: keep the
                 # fatal error and the threads' stacks before it.
                 err = r.stderr.split("\nExtension modules:", 1)[0]
-                pytest.fail(f"isolated run of {nodeid} failed (exit {r.returncode}):\n{r.stdout[-6000:]}\n{err[-8000:]}", pytrace=False)
+                pytest.fail(
+                    f"isolated run of {nodeid} failed (exit {r.returncode}):\n{r.stdout[-6000:]}\n{err[-8000:]}", pytrace=False
+                )
 
         item.obj = run_isolated  # type: ignore[attr-defined]
     yield

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _create, _elementwise, _matmul, _random, _reduce
+from ._ops import _attention, _create, _elementwise, _matmul, _random, _reduce
 from ._tensor import Partition, Tensor
 
 # abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
@@ -70,6 +70,7 @@ __all__ = [
     "relu",
     "rms_norm",
     "rsqrt",
+    "scaled_dot_product_attention",
     "sigmoid",
     "silu",
     "softmax",
@@ -338,6 +339,27 @@ def linear(
     ``torch.nn.functional.linear``; ``activation``: None, "relu" or "gelu" (tanh
     approximation). On CUDA the bias and the activation are a cuBLASLt epilogue."""
     return _matmul.linear(x, w, bias, activation=activation, out=out, allow_tf32=allow_tf32)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+def scaled_dot_product_attention(
+    q: TensorLike,
+    k: TensorLike,
+    v: TensorLike,
+    *,
+    mask: TensorLike = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    out: TensorLike = None,
+) -> Op:
+    """``softmax(q @ k.T * scale + mask) @ v`` over ``(batch, heads, seq, head_dim)``
+    tensors, as ``torch.nn.functional.scaled_dot_product_attention``: float16 or
+    bfloat16 (float32 on the simulated device), head dims multiples of 8 up to 128;
+    ``mask`` boolean (True: attend) or additive of q's dtype, broadcastable to
+    ``(batch, heads, seq_q, seq_k)``; ``is_causal``: query ``i`` sees keys ``j <= i``;
+    ``scale`` defaults to ``1 / sqrt(head_dim)``. On CUDA one fused cuDNN kernel
+    (nvidia-cudnn-frontend); on the simulated device numpy, the softmax in float32."""
+    return _attention.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, out=out)
 
 
 # -- random ----------------------------------------------------------------------------------------------

@@ -43,11 +43,13 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, LaunchError, fresh
-from ._boundary import Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
+from ._boundary import AttentionDesc, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
 from ._cublaslt import WORKSPACE, Gemms
 from ._cudaerrors import NOT_READY, STICKY, SUCCESS, check, error, result_code
 from ._cudakernels import Launcher, Prepared, compile_cubin, param_format, param_values
 from ._cudawaker import SEM_POST_ADDR, SemWaker, wakers
+from ._cudnn import Attentions
+from ._cudnn import load as _load_cudnn
 
 try:
     from . import _cudafast
@@ -161,6 +163,7 @@ class CudaDevice(DeviceDriver):
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
+        self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
         # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md at bdba8f3):
@@ -199,6 +202,7 @@ class CudaDevice(DeviceDriver):
         self._launchers = {}
         self._notify = {}
         self._gemms.forget()
+        self._attention.forget()
         try:
             check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
             cu.cuDevicePrimaryCtxRelease(self.cu_device)  # balanced by the retain in _setup
@@ -235,6 +239,9 @@ class CudaDevice(DeviceDriver):
         ws = self._gemms.workspaces.pop(int(stream), None)
         if ws is not None:
             cu.cuMemFreeAsync(ws, stream)  # after the GEMMs queued on it
+        ws = self._attention.drop_stream(int(stream))
+        if ws is not None:
+            cu.cuMemFreeAsync(ws, stream)  # after the attentions queued on it
         # Returns at once; work already enqueued completes first.
         cu.cuStreamDestroy(stream)
 
@@ -449,6 +456,41 @@ class CudaDevice(DeviceDriver):
             plan.run(a, b, d, bias, ws, ws_bytes, int(stream))
         except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
             raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
+
+    def attention_check(self) -> None:
+        _load_cudnn()
+
+    def attention(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
+        """cuDNN's fused SDPA (see _cudnn)."""
+        if _tls.token is not self._token:
+            self._current()
+        if capturing is None:
+            capturing = self._capturing(stream)
+        self._attention.call(
+            desc,
+            q,
+            k,
+            v,
+            bias,
+            o,
+            int(stream),
+            capturing,
+            foreign,
+            lambda n: self.alloc(n, stream),
+            lambda p: cu.cuMemFreeAsync(p, stream),  # after the attentions queued on it
+            self.ordinal,
+        )
 
     def at_exit(self) -> None:
         """Destroy the replayed GEMMs' graphs and capture stream before the interpreter's
