@@ -45,7 +45,8 @@ from cuda.bindings import driver as cu
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, LaunchError, fresh
 from ._boundary import AttentionDesc, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
 from ._cublaslt import WORKSPACE, Gemms
-from ._cudaerrors import NOT_READY, STICKY, SUCCESS, check, error, result_code
+from ._cudacapture import capture_call
+from ._cudaerrors import NOT_READY, SUCCESS, check, error, result_code
 from ._cudakernels import Launcher, Prepared, compile_cubin, param_format, param_values
 from ._cudawaker import SEM_POST_ADDR, SemWaker, wakers
 from ._cudnn import Attentions
@@ -525,72 +526,15 @@ class CudaDevice(DeviceDriver):
         return plan, ws, ws_bytes
 
     def _gemm_graph(self, key: tuple[Any, ...], desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> Any:
-        """Capture cuBLASLt's call for ``key`` (the GEMM's desc, pointers and stream) on
-        the device's capture stream and keep it instantiated; None, and never again for
-        this key, if the call cannot be captured (the caller then makes the call itself,
-        which raises the library's error if it has one). A sticky error on the way
-        faults the device and is raised.
-
-        The graph holds what the call enqueues on ``stream`` itself: the same kernel, the
-        same arguments, the stream's workspace; it is launched on that stream only, and
-        dropped with it (destroy_stream) or with the context (reset).
-
-        While the capture runs (once per key, under the runtime lock), a device- or
-        context-wide synchronize by another library in another thread fails (CUDA
-        forbids it during any capture in the context); see docs/ops.md."""
-        gemms = self._gemms
+        """cuBLASLt's call for ``key`` (the GEMM's desc, pointers and stream) captured
+        once and kept instantiated, or None (see _cudacapture.capture_call). The graph
+        holds what the call enqueues on ``stream`` itself: the same kernel, the same
+        arguments, the stream's workspace; it is launched on that stream only, and
+        dropped with it (destroy_stream) or with the context (reset)."""
         plan, ws, ws_bytes = self._gemm_plan(desc, stream, False, False)
-        cs = gemms.capture_stream
-        if cs is None:
-            err, cs = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            if err != SUCCESS:
-                return self._refuse_graph(key, err, "cuStreamCreate")
-            gemms.capture_stream = cs
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        err = cu.cuStreamBeginCapture(cs, mode)[0]
-        if err != SUCCESS:
-            return self._refuse_graph(key, err, "cuStreamBeginCapture")
-        graph = exec_ = None
-        try:
-            ran = False
-            try:
-                plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
-                ran = True
-            except Exception:  # refused: the caller's own call says why
-                pass
-            err, graph = cu.cuStreamEndCapture(cs)
-            if err != SUCCESS:
-                graph = None
-                return self._refuse_graph(key, err, "cuStreamEndCapture")
-            if not ran:
-                return self._refuse_graph(key, SUCCESS, "cuBLASLt")
-            err, exec_ = cu.cuGraphInstantiate(graph, 0)
-            if err != SUCCESS:
-                exec_ = None
-                return self._refuse_graph(key, err, "cuGraphInstantiate")
-            kept = gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
-            exec_ = None  # the cache's now
-            return kept
-        finally:
-            # Whatever happened (a KeyboardInterrupt anywhere above too): the stream does
-            # not stay capturing, and nothing made here is left undestroyed.
-            err, status = cu.cuStreamIsCapturing(cs)
-            if err == SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                err, left = cu.cuStreamEndCapture(cs)
-                if err == SUCCESS and left is not None and int(left):
-                    cu.cuGraphDestroy(left)
-            if graph is not None:
-                cu.cuGraphDestroy(graph)
-            if exec_ is not None:
-                cu.cuGraphExecDestroy(exec_)
-
-    def _refuse_graph(self, key: tuple[Any, ...], err: Any, what: str) -> None:
-        """A capture step failed with ``err``: a sticky error faults the device and is
-        raised; anything else refuses the key (the library makes its calls)."""
-        if err != SUCCESS and err in STICKY:
-            raise error(err, f"{what} (capturing a replayed GEMM)", self, launch=True, op="matmul")
-        self._gemms.refuse(key)
-        return None
+        return capture_call(
+            self._gemms, key, lambda cs: plan.run(a, b, d, bias, ws, ws_bytes, cs), self, "a replayed GEMM", "matmul"
+        )
 
     def mem_info(self) -> tuple[int, int]:
         self._current()
