@@ -20,7 +20,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, _ext, one_item, value
+from ._op import DeviceOp, TensorMath, _ext, array_index, one_item, value
 from ._pending import Pending
 from ._plan import Lane, Plan
 
@@ -244,7 +244,13 @@ class Tensor(TensorMath):
     # -- views --------------------------------------------------------------------
     def __getitem__(self, key: Any) -> Tensor:
         """A view by basic indexing, as numpy's: ints, slices (any step, negative too),
-        ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering)."""
+        ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering).
+
+        With an integer tensor (or an op producing one) in ``key`` (``t[idx]``,
+        ``t[:, idx]``, ``t[..., idx]``) it is a gather instead: an op, as
+        :func:`trio_cuda.ops.take` along that axis."""
+        if array_index(key):
+            return _ext("index")(self, key)  # type: ignore[no-any-return]
         shape, strides, offset = index_view(self.shape, self._strides, key)
         return Tensor._new(self._buffer, shape, self.dtype, self._offset + offset, strides, self._tracked)
 

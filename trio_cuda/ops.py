@@ -22,12 +22,23 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _create, _elementwise, _matmul, _random, _reduce
+from ._ops import _create, _elementwise, _gather, _math, _matmul, _random, _reduce
 from ._tensor import Partition, Tensor
 
-# abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
-# shadow the builtins (use ops.sum, ...).
+# abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
+# must not shadow the builtins (use ops.sum, ...).
 __all__ = [
+    "ceil",
+    "clip",
+    "cos",
+    "embedding",
+    "erf",
+    "floor",
+    "power",
+    "sign",
+    "sin",
+    "take",
+    "take_along_axis",
     "invert",
     "bitwise_xor",
     "bitwise_or",
@@ -147,6 +158,80 @@ def rsqrt(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 def tanh(x: TensorLike, *, out: TensorLike = None) -> Op:
     return _elementwise.elementwise("tanh", x, out=out)
+
+
+# -- more math (elementwise) ----------------------------------------------------------------------
+def sin(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """Sine (radians); integers give float64, as numpy's."""
+    return _math.math_op("sin", x, out=out)
+
+
+def cos(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """Cosine (radians)."""
+    return _math.math_op("cos", x, out=out)
+
+
+def erf(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The error function (``scipy.special.erf``, ``torch.erf``)."""
+    return _math.math_op("erf", x, out=out)
+
+
+def floor(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The largest integer <= x (integers and bools unchanged, as numpy's)."""
+    return _math.math_op("floor", x, out=out)
+
+
+def ceil(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The smallest integer >= x."""
+    return _math.math_op("ceil", x, out=out)
+
+
+def round(x: TensorLike, decimals: int = 0, *, out: TensorLike = None) -> Op:
+    """numpy's round: to ``decimals`` places, halves to even (``round(2.5) == 2``);
+    integers unchanged (``decimals < 0`` only for floats)."""
+    return _math.round_(x, decimals, out=out)
+
+
+def sign(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """-1, 0 or 1 by the sign of x (NaN stays NaN)."""
+    return _math.math_op("sign", x, out=out)
+
+
+def power(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x ** y`` (numpy broadcasting and promotion). Integers compute through float64:
+    exact while the result is below 2**53; a negative integer exponent raises for a
+    scalar exponent (as numpy) and gives 0 (1 or -1 for a base of 1 or -1) from a tensor."""
+    return _math.power(x, y, out=out)
+
+
+def clip(x: TensorLike, a_min: TensorLike, a_max: TensorLike, *, out: TensorLike = None) -> Op:
+    """``minimum(maximum(x, a_min), a_max)`` (either bound may be None; NaN stays NaN)."""
+    return _math.clip(x, a_min, a_max, out=out)
+
+
+# -- gathers --------------------------------------------------------------------------------------
+def take(x: TensorLike, indices: TensorLike, axis: int | None = None, *, out: TensorLike = None) -> Op:
+    """Elements of ``x`` at ``indices`` (an integer tensor) along ``axis`` (None: of the
+    flattened ``x``), as ``numpy.take``: the result has shape
+    ``x.shape[:axis] + indices.shape + x.shape[axis + 1:]``. Negative indices count from
+    the end (once, as numpy's); an index out of range fails the op with ``IndexError``
+    (checked on the device, raised when the submission completes; inside a graph capture
+    it is clamped and not reported)."""
+    return _gather.take(x, indices, axis, out=out)
+
+
+def take_along_axis(x: TensorLike, indices: TensorLike, axis: int | None, *, out: TensorLike = None) -> Op:
+    """``numpy.take_along_axis``: ``out[..., i, ...] = x[..., indices[..., i, ...], ...]``
+    along ``axis``, the other axes broadcast (``indices`` has the rank of ``x``; with
+    axis=None, 1-D indices into the flattened ``x``). Indices are checked as in :func:`take`."""
+    return _gather.take_along_axis(x, indices, axis, out=out)
+
+
+def embedding(weight: TensorLike, ids: TensorLike, *, out: TensorLike = None) -> Op:
+    """Rows of ``weight`` (num_embeddings, dim) at ``ids`` (any shape): the result has
+    shape ``ids.shape + (dim,)``, as ``torch.nn.functional.embedding``; ids are checked
+    as in :func:`take`."""
+    return _gather.embedding(weight, ids, out=out)
 
 
 # -- comparisons and logic (bool results) ----------------------------------------------------------
@@ -459,6 +544,8 @@ _op.extensions.update(
         "bitwise_or": bitwise_or,
         "bitwise_xor": bitwise_xor,
         "invert": invert,
+        "power": power,
+        "index": _gather.index,
         # planning helpers for the layers below (api.memcpy, dup): not part of this namespace
         "contiguous": _elementwise.contiguous,
         "copy_into": _elementwise.copy_into,
