@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _create, _elementwise, _gather, _math, _matmul, _random, _reduce
+from ._ops import _create, _elementwise, _gather, _math, _matmul, _random, _reduce, _stats
 from ._tensor import Partition, Tensor
 
 # abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
@@ -58,6 +58,11 @@ __all__ = [
     "equal",
     "add",
     "argmax",
+    "argmin",
+    "prod",
+    "var",
+    "std",
+    "logsumexp",
     "astype",
     "concatenate",
     "copy",
@@ -378,6 +383,44 @@ def argmax(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: Tens
     return _reduce.reduce("argmax", x, axis, keepdims, out)
 
 
+def argmin(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Index of the minimum along ``axis`` (an int, or None for the flattened tensor);
+    the first occurrence, and the first NaN if any (numpy's rules); int64."""
+    return _reduce.reduce("argmin", x, axis, keepdims, out)
+
+
+def prod(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Product over ``axis`` (integers multiply in int64, as numpy's; empty gives 1)."""
+    return _reduce.reduce("prod", x, axis, keepdims, out)
+
+
+def any(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """True where some element along ``axis`` is nonzero (NaN counts); a bool tensor."""
+    return _reduce.reduce("any", x, axis, keepdims, out)
+
+
+def all(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """True where every element along ``axis`` is nonzero (empty gives True)."""
+    return _reduce.reduce("all", x, axis, keepdims, out)
+
+
+def var(x: TensorLike, axis: Any = None, *, ddof: float = 0, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Variance over ``axis``: the mean squared deviation from the mean, divided by
+    ``n - ddof`` (numpy's; ``ddof=1`` for the unbiased estimate); integers give float64."""
+    return _stats.stat("var", x, axis, ddof, keepdims, out)
+
+
+def std(x: TensorLike, axis: Any = None, *, ddof: float = 0, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Standard deviation over ``axis``: ``sqrt(var(x, axis, ddof=ddof))``."""
+    return _stats.stat("std", x, axis, ddof, keepdims, out)
+
+
+def logsumexp(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """``log(sum(exp(x)))`` over ``axis``, computed shifted by the maximum (no overflow),
+    as ``scipy.special.logsumexp`` and ``torch.logsumexp``; integers give float64."""
+    return _stats.logsumexp(x, axis, keepdims, out)
+
+
 # -- normalisation ----------------------------------------------------------------------------------
 def softmax(x: TensorLike, axis: int = -1, *, out: TensorLike = None) -> Op:
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``."""
@@ -530,6 +573,12 @@ _op.extensions.update(
         "max": max,
         "min": min,
         "argmax": argmax,
+        "argmin": argmin,
+        "var": var,
+        "std": std,
+        "prod": prod,
+        "any": any,
+        "all": all,
         "softmax": softmax,
         "log_softmax": log_softmax,
         "astype": astype,
