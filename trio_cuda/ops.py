@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _create, _elementwise, _gather, _math, _matmul, _random, _reduce, _stats
+from ._ops import _create, _elementwise, _gather, _math, _matmul, _random, _reduce, _scan, _sort, _stats
 from ._tensor import Partition, Tensor
 
 # abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
@@ -63,6 +63,10 @@ __all__ = [
     "var",
     "std",
     "logsumexp",
+    "cumsum",
+    "sort",
+    "argsort",
+    "topk",
     "astype",
     "concatenate",
     "copy",
@@ -421,6 +425,32 @@ def logsumexp(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: T
     return _stats.logsumexp(x, axis, keepdims, out)
 
 
+def cumsum(x: TensorLike, axis: int | None = None, *, dtype: Any = None, out: TensorLike = None) -> Op:
+    """Cumulative sum along ``axis`` (None: of the flattened tensor), numpy's result
+    dtypes (integers and bools in int64) or ``dtype``."""
+    return _scan.cumsum(x, axis, dtype, out)
+
+
+# -- sorting ------------------------------------------------------------------------------------------
+def sort(x: TensorLike, axis: int | None = -1, *, out: TensorLike = None) -> Op:
+    """``x`` sorted along ``axis`` (None: flattened), ascending and stable (numpy's
+    ``kind="stable"``), NaN last."""
+    return _sort.sort("sort", x, axis, out)
+
+
+def argsort(x: TensorLike, axis: int | None = -1, *, out: TensorLike = None) -> Op:
+    """The int64 indices that sort ``x`` along ``axis`` (stable: equal values keep their order)."""
+    return _sort.sort("argsort", x, axis, out)
+
+
+def topk(x: TensorLike, k: int, *, largest: bool = True, out: tuple[Tensor, Tensor] | None = None) -> DeviceOp[tuple[Tensor, Tensor]]:
+    """The ``k`` largest elements along the last axis and their int64 indices, largest
+    first (``largest=False``: the smallest, smallest first), as ``torch.topk``: an op
+    producing ``(values, indices)`` (``values, indices = ops.topk(x, 5).unzip()``).
+    Ties keep the lower index first; NaN counts as the largest."""
+    return _sort.topk(x, k, largest, out)  # type: ignore[return-value]
+
+
 # -- normalisation ----------------------------------------------------------------------------------
 def softmax(x: TensorLike, axis: int = -1, *, out: TensorLike = None) -> Op:
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``."""
@@ -575,6 +605,7 @@ _op.extensions.update(
         "argmax": argmax,
         "argmin": argmin,
         "var": var,
+        "cumsum": cumsum,
         "std": std,
         "prod": prod,
         "any": any,
