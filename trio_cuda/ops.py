@@ -443,7 +443,9 @@ def argsort(x: TensorLike, axis: int | None = -1, *, out: TensorLike = None) -> 
     return _sort.sort("argsort", x, axis, out)
 
 
-def topk(x: TensorLike, k: int, *, largest: bool = True, out: tuple[Tensor, Tensor] | None = None) -> DeviceOp[tuple[Tensor, Tensor]]:
+def topk(
+    x: TensorLike, k: int, *, largest: bool = True, out: tuple[Tensor, Tensor] | None = None
+) -> DeviceOp[tuple[Tensor, Tensor]]:
     """The ``k`` largest elements along the last axis and their int64 indices, largest
     first (``largest=False``: the smallest, smallest first), as ``torch.topk``: an op
     producing ``(values, indices)`` (``values, indices = ops.topk(x, 5).unzip()``).

@@ -26,7 +26,7 @@ from .._checks import arg_type, is_int
 from .._op import DeviceOp, TensorMath
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis, plan_read_to_host
-from ._codegen import Load, _unravel, cached, elementwise_kernel, make_kernel
+from ._codegen import _unravel, cached, elementwise_kernel, make_kernel
 from ._core import (
     TensorOp,
     alloc,
@@ -201,7 +201,9 @@ class Gather(TensorOp):
         """``take``: x as (pre, k, post), the indices as (1, j, 1) broadcast to (pre, j, post)."""
         if ax is None:
             xs = x if one_stride(x.shape, x.strides) is not None else contiguous(plan, lane, x)
-            pre_s, k_s, post_s = 0, one_stride(xs.shape, xs.strides), 0
+            pre_s: int | None = 0
+            k_s: int | None = one_stride(xs.shape, xs.strides)
+            post_s: int | None = 0
             pre, k, post = 1, x.size, 1
         else:
             pre = math.prod(x.shape[:ax])

@@ -198,4 +198,3 @@ def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
     if d >= 0:
         return math_op("round", x, 10**d, out=out)
     return math_op("round_down", x, 10 ** (-d), out=out, opname="ops.round")
-

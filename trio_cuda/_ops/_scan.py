@@ -17,8 +17,8 @@ import numpy as np
 from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
-from ._core import TensorOp, alloc, as_dtype, check_out, compute_dtype, launch, operand, out_partition, output, view
 from ._codegen import row_kernel
+from ._core import TensorOp, alloc, as_dtype, check_out, compute_dtype, launch, operand, out_partition, output, view
 from ._elementwise import contiguous, copy_into, finish
 from ._reduce import _as_rows
 

@@ -139,7 +139,7 @@ class Sort(TensorOp):
             return x.shape, ax, n
         if not 0 <= count <= n:
             raise ValueError(f"{name}: k={count} is out of range for an axis of size {n}")
-        return x.shape[:ax] + (count,) + x.shape[ax + 1 :], ax, count
+        return (*x.shape[:ax], count, *x.shape[ax + 1 :]), ax, count
 
     def _outs(self, out: Any) -> tuple[Any, Any]:
         """(values out=, indices out=) of the op."""

@@ -152,4 +152,6 @@ def stat(kind: str, x: Any, axis: Any = None, ddof: Any = 0, keepdims: bool = Fa
 
 def logsumexp(x: Any, axis: Any = None, keepdims: bool = False, out: Any = None) -> Stat:
     name = "ops.logsumexp"
-    return Stat("logsumexp", (operand(x, name), _axis(name, axis), bool(keepdims), None if out is None else operand(out, name), 0.0))
+    return Stat(
+        "logsumexp", (operand(x, name), _axis(name, axis), bool(keepdims), None if out is None else operand(out, name), 0.0)
+    )
