@@ -47,10 +47,10 @@ __all__ = ["Gather", "embedding", "index", "take", "take_along_axis"]
 _I64 = np.dtype(np.int64)
 
 
-def _gather_kernel(rank: int, axis: int, dtype: np.dtype[Any], idx_dtype: np.dtype[Any]) -> Any:
+def _gather_kernel(rank: int, axis: int, dtype: np.dtype[Any], idx_dtype: np.dtype[Any], flag: bool) -> Any:
     """``out[I] = x[I with I[axis] = wrap(ix[I])]`` over ``out``'s shape; an index out of
-    range sets ``err = (1, index)`` and reads element 0 of the axis instead."""
-    key = ("gather", rank, axis, dtype.str, idx_dtype.str)
+    range reads element 0 of the axis instead, and (``flag``) sets ``err = (1, index)``."""
+    key = ("gather", rank, axis, dtype.str, idx_dtype.str, flag)
 
     def build() -> Any:
         fname = f"gather__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
@@ -64,24 +64,26 @@ def _gather_kernel(rank: int, axis: int, dtype: np.dtype[Any], idx_dtype: np.dty
             "if v < 0:",
             "    v += k",
             "if v < 0 or v >= k:",
-            f"    err[{lead}0] = 1",
-            f"    err[{lead}1] = np.int64(ix[{idx}])",
+            *([f"    err[{lead}0] = 1", f"    err[{lead}1] = np.int64(ix[{idx}])"] if flag else []),
             "    v = 0",
             f"out[{idx}] = x[{src_idx}]",
         ]
-        src = f"def {fname}(out, err, x, ix, n):\n    i = cuda.grid(1)\n    if i < n:\n"
+        params = "out, err, x, ix, n" if flag else "out, x, ix, n"
+        src = f"def {fname}({params}):\n    i = cuda.grid(1)\n    if i < n:\n"
         src += "".join(f"        {line}\n" for line in body)
 
-        def sim(out: np.ndarray, err: np.ndarray, x: np.ndarray, ix: np.ndarray, n: int) -> None:
+        def sim(out: np.ndarray, *args: Any) -> None:
+            err, x, ix, _ = args if flag else (None, *args)
             k = x.shape[axis]
             raw = np.asarray(ix)
             v = raw.astype(np.int64)
             v = np.where(v < 0, v + k, v)
             bad = (v < 0) | (v >= k)
             if bad.any():
-                e = err.reshape(2)
-                e[0] = 1
-                e[1] = raw[bad].flat[0]
+                if err is not None:
+                    e = err.reshape(2)
+                    e[0] = 1
+                    e[1] = raw[bad].flat[0]
                 v = np.where(bad, 0, v)
             np.copyto(out, np.take_along_axis(x, v, axis))
 
@@ -175,16 +177,17 @@ class Gather(TensorOp):
         flat = dst if dst.is_contiguous else alloc(plan, ln, shape, x.dtype, name)
         isz = x.dtype.itemsize
         ostrides = tuple(s * isz for s in _c_steps(oshape))
-        err = alloc(plan, ln, (2,), _I64, name)
-        zero = elementwise_kernel("fill", "C(0)", (), 1, _I64, _I64, lambda: 0)
-        launch(plan, ln, zero, (out_partition(err), 2))
-        kernel = _gather_kernel(rank, gax, x.dtype, idx.dtype)
-        # (err seen with the output's rank: the partitions of a launch share one tile grid)
-        errv = view(err, (1,) * (rank - 1) + (2,), (0,) * (rank - 1) + (8,))
-        launch(plan, ln, kernel, (out_partition(view(flat, oshape, ostrides)), out_partition(errv), xv, iv, n))
-        if flat is not dst:
-            copy_into(plan, ln, dst, flat, name)
-        if plan.capture is None:
+        o = out_partition(view(flat, oshape, ostrides))
+        if plan.capture is not None:
+            # nothing can be read back from a graph: the kernel clamps, unreported
+            launch(plan, ln, _gather_kernel(rank, gax, x.dtype, idx.dtype, False), (o, xv, iv, n))
+        else:
+            err = alloc(plan, ln, (2,), _I64, name)
+            zero = elementwise_kernel("fill", "C(0)", (), 1, _I64, _I64, lambda: 0)
+            launch(plan, ln, zero, (out_partition(err), 2))
+            # (err seen with the output's rank: the partitions of a launch share one tile grid)
+            errv = view(err, (1,) * (rank - 1) + (2,), (0,) * (rank - 1) + (8,))
+            launch(plan, ln, _gather_kernel(rank, gax, x.dtype, idx.dtype, True), (o, out_partition(errv), xv, iv, n))
             flag = plan_read_to_host(plan, ln, err, np.empty(2, np.int64))
             axis_words = "the flattened tensor" if ax is None else f"axis {ax}"
 
@@ -194,6 +197,8 @@ class Gather(TensorOp):
                     raise IndexError(f"{name}: index {int(got[1])} is out of range for {axis_words} of size {k}")
 
             plan.check_when_done(check)
+        if flat is not dst:
+            copy_into(plan, ln, dst, flat, name)
         return finish(plan, ln, result, name)
 
     @staticmethod

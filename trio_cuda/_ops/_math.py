@@ -95,45 +95,43 @@ def _clip_expr() -> str:
     return f"({m} if ({m} <= x2 or {m} != {m}) else x2)"
 
 
-MATH: dict[str, MathUfunc] = {
-    u.name: u
-    for u in (
-        MathUfunc("sin", 1, "math.sin(x0)", np.sin, np.sin, "biuf"),
-        MathUfunc("cos", 1, "math.cos(x0)", np.cos, np.cos, "biuf"),
-        MathUfunc("erf", 1, "math.erf(x0)", _erf, np.sin, "biuf"),
-        MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0"),
-        MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
+MATH: dict[str, MathUfunc] = dict(
+    (
+        ("sin", MathUfunc("sin", 1, "math.sin(x0)", np.sin, np.sin, "biuf")),
+        ("cos", MathUfunc("cos", 1, "math.cos(x0)", np.cos, np.cos, "biuf")),
+        ("erf", MathUfunc("erf", 1, "math.erf(x0)", _erf, np.sin, "biuf")),
+        ("floor", MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0")),
+        ("ceil", MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0")),
         # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
-        MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0"),
+        ("round", MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0")),
         # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
-        MathUfunc("round_down", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
-        MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
+        ("round_down", MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f")),
+        ("sign", MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf")),
         # integers through float64: exact while the result is below 2**53; a negative
         # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
-        MathUfunc(
+        (
             "power",
-            2,
-            "x0 ** x1",
-            _power,
-            np.power,
-            "biuf",
-            int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
+            MathUfunc(
+                "power",
+                2,
+                "x0 ** x1",
+                _power,
+                np.power,
+                "biuf",
+                int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
+            ),
         ),
-        MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
-        MathUfunc("clip_min", 2, _MAX, np.maximum, np.maximum, "biuf"),
-        MathUfunc("clip_max", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf"),
+        ("clip", MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf")),
+        ("clip_min", MathUfunc("clip", 2, _MAX, np.maximum, np.maximum, "biuf")),
+        ("clip_max", MathUfunc("clip", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf")),
     )
-}
+)
 
 
 class MathOp(Elementwise):
     """An elementwise op of :data:`MATH` (an integer loop may compute ``int_expr``)."""
 
     __slots__ = ()
-
-    def __init__(self, u: MathUfunc, opname: str, args: tuple[Any, ...], out: Any) -> None:
-        super().__init__(u, args, out)
-        self.name = opname  # round_down and clip_min/max report as ops.round and ops.clip
 
     def _integers(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` as an integer loop takes them: round ignores its scale there (1, so
@@ -163,11 +161,19 @@ class MathOp(Elementwise):
         return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, (u.load,) * u.nin, loop, result, out)
 
 
-def math_op(name: str, *args: Any, out: Any = None, opname: str | None = None) -> MathOp:
+class _RoundDown(MathOp):
+    """round with decimals < 0: an op class of its own, so that its recipes (keyed by
+    class, name and operands) never serve round's on the same scale."""
+
+    __slots__ = ()
+
+
+def math_op(name: str, *args: Any, out: Any = None) -> MathOp:
     u = MATH[name]
-    n = opname or u.opname
+    n = u.opname
     operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
-    return MathOp(u, n, operands, out if out is None or type(out) is Tensor else operand(out, n))
+    cls = _RoundDown if name == "round_down" else MathOp
+    return cls(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
 
 
 def power(x: Any, y: Any, *, out: Any = None) -> MathOp:
@@ -182,10 +188,10 @@ def clip(x: Any, a_min: Any, a_max: Any, *, out: Any = None) -> MathOp:
     if a_min is None and a_max is None:
         raise ValueError("ops.clip: at least one of a_min and a_max must be given")
     if a_min is None:
-        return math_op("clip_max", x, a_max, out=out, opname=n)
+        return math_op("clip_max", x, a_max, out=out)
     if a_max is None:
-        return math_op("clip_min", x, a_min, out=out, opname=n)
-    return math_op("clip", x, a_min, a_max, out=out, opname=n)
+        return math_op("clip_min", x, a_min, out=out)
+    return math_op("clip", x, a_min, a_max, out=out)
 
 
 def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
@@ -197,4 +203,4 @@ def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
         raise ValueError(f"ops.round: decimals={d} is out of range (|decimals| <= 300)")
     if d >= 0:
         return math_op("round", x, 10**d, out=out)
-    return math_op("round_down", x, 10 ** (-d), out=out, opname="ops.round")
+    return math_op("round_down", x, 10 ** (-d), out=out)
