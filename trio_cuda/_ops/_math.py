@@ -95,37 +95,32 @@ def _clip_expr() -> str:
     return f"({m} if ({m} <= x2 or {m} != {m}) else x2)"
 
 
-MATH: dict[str, MathUfunc] = dict(
-    (
-        ("sin", MathUfunc("sin", 1, "math.sin(x0)", np.sin, np.sin, "biuf")),
-        ("cos", MathUfunc("cos", 1, "math.cos(x0)", np.cos, np.cos, "biuf")),
-        ("erf", MathUfunc("erf", 1, "math.erf(x0)", _erf, np.sin, "biuf")),
-        ("floor", MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0")),
-        ("ceil", MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0")),
-        # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
-        ("round", MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0")),
-        # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
-        ("round_down", MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f")),
-        ("sign", MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf")),
-        # integers through float64: exact while the result is below 2**53; a negative
-        # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
-        (
-            "power",
-            MathUfunc(
-                "power",
-                2,
-                "x0 ** x1",
-                _power,
-                np.power,
-                "biuf",
-                int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
-            ),
-        ),
-        ("clip", MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf")),
-        ("clip_min", MathUfunc("clip", 2, _MAX, np.maximum, np.maximum, "biuf")),
-        ("clip_max", MathUfunc("clip", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf")),
-    )
-)
+MATH: dict[str, MathUfunc] = {
+    "sin": MathUfunc("sin", 1, "math.sin(x0)", np.sin, np.sin, "biuf"),
+    "cos": MathUfunc("cos", 1, "math.cos(x0)", np.cos, np.cos, "biuf"),
+    "erf": MathUfunc("erf", 1, "math.erf(x0)", _erf, np.sin, "biuf"),
+    "floor": MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0"),
+    "ceil": MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
+    # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
+    "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0"),
+    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
+    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
+    "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
+    # integers through float64: exact while the result is below 2**53; a negative
+    # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
+    "power": MathUfunc(
+        "power",
+        2,
+        "x0 ** x1",
+        _power,
+        np.power,
+        "biuf",
+        int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
+    ),
+    "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
+    "clip_min": MathUfunc("clip", 2, _MAX, np.maximum, np.maximum, "biuf"),
+    "clip_max": MathUfunc("clip", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf"),
+}
 
 
 class MathOp(Elementwise):
