@@ -1,6 +1,6 @@
 """sort, argsort and topk against numpy: stable orders (ties by index), NaN last (first
-among topk's largest), every axis, rows longer than a power of two, integer dtypes,
-out= and bad input."""
+among topk's largest), every axis, rows of any length (not only powers of two), integer
+dtypes, out=, graph captures and bad input."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_sort_and_argsort_are_numpys_stable_sort(axis: int | None) -> None:
 
 @pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.int64, np.float64, np.bool_])
 def test_other_dtypes_and_long_rows(dtype: type) -> None:
-    a = RNG.integers(0, 50, size=(2, 300)).astype(dtype)  # padded to 512 inside
+    a = RNG.integers(0, 50, size=(2, 300)).astype(dtype)  # several steps of 256 pairs
     same(host(ops.sort(up(a))), np.sort(a, kind="stable"))
     same(host(ops.argsort(up(a))), np.argsort(a, kind="stable"))
     same(host(ops.argsort(up(a).T, 0)), np.argsort(a.T, 0, kind="stable"))  # a strided view
@@ -86,4 +86,18 @@ async def test_out_and_errors() -> None:
     with pytest.raises(TypeError, match=r"cannot cast the int64 result"):
         ops.argsort(x, out=await api.zeros(A.shape, np.bool_))
     with pytest.raises(trio_cuda.GraphCaptureError, match="allocat"):
-        ops.sort(x, out=out).graph()  # its scratch memory cannot be allocated in a capture
+        ops.topk(x, 2, out=(vo, io)).graph()  # its scratch memory cannot be allocated in a capture
+
+
+async def test_sort_and_argsort_along_the_last_axis_are_captured() -> None:
+    x = await api.from_host(A)
+    values, order = await api.zeros(A.shape), await api.zeros(A.shape, np.int64)
+    graph = trio_cuda.zip(ops.sort(x, out=values), ops.argsort(x, out=order)).graph()
+    await graph.launch()
+    same(await values.to_host(), np.sort(A, kind="stable"))
+    same(await order.to_host(), np.argsort(A, kind="stable"))
+    b = RNG.normal(size=A.shape).astype(np.float32)
+    await api.memcpy(x, b)
+    await graph.launch()  # replayed on new data
+    same(await values.to_host(), np.sort(b))
+    same(await order.to_host(), np.argsort(b, kind="stable"))

@@ -42,12 +42,12 @@ from ._core import (
 )
 from ._elementwise import contiguous, copy_into, finish
 
-__all__ = ["Gather", "embedding", "index", "take", "take_along_axis"]
+__all__ = ["Gather", "embedding", "gather_kernel", "index", "take", "take_along_axis"]
 
 _I64 = np.dtype(np.int64)
 
 
-def _gather_kernel(rank: int, axis: int, dtype: np.dtype[Any], idx_dtype: np.dtype[Any], flag: bool) -> Any:
+def gather_kernel(rank: int, axis: int, dtype: np.dtype[Any], idx_dtype: np.dtype[Any], flag: bool) -> Any:
     """``out[I] = x[I with I[axis] = wrap(ix[I])]`` over ``out``'s shape; an index out of
     range reads element 0 of the axis instead, and (``flag``) sets ``err = (1, index)``."""
     key = ("gather", rank, axis, dtype.str, idx_dtype.str, flag)
@@ -180,14 +180,14 @@ class Gather(TensorOp):
         o = out_partition(view(flat, oshape, ostrides))
         if plan.capture is not None:
             # nothing can be read back from a graph: the kernel clamps, unreported
-            launch(plan, ln, _gather_kernel(rank, gax, x.dtype, idx.dtype, False), (o, xv, iv, n))
+            launch(plan, ln, gather_kernel(rank, gax, x.dtype, idx.dtype, False), (o, xv, iv, n))
         else:
             err = alloc(plan, ln, (2,), _I64, name)
             zero = elementwise_kernel("fill", "C(0)", (), 1, _I64, _I64, lambda: 0)
             launch(plan, ln, zero, (out_partition(err), 2))
             # (err seen with the output's rank: the partitions of a launch share one tile grid)
             errv = view(err, (1,) * (rank - 1) + (2,), (0,) * (rank - 1) + (8,))
-            launch(plan, ln, _gather_kernel(rank, gax, x.dtype, idx.dtype, True), (o, out_partition(errv), xv, iv, n))
+            launch(plan, ln, gather_kernel(rank, gax, x.dtype, idx.dtype, True), (o, out_partition(errv), xv, iv, n))
             flag = plan_read_to_host(plan, ln, err, np.empty(2, np.int64))
             axis_words = "the flattened tensor" if ax is None else f"axis {ax}"
 

@@ -1,13 +1,17 @@
 """Sorting along an axis: sort, argsort, topk.
 
-One block of 256 threads per row of the ``(rows, cols)`` view (the axis moved last): the
-row's values and their column indices are copied into scratch memory padded to a power
-of two and sorted there by a bitonic network (each stage one pass of the block over
-the row, a barrier between stages); the first columns are then copied into place.
+One block of 256 threads per row of the ``(rows, cols)`` view (the axis moved last), in
+place in the result: a bitonic network of compare-exchanges that always put the first
+of the two entries first (each merge begins by comparing mirrored pairs), so the
+entries past the row's end, virtually last, never move and need no memory. ``sort``
+sorts the values themselves; ``argsort`` sorts column indices, comparing the values they
+point at; ``topk`` sorts the indices of the whole row into scratch memory and gathers
+the first ``k`` values.
 
 The order is total and stable: by value, ties by index (numpy's ``kind="stable"``),
-NaN after every number; ``topk`` orders largest first (NaN first, as the largest,
-ties by index). Scratch: ``rows * 2**ceil(log2(n)) * (itemsize + 8)`` bytes.
+NaN after every number; ``topk`` orders largest first (NaN first, as the largest, ties
+by index). ``sort`` and ``argsort`` with ``out=`` along the last axis allocate nothing,
+so they can be captured into a graph.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from .._tensor import Tensor, normalize_axis
 from ._codegen import row_kernel
 from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output, view
 from ._elementwise import contiguous, copy_into, finish
+from ._gather import gather_kernel
 from ._reduce import _as_rows
 
 __all__ = ["Sort", "sort", "topk"]
@@ -31,80 +36,106 @@ __all__ = ["Sort", "sort", "topk"]
 _I64 = np.dtype(np.int64)
 
 
-def _np_name(dt: np.dtype[Any]) -> str:
-    return "bool_" if dt == np.bool_ else dt.name
-
-
 def _before(r: str, va: str, ia: str, vb: str, ib: str, desc: bool) -> list[str]:
     """Statements setting ``r`` to whether the entry of value ``va`` and index ``ia``
-    comes before the entry (``vb``, ``ib``); index -1 is padding, always last."""
+    comes before the entry (``vb``, ``ib``) (``ia``/``ib`` None: values only)."""
+    tie = f"{ia} < {ib}" if ia is not None else "False"
     if desc:
-        nan, order = f"({vb} == {vb}) or ({va} != {va} and {ia} < {ib})", f"{va} > {vb}"
+        nan, order = f"({vb} == {vb}) or ({va} != {va} and {tie})", f"{va} > {vb}"
     else:
-        nan, order = f"({va} == {va}) or ({vb} != {vb} and {ia} < {ib})", f"{va} < {vb}"
+        nan, order = f"({va} == {va}) or ({vb} != {vb} and {tie})", f"{va} < {vb}"
     return [
-        f"if {ia} < 0:",
-        f"    {r} = False",
-        f"elif {ib} < 0:",
-        f"    {r} = True",
-        f"elif {va} != {va} or {vb} != {vb}:",
+        f"if {va} != {va} or {vb} != {vb}:",
         f"    {r} = {nan}",
         f"elif {va} == {vb}:",
-        f"    {r} = {ia} < {ib}",
+        f"    {r} = {tie}",
         "else:",
         f"    {r} = {order}",
     ]
 
 
+def _exchange(indices: bool, desc: bool) -> list[str]:
+    """The compare-exchange of positions ``pa < pb`` of the row (``pb < k``)."""
+    if not indices:
+        return [
+            "va = buf[row, pa]",
+            "vb = buf[row, pb]",
+            *_before("ba", "vb", None, "va", None, desc),  # type: ignore[arg-type]
+            "if ba:",
+            "    buf[row, pa] = vb",
+            "    buf[row, pb] = va",
+        ]
+    return [
+        "ja = buf[row, pa]",
+        "jb = buf[row, pb]",
+        "va = x[row, ja]",
+        "vb = x[row, jb]",
+        *_before("ba", "vb", "jb", "va", "ja", desc),
+        "if ba:",
+        "    buf[row, pa] = jb",
+        "    buf[row, pb] = ja",
+    ]
+
+
 @functools.cache  # the kernel source is built once per key
-def _sort_kernel(dtype: np.dtype[Any], desc: bool) -> Any:
+def _sort_kernel(dtype: np.dtype[Any], indices: bool, desc: bool) -> Any:
+    """Sort each row of ``buf`` (m, k) in place: the values of ``x`` (``indices``
+    False), or the indices 0..k-1 by the values of ``x`` they point at. ``hp`` is half
+    the power of two >= k: the pairs of one step of the network."""
+    exchange = _exchange(indices, desc)
     body = [
         "c = t_",
-        "while c < p:",
-        "    if c < k:",
-        "        sv[row, c] = x[row, c]",
-        "        si[row, c] = c",
-        "    else:",
-        "        si[row, c] = -1",
+        "while c < k:",
+        f"    buf[row, c] = {'c' if indices else 'x[row, c]'}",
         "    c += 256",
         "cuda.syncthreads()",
         "size = 2",
-        "while size <= p:",
-        "    st = size // 2",
+        "while size // 2 < k:",
+        "    half = size // 2",
+        "    c = t_",
+        "    while c < hp:",  # the merge's first step: mirrored pairs of each block of size
+        "        blk = c // half",
+        "        off = c - blk * half",
+        "        pa = blk * size + off",
+        "        pb = blk * size + size - 1 - off",
+        "        if pb < k:",
+        *(f"            {line}" for line in exchange),
+        "        c += 256",
+        "    cuda.syncthreads()",
+        "    st = half // 2",
         "    while st > 0:",
         "        c = t_",
-        "        while c < p // 2:",
-        "            ia = (c // st) * 2 * st + (c % st)",
-        "            ib = ia + st",
-        "            va = sv[row, ia]",
-        "            vb = sv[row, ib]",
-        "            ja = si[row, ia]",
-        "            jb = si[row, ib]",
-        *(f"            {line}" for line in _before("ab", "va", "ja", "vb", "jb", desc)),
-        *(f"            {line}" for line in _before("ba", "vb", "jb", "va", "ja", desc)),
-        "            up = (ia & size) == 0",
-        "            if (up and ba) or ((not up) and ab):",
-        "                sv[row, ia] = vb",
-        "                sv[row, ib] = va",
-        "                si[row, ia] = jb",
-        "                si[row, ib] = ja",
+        "        while c < hp:",
+        "            pa = (c // st) * 2 * st + (c % st)",
+        "            pb = pa + st",
+        "            if pb < k:",
+        *(f"                {line}" for line in exchange),
         "            c += 256",
         "        cuda.syncthreads()",
         "        st //= 2",
         "    size *= 2",
     ]
 
-    def sim(sv: np.ndarray, si: np.ndarray, x: np.ndarray, k: int, p: int, m: int) -> None:
+    def sim(buf: np.ndarray, x: np.ndarray, k: int, hp: int, m: int) -> None:
         if desc:  # stable descending: the stable ascending order of the reversed row, reversed
             order = (k - 1 - np.argsort(x[:, ::-1], axis=1, kind="stable"))[:, ::-1]
         else:
             order = np.argsort(x, axis=1, kind="stable")
-        si[:, :k] = order
-        si[:, k:] = -1
-        sv[:, :k] = np.take_along_axis(x, order, 1)
+        np.copyto(buf, order if indices else np.take_along_axis(x, order, 1))
 
-    key = ("sort", dtype.str, desc)
-    return row_kernel("sort", ["sv", "si", "x", "k", "p", "m"], body, {}, sim, key)
+    key = ("sort", dtype.str, indices, desc)
+    return row_kernel("sort", ["buf", "x", "k", "hp", "m"], body, {}, sim, key)
+
+
+def _rows_out(plan: Plan, lane: Lane, dst: Tensor, perm: list[int], m: int, k: int, name: str) -> tuple[Tensor, Tensor | None]:
+    """A (m, k) view to write the rows' results into: ``dst`` itself when it is
+    contiguous in the rows' order, else a temporary (returned second, to copy back)."""
+    moved = dst.transpose(perm)
+    if moved.is_contiguous:
+        isz = dst.dtype.itemsize
+        return view(moved, (m, k), (k * isz, isz)), None
+    tmp = alloc(plan, lane, (m, k), dst.dtype, name)
+    return tmp, tmp
 
 
 class Sort(TensorOp):
@@ -165,10 +196,9 @@ class Sort(TensorOp):
         ln = lane.on(x.device)
         plan.use(x._buffer, x)
         vo, io = self._outs(out)
-        want_v = self._kind in ("sort", "topk")
-        want_i = self._kind in ("argsort", "topk")
-        vres = output(plan, ln, name, vo, shape, x.dtype, x.device, (x,)) if want_v else None
-        ires = output(plan, ln, name, io, shape, _I64, x.device, (x,)) if want_i else None
+        kind = self._kind
+        vres = output(plan, ln, name, vo, shape, x.dtype, x.device, (x,)) if kind != "argsort" else None
+        ires = output(plan, ln, name, io, shape, _I64, x.device, (x,)) if kind != "sort" else None
         if math.prod(shape) != 0:
             if ax is None:
                 xc = contiguous(plan, ln, x)
@@ -177,27 +207,39 @@ class Sort(TensorOp):
             else:
                 rows, m, k = _as_rows(plan, ln, x, (ax,))
                 perm = [d for d in range(x.ndim) if d != ax] + [ax]
-            p = 1 << max(0, (k - 1).bit_length())
-            isz = x.dtype.itemsize
-            sv = alloc(plan, ln, (m, p), x.dtype, name)
-            si = alloc(plan, ln, (m, p), _I64, name)
-            launch(plan, ln, _sort_kernel(x.dtype, self._desc), (out_partition(sv), out_partition(si), rows, k, p, m))
+            hp = 1 << max(0, (k - 1).bit_length() - 1)  # half the power of two >= k
             lead = tuple(shape[d] for d in perm[:-1])
-            for res, scratch, size in ((vres, sv, isz), (ires, si, 8)):
-                if res is None:
-                    continue
-                # the first kout columns of the scratch rows, seen in the result's moved order
-                steps, acc = [], p * size
+            if kind == "sort":
+                assert vres is not None
+                buf, tmp = _rows_out(plan, ln, vres.t, perm, m, k, name)
+                launch(plan, ln, _sort_kernel(x.dtype, False, False), (out_partition(buf), rows, k, hp, m))
+                if tmp is not None:
+                    copy_into(plan, ln, vres.t.transpose(perm), tmp.reshape(*lead, k), name)
+            elif kind == "argsort":
+                assert ires is not None
+                buf, tmp = _rows_out(plan, ln, ires.t, perm, m, k, name)
+                launch(plan, ln, _sort_kernel(x.dtype, True, False), (out_partition(buf), rows, k, hp, m))
+                if tmp is not None:
+                    copy_into(plan, ln, ires.t.transpose(perm), tmp.reshape(*lead, k), name)
+            else:  # topk: the whole row's order in scratch, then its first kout columns
+                assert vres is not None and ires is not None
+                order = alloc(plan, ln, (m, k), _I64, name)
+                launch(plan, ln, _sort_kernel(x.dtype, True, self._desc), (out_partition(order), rows, k, hp, m))
+                first = view(order, (m, kout), (k * 8, 8))
+                vals, tmp = _rows_out(plan, ln, vres.t, perm, m, kout, name)
+                launch(plan, ln, gather_kernel(2, 1, x.dtype, _I64, False), (out_partition(vals), rows, first, m * kout))
+                if tmp is not None:
+                    copy_into(plan, ln, vres.t.transpose(perm), tmp.reshape(*lead, kout), name)
+                steps, acc = [], k * 8
                 for n in reversed(lead):
                     steps.append(acc)
                     acc *= n
-                src = view(scratch, (*lead, kout), (*reversed(steps), size))
-                copy_into(plan, ln, res.t.transpose(perm), src, name)
+                copy_into(plan, ln, ires.t.transpose(perm), view(order, (*lead, kout), (*reversed(steps), 8)), name)
         v = finish(plan, ln, vres, name) if vres is not None else None
         i = finish(plan, ln, ires, name) if ires is not None else None
-        if self._kind == "topk":
+        if kind == "topk":
             return (v, i)
-        return v if self._kind == "sort" else i
+        return v if kind == "sort" else i
 
 
 class _TopK(Sort):
