@@ -36,7 +36,7 @@ __all__ = ["Sort", "sort", "topk"]
 _I64 = np.dtype(np.int64)
 
 
-def _before(r: str, va: str, ia: str, vb: str, ib: str, desc: bool) -> list[str]:
+def _before(r: str, va: str, ia: str | None, vb: str, ib: str | None, desc: bool) -> list[str]:
     """Statements setting ``r`` to whether the entry of value ``va`` and index ``ia``
     comes before the entry (``vb``, ``ib``) (``ia``/``ib`` None: values only)."""
     tie = f"{ia} < {ib}" if ia is not None else "False"
@@ -60,7 +60,7 @@ def _exchange(indices: bool, desc: bool) -> list[str]:
         return [
             "va = buf[row, pa]",
             "vb = buf[row, pb]",
-            *_before("ba", "vb", None, "va", None, desc),  # type: ignore[arg-type]
+            *_before("ba", "vb", None, "va", None, desc),
             "if ba:",
             "    buf[row, pa] = vb",
             "    buf[row, pb] = va",
