@@ -76,6 +76,15 @@ def test_embedding_is_rows_of_the_weight() -> None:
     same(host(ops.embedding(up(w), up(ids))), w[ids])
 
 
+def test_bfloat16_and_float16_tables_are_gathered_bit_exact() -> None:
+    w = RNG.normal(size=(6, 4)).astype(np.float32)
+    ids = up(np.array([5, 0, -1], np.int64))
+    for dtype in ("bfloat16", np.float16):
+        table = api.from_host(w).astype(dtype).sync()
+        got = ops.embedding(table, ids).astype(np.float32).to_host().sync()
+        same(got, table.astype(np.float32).to_host().sync()[[5, 0, -1]])
+
+
 @pytest.mark.parametrize("bad", [3, -4, 100])
 async def test_an_index_out_of_range_fails_the_op(bad: int) -> None:
     x = await api.from_host(X)

@@ -42,6 +42,8 @@ ids = api.from_host(np.array([3, 9])).sync()
 g = ops.take(x, ids, 0, out=out).graph()
 g.launch().sync()
 check(out.to_host().sync(), a[[3, 0]])  # clamped inside a graph
+bf = x.astype("bfloat16").sync()
+check(ops.take(bf, i, 0).astype(np.float32).to_host().sync(), bf.astype(np.float32).to_host().sync()[idx])
 # elementwise math (finite inputs: the simulator's math module refuses sin(inf))
 s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, np.nan], np.float32)
 S = api.from_host(s).sync()

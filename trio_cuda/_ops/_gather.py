@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import arg_type, is_int
+from .._checks import BFLOAT16, arg_type, is_int
 from .._op import DeviceOp, TensorMath
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis, plan_read_to_host
@@ -177,17 +177,21 @@ class Gather(TensorOp):
         flat = dst if dst.is_contiguous else alloc(plan, ln, shape, x.dtype, name)
         isz = x.dtype.itemsize
         ostrides = tuple(s * isz for s in _c_steps(oshape))
-        o = out_partition(view(flat, oshape, ostrides))
+        dt = x.dtype
+        if dt == BFLOAT16:  # moved as its bits: the kernels have no bfloat16 type
+            dt = np.dtype(np.uint16)
+            xv = view(xv, xv.shape, xv.strides, dt)
+        o = out_partition(view(flat, oshape, ostrides, dt))
         if plan.capture is not None:
             # nothing can be read back from a graph: the kernel clamps, unreported
-            launch(plan, ln, gather_kernel(rank, gax, x.dtype, idx.dtype, False), (o, xv, iv, n))
+            launch(plan, ln, gather_kernel(rank, gax, dt, idx.dtype, False), (o, xv, iv, n))
         else:
             err = alloc(plan, ln, (2,), _I64, name)
             zero = elementwise_kernel("fill", "C(0)", (), 1, _I64, _I64, lambda: 0)
             launch(plan, ln, zero, (out_partition(err), 2))
             # (err seen with the output's rank: the partitions of a launch share one tile grid)
             errv = view(err, (1,) * (rank - 1) + (2,), (0,) * (rank - 1) + (8,))
-            launch(plan, ln, gather_kernel(rank, gax, x.dtype, idx.dtype, True), (o, out_partition(errv), xv, iv, n))
+            launch(plan, ln, gather_kernel(rank, gax, dt, idx.dtype, True), (o, out_partition(errv), xv, iv, n))
             flag = plan_read_to_host(plan, ln, err, np.empty(2, np.int64))
             axis_words = "the flattened tensor" if ax is None else f"axis {ax}"
 
