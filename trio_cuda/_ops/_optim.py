@@ -269,7 +269,8 @@ class OptimizerStep(TensorOp):
                     raise ValueError(
                         f"{name}: {w} {i} is not C-contiguous (a copy: ops.copy(t); parameters and states are updated in place)"
                     )
-        device_of(name, tensors)
+        if tensors:
+            device_of(name, tensors)
         # a written tensor must not share memory with any other operand (a state passed
         # for two parameters, a parameter listed twice, a gradient that is its parameter)
         by_buffer: dict[int, list[tuple[str, Tensor, bool]]] = {}
