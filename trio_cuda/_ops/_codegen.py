@@ -39,11 +39,13 @@ _MODULE = "trio_cuda._ops.generated"
 @dataclass(frozen=True)
 class Load:
     """How an operand enters the expression: ``array`` (a view) or ``scalar``; ``cast``:
-    to the compute dtype (else raw); ``truth``: as a bool (``!= 0``)."""
+    to the compute dtype (else raw); ``truth``: as a bool (``!= 0``); ``bf16``: an array of
+    bfloat16 bits (see half_view), decoded first."""
 
     array: bool
     cast: bool = True
     truth: bool = False
+    bf16: bool = False
 
 
 def _np_name(dt: np.dtype[Any]) -> str:
@@ -208,6 +210,8 @@ def elementwise_kernel(
             first, idx = _unravel(rank, f"i{j}", f"{j}_")
             for k, ld in enumerate(loads):
                 src = f"a{k}[{idx}]" if ld.array else f"s{k}"
+                if ld.bf16:
+                    src = f"BF16_IN({src})"
                 if ld.truth:
                     first.append(f"x{k}_{j} = {src} != 0")
                 elif ld.cast:
@@ -215,7 +219,10 @@ def elementwise_kernel(
                 else:
                     first.append(f"x{k}_{j} = {src}")
             e = re.sub(r"\bx(\d+)\b", rf"x\1_{j}", expr)
-            store = f"out[{idx}] = r{j}_v != 0" if out_dtype == np.bool_ else f"out[{idx}] = O(r{j}_v)"
+            if out_dtype == np.bool_:
+                store = f"out[{idx}] = r{j}_v != 0"
+            else:
+                store = f"out[{idx}] = {store_expr(f'r{j}_v', out_dtype)}"
             return first, [f"r{j}_v = {e}", store]
 
         # each thread takes elements t, t + 256, t + 512, t + 768 of its block's 1024: the
@@ -235,11 +242,13 @@ def elementwise_kernel(
         src = f"def {fname}({', '.join(params)}):\n"
         src += "".join(f"    {line}\n" for line in body)
         c_type = getattr(np, _np_name(compute))
-        o_type = getattr(np, _np_name(out_dtype))
+        o_type = np.uint16 if out_dtype == BFLOAT16 else getattr(np, _np_name(out_dtype))
 
         def sim(out: np.ndarray, *args: Any) -> None:
             xs = []
             for ld, a in zip(loads, args[:-1], strict=True):
+                if ld.bf16:
+                    a = bf16_to_f32(a)
                 if ld.truth:
                     xs.append(np.asarray(a) != 0)
                 elif ld.cast:
@@ -248,7 +257,10 @@ def elementwise_kernel(
                     xs.append(a)
             with np.errstate(all="ignore"):
                 r = np_fn(*xs)
-                np.copyto(out, r, casting="unsafe")
+                if out_dtype == BFLOAT16:
+                    np.copyto(out, f32_to_bf16(np.broadcast_to(r, out.shape)))
+                else:
+                    np.copyto(out, r, casting="unsafe")
 
         return make_kernel(fname, src, {"C": c_type, "O": o_type}, sim, unrolled_geometry)
 
