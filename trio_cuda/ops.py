@@ -22,7 +22,21 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _attention, _create, _elementwise, _gather, _math, _matmul, _random, _reduce, _scan, _sort, _stats
+from ._ops import (
+    _attention,
+    _create,
+    _elementwise,
+    _gather,
+    _loss,
+    _math,
+    _matmul,
+    _optim,
+    _random,
+    _reduce,
+    _scan,
+    _sort,
+    _stats,
+)
 from ._tensor import Partition, Tensor
 
 # abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
@@ -101,6 +115,12 @@ __all__ = [
     "uniform",
     "where",
     "zeros_like",
+    # training
+    "adamw_step",
+    "cross_entropy",
+    "cross_entropy_grad",
+    "dropout",
+    "sgd_step",
 ]
 
 TensorLike = Any  # a Tensor, a Partition, a DeviceOp producing one, or a scalar
@@ -552,6 +572,95 @@ def normal(
 ) -> Op:
     """Normal numbers (Box-Muller on Philox4x32-10), counter-based like :func:`uniform`."""
     return _random.random("normal", shape, seed, mean, std, dtype, offset, device, out)
+
+
+# -- training ------------------------------------------------------------------------------------------
+def cross_entropy(
+    logits: TensorLike,
+    labels: TensorLike,
+    *,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+    out: TensorLike = None,
+) -> Op:
+    """``logsumexp(logits[i]) - logits[i, labels[i]]`` for each row ``i``, averaged
+    (``reduction="mean"``, a 0-d tensor), summed (``"sum"``) or kept (``"none"``, the
+    labels' shape), as ``torch.nn.functional.cross_entropy`` of (N, C) logits and N
+    integer labels; the classes are the last axis, so (B, T, C) logits take (B, T) labels.
+    Rows whose label is ``ignore_index`` count for nothing (the mean of none is NaN, as
+    PyTorch's); a label outside [0, C) makes its row's loss NaN. The logits' dtype,
+    computed in float32 (float64 for float64). ``"none"`` is one kernel launch; the mean
+    and the sum add the rows' losses in a fixed order through a temporary (inside a graph
+    capture, use ``"none"`` with ``out=`` and ``ops.mean(..., out=...)``)."""
+    return _loss.cross_entropy(logits, labels, ignore_index, reduction, out, grad=False)
+
+
+def cross_entropy_grad(
+    logits: TensorLike,
+    labels: TensorLike,
+    *,
+    ignore_index: int | None = None,
+    reduction: str = "mean",
+    out: TensorLike = None,
+) -> Op:
+    """The gradient of :func:`cross_entropy` (``reduction`` "mean" or "sum") with respect
+    to the logits, in one kernel launch and without temporaries (it captures):
+    ``(softmax(logits[i]) - onehot(labels[i])) / count`` for each row (``count``: the rows
+    not ignored; 1 for the sum), zero for ignored rows; the logits' shape and dtype."""
+    return _loss.cross_entropy(logits, labels, ignore_index, reduction, out, grad=True)
+
+
+def dropout(x: TensorLike, p: float, seed: Any, *, offset: Any = 0, out: TensorLike = None) -> Op:
+    """``x`` with each element zeroed with probability ``p`` and the rest divided by
+    ``1 - p``. Element ``i`` is kept where ``uniform(..., seed=seed, offset=offset)[i] >=
+    p`` (the same Philox numbers on both backends); ``seed`` and ``offset`` may be 0-d
+    integer tensors, read on the device (a captured step draws a new mask per replay when
+    they change). The backward is ``dropout(grad, p, seed, offset=offset)``."""
+    return _random.dropout(x, p, seed, offset, out)
+
+
+def sgd_step(
+    params: Sequence[TensorLike],
+    grads: Sequence[TensorLike],
+    momentum_buffers: Sequence[TensorLike] | None = None,
+    *,
+    lr: Any,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> DeviceOp[tuple[Tensor, ...]]:
+    """One SGD step on every parameter, in place, as ``torch.optim.SGD``: ``g = grad +
+    weight_decay * p``; with momentum ``buf = momentum * buf + (1 - dampening) * g`` and
+    ``g = buf`` (``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. One kernel
+    launch per parameter. ``lr`` is a number (baked into a captured graph) or a 0-d tensor
+    (read at each run). The buffers start at zero (PyTorch's first step copies the
+    gradient instead: the same unless ``dampening`` is set). The op's output is the tuple
+    of the parameters."""
+    return _optim.sgd_step(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov)  # type: ignore[return-value]
+
+
+def adamw_step(
+    params: Sequence[TensorLike],
+    grads: Sequence[TensorLike],
+    exp_avgs: Sequence[TensorLike],
+    exp_avg_sqs: Sequence[TensorLike],
+    *,
+    lr: Any,
+    step: Any,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> DeviceOp[tuple[Tensor, ...]]:
+    """One AdamW step on every parameter, in place, with PyTorch's formula: ``p *= 1 - lr *
+    weight_decay``; ``m = b1 m + (1 - b1) g``; ``v = b2 v + (1 - b2) g^2``; ``p -= lr / (1 -
+    b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)``. One kernel launch per parameter.
+    ``lr`` and ``step`` (the 1-based number of this update) are numbers or 0-d tensors read
+    on the device, so a captured step is replayed with new values without re-capturing:
+    increment the step tensor in the step itself (``ops.add(step, 1, out=step)``). States
+    are zero-initialised tensors of the parameter's dtype or float32. The op's output is the
+    tuple of the parameters."""
+    return _optim.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, betas, eps, weight_decay)  # type: ignore[return-value]
 
 
 # -- creation, casts, joins ------------------------------------------------------------------------------

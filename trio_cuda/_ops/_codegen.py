@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from .._checks import BFLOAT16
 from .._kernel import Kernel
+from .._tensor import Tensor
 from ._core import flat_geometry, rows_geometry, unrolled_geometry
 
 __all__ = ["Load", "elementwise_kernel", "make_kernel", "row_loop"]
@@ -37,11 +39,13 @@ _MODULE = "trio_cuda._ops.generated"
 @dataclass(frozen=True)
 class Load:
     """How an operand enters the expression: ``array`` (a view) or ``scalar``; ``cast``:
-    to the compute dtype (else raw); ``truth``: as a bool (``!= 0``)."""
+    to the compute dtype (else raw); ``truth``: as a bool (``!= 0``); ``bf16``: an array of
+    bfloat16 bits (see half_view), decoded first."""
 
     array: bool
     cast: bool = True
     truth: bool = False
+    bf16: bool = False
 
 
 def _np_name(dt: np.dtype[Any]) -> str:
@@ -62,6 +66,7 @@ def make_kernel(
     filename = f"<trio_cuda.ops {name} {digest}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     g: dict[str, Any] = {"cuda": cuda, "math": math, "np": np, "__name__": _MODULE}
+    g.update(half_globals())
     g.update(globals_)
     exec(compile(source, filename, "exec"), g)
     fn = g[name]
@@ -79,6 +84,86 @@ def cached(key: Any, build: Callable[[], Kernel]) -> Kernel:
             if k is None:
                 k = _kernels[key] = build()
     return k
+
+
+# -- bfloat16 in kernels: loaded as float32, stored rounded once -------------------------------
+# numba has no bfloat16 arrays: kernels see bfloat16 tensors as uint16 views (see half_view)
+# and convert with BF16_IN (exact: the bits are the top half of a float32) and BF16_OUT
+# (round to nearest even, NaN kept quiet), which every generated kernel may call. On CUDA
+# they are register bit casts (libdevice); numba's simulator has no libdevice, so there
+# the same bits go through a one-element local array viewed as the other type.
+_BF16_CUDA = """
+def BF16_IN(u):
+    return libdevice.int_as_float(np.int32(np.uint32(u) << np.uint32(16)))
+
+def BF16_OUT(f):
+    u = np.uint32(libdevice.float_as_int(np.float32(f)))
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+"""
+_BF16_SIMULATOR = """
+def BF16_IN(u):
+    b = cuda.local.array(1, np.uint32)
+    b[0] = np.uint32(u) << np.uint32(16)
+    return b.view(np.float32)[0]
+
+def BF16_OUT(f):
+    b = cuda.local.array(1, np.float32)
+    b[0] = np.float32(f)
+    u = b.view(np.uint32)[0]
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+"""
+_half: dict[str, Any] = {}
+
+
+def half_globals() -> dict[str, Any]:
+    """``BF16_IN`` and ``BF16_OUT``, numba device functions (see above)."""
+    if not _half:
+        from numba import config, cuda
+        from numba.cuda import libdevice
+
+        src = _BF16_SIMULATOR if config.ENABLE_CUDASIM else _BF16_CUDA
+        filename = "<trio_cuda.ops bfloat16>"
+        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+        g: dict[str, Any] = {"cuda": cuda, "np": np, "libdevice": libdevice, "__name__": _MODULE}
+        exec(compile(src, filename, "exec"), g)
+        # (called under _lock, by make_kernel: setdefault keeps the first of racing threads)
+        for name in ("BF16_IN", "BF16_OUT"):
+            g[name].__module__ = _MODULE
+            _half.setdefault(name, cuda.jit(device=True)(g[name]))
+    return _half
+
+
+def half_view(t: Any) -> Any:
+    """``t`` as a kernel sees it: a bfloat16 tensor as its uint16 bits, others as they are."""
+    if t.dtype != BFLOAT16:
+        return t
+    return Tensor._new(t._buffer, t.shape, np.dtype(np.uint16), t._offset, t.strides, t._tracked)
+
+
+def load_expr(src: str, dtype: np.dtype[Any], to: str) -> str:
+    """Source loading ``src`` (an element of a tensor of ``dtype``) as constructor ``to``'s type."""
+    return f"{to}(BF16_IN({src}))" if dtype == BFLOAT16 else f"{to}({src})"
+
+
+def store_expr(value: str, dtype: np.dtype[Any], to: str = "O") -> str:
+    """Source converting ``value`` for a store into a tensor of ``dtype`` (constructor ``to``)."""
+    return f"BF16_OUT({value})" if dtype == BFLOAT16 else f"{to}({value})"
+
+
+def bf16_to_f32(a: np.ndarray) -> np.ndarray:
+    """The numpy twin of BF16_IN on an array of uint16 bits."""
+    return (np.asarray(a).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(r: Any) -> np.ndarray:
+    """The numpy twin of BF16_OUT: uint16 bits of ``r`` rounded to bfloat16 (through float32)."""
+    out = np.empty(np.shape(r), np.uint16)
+    _to_bf16_sim(out, np.asarray(r, np.float32).view(np.uint32), 0)
+    return out
 
 
 # -- elementwise ----------------------------------------------------------------------------
@@ -125,6 +210,8 @@ def elementwise_kernel(
             first, idx = _unravel(rank, f"i{j}", f"{j}_")
             for k, ld in enumerate(loads):
                 src = f"a{k}[{idx}]" if ld.array else f"s{k}"
+                if ld.bf16:
+                    src = f"BF16_IN({src})"
                 if ld.truth:
                     first.append(f"x{k}_{j} = {src} != 0")
                 elif ld.cast:
@@ -132,7 +219,10 @@ def elementwise_kernel(
                 else:
                     first.append(f"x{k}_{j} = {src}")
             e = re.sub(r"\bx(\d+)\b", rf"x\1_{j}", expr)
-            store = f"out[{idx}] = r{j}_v != 0" if out_dtype == np.bool_ else f"out[{idx}] = O(r{j}_v)"
+            if out_dtype == np.bool_:
+                store = f"out[{idx}] = r{j}_v != 0"
+            else:
+                store = f"out[{idx}] = {store_expr(f'r{j}_v', out_dtype)}"
             return first, [f"r{j}_v = {e}", store]
 
         # each thread takes elements t, t + 256, t + 512, t + 768 of its block's 1024: the
@@ -152,11 +242,13 @@ def elementwise_kernel(
         src = f"def {fname}({', '.join(params)}):\n"
         src += "".join(f"    {line}\n" for line in body)
         c_type = getattr(np, _np_name(compute))
-        o_type = getattr(np, _np_name(out_dtype))
+        o_type = np.uint16 if out_dtype == BFLOAT16 else getattr(np, _np_name(out_dtype))
 
         def sim(out: np.ndarray, *args: Any) -> None:
             xs = []
             for ld, a in zip(loads, args[:-1], strict=True):
+                if ld.bf16:
+                    a = bf16_to_f32(a)
                 if ld.truth:
                     xs.append(np.asarray(a) != 0)
                 elif ld.cast:
@@ -165,7 +257,10 @@ def elementwise_kernel(
                     xs.append(a)
             with np.errstate(all="ignore"):
                 r = np_fn(*xs)
-                np.copyto(out, r, casting="unsafe")
+                if out_dtype == BFLOAT16:
+                    np.copyto(out, f32_to_bf16(np.broadcast_to(r, out.shape)))
+                else:
+                    np.copyto(out, r, casting="unsafe")
 
         return make_kernel(fname, src, {"C": c_type, "O": o_type}, sim, unrolled_geometry)
 

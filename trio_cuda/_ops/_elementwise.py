@@ -17,7 +17,7 @@ import numpy as np
 from .._checks import BFLOAT16, arg_type
 from .._plan import Lane, Plan
 from .._tensor import Tensor
-from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel
+from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel, half_view
 from ._core import (
     Out,
     TensorOp,
@@ -147,18 +147,24 @@ UFUNCS: dict[str, Ufunc] = {
 def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(loop dtype the inputs are cast to, result dtype) by numpy's rules for ``u``."""
     name = f"ops.{u.name}"
-    if any(isinstance(x, Tensor) and x.dtype == BFLOAT16 for x in operands):
-        raise TypeError(
-            f"{name}: bfloat16 tensors support matmul, linear, copies and astype; convert with .astype(np.float32) for other ops"
-        )
     key: list[Any] = []
+    bf16 = fp16 = False
     for x in operands:
         if isinstance(x, Tensor):
-            if x.dtype.kind not in u.kinds:
+            dt = x.dtype
+            if dt == BFLOAT16:  # resolved as float16 (its numpy stand-in), then mapped back
+                if "f" not in u.kinds:
+                    raise TypeError(f"{name}: tensors of dtype {dt} are not supported (kinds {u.kinds!r})")
+                bf16 = True
+                dt = np.dtype(np.float16)
+            elif dt.kind not in u.kinds:
                 raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported")
-            key.append(x.dtype)
+            else:
+                fp16 = fp16 or dt == np.float16
+            key.append(dt)
         elif isinstance(x, (np.generic, bool)):
             key.append(np.asarray(x).dtype)  # numpy scalars strong; a Python bool is numpy's bool
+            fp16 = fp16 or key[-1] == np.float16
         else:
             key.append(type(x))
     if u.weak_second is not None:
@@ -167,6 +173,9 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
         dts = u.like.resolve_dtypes((*key, None))
     except TypeError as err:
         raise TypeError(f"{name}: {err}") from None
+    if bf16:  # bfloat16 with bfloat16 (or ints, or weak scalars) stays bfloat16; with float16, float32 (as PyTorch)
+        half: np.dtype[Any] = np.dtype(np.float32) if fp16 else BFLOAT16  # type: ignore[assignment]
+        return (half if dts[0] == np.float16 else dts[0]), (half if dts[-1] == np.float16 else dts[-1])
     return dts[0], dts[-1]
 
 
@@ -197,7 +206,8 @@ def _plan_elementwise(
     shape = broadcast_shape(name, *(t.shape for t in tensors))
     for t in tensors:
         plan.use(t._buffer, t)
-    res = output(plan, ln, name, out, shape, result, dev, tensors, inplace_ok=True, casts=True)
+    # (a bfloat16 result stored into out= of another dtype rounds to bfloat16 first: a temporary)
+    res = output(plan, ln, name, out, shape, result, dev, tensors, inplace_ok=True, casts=result != BFLOAT16)
     dst = res.t
     if 0 in shape:
         return finish(plan, ln, res, name)
@@ -205,19 +215,20 @@ def _plan_elementwise(
     arrays = [broadcast_view(t, shape) for t in tensors]
     new_shape, strides = coalesce(shape, [dst.strides] + [a.strides for a in arrays])
     rank = len(new_shape)
-    o = view(dst, new_shape, strides[0])
-    views = iter(view(a, new_shape, s) for a, s in zip(arrays, strides[1:], strict=True))
+    o = half_view(view(dst, new_shape, strides[0]))  # (bfloat16 as its bits: see _codegen)
+    views = iter(half_view(view(a, new_shape, s)) for a, s in zip(arrays, strides[1:], strict=True))
     args: list[Any] = [out_partition(o)]
     loads: list[Load] = []
     for x, kind in zip(operands, loads_kind, strict=True):
         array = isinstance(x, Tensor)
-        loads.append(Load(array, kind == "num", kind == "truth"))
+        loads.append(Load(array, kind == "num", kind == "truth", array and x.dtype == BFLOAT16))
         if array:
             args.append(next(views))
         else:
             args.append(_scalar(x, compute if kind == "num" else np.dtype(np.float64), name))
     args.append(math.prod(new_shape))
-    k = elementwise_kernel(name.removeprefix("ops."), expr, tuple(loads), rank, compute, result, np_fn)
+    stored = dst.dtype if dst.dtype == BFLOAT16 else result
+    k = elementwise_kernel(name.removeprefix("ops."), expr, tuple(loads), rank, compute, stored, np_fn)
     launch(plan, ln, k, tuple(args))
     return finish(plan, ln, res, name)
 
@@ -299,10 +310,7 @@ class Where(TensorOp):
 
     def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
         cond, x, y, out = args
-        if isinstance(cond, Tensor) and cond.dtype == BFLOAT16:
-            raise TypeError("ops.where: a bfloat16 condition; compare it first or use astype(np.float32)")
         result = promote(self.name, [x, y])
-        _resolve(UFUNCS["add"], (x, y))  # refuses bfloat16 values with the common message
         if not isinstance(cond, Tensor):
             cond = bool(cond)
         return _plan_elementwise(

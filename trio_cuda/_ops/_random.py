@@ -14,20 +14,21 @@ log and cos).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 import numpy as np
 
-from .._checks import check_dtype, check_shape, is_int, is_scalar
+from .._checks import BFLOAT16, check_dtype, check_shape, is_int, is_scalar
 from .._plan import Lane, Plan
 from .._registry import as_device
 from .._tensor import Tensor
-from ._codegen import cached, make_kernel
-from ._core import TensorOp, alloc, check_out, flat_geometry, launch, out_partition, view
-from ._elementwise import copy_into
+from ._codegen import bf16_to_f32, cached, f32_to_bf16, half_view, load_expr, make_kernel, store_expr
+from ._core import TensorOp, alloc, check_out, flat_geometry, launch, operand, out_partition, output, view
+from ._elementwise import contiguous, copy_into, finish
 
-__all__ = ["Random", "philox"]
+__all__ = ["Dropout", "Random", "dropout", "philox"]
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
@@ -222,3 +223,117 @@ def random(dist: str, shape: Any, seed: Any, a: Any, b: Any, dtype: Any, offset:
             raise ValueError(f"{name}: out= is on device {out.device.ordinal}, not the device asked for ({dev.ordinal})")
         dev = out.device
     return Random(dist, (shp, dt, int(seed), int(offset), a, b, dev, out))
+
+
+# -- dropout --------------------------------------------------------------------------------------
+def _dropout_kernel(x_dt: np.dtype[Any], o_dt: np.dtype[Any], seed_dt: np.dtype[Any] | None, off_dt: np.dtype[Any] | None) -> Any:
+    """``out[i] = x[i] * scale`` where the uniform of counter ``i + offset`` is >= ``p``,
+    else 0; ``seed`` and ``offset`` are numbers or one-element tensors (read per thread)."""
+    key = ("dropout", x_dt.str, o_dt.str, seed_dt and seed_dt.str, off_dt and off_dt.str)
+
+    def build() -> Any:
+        fname = f"dropout__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+        seed = "np.uint64(seed[0])" if seed_dt is not None else "np.uint64(seed)"
+        off = "np.uint64(offset[0])" if off_dt is not None else "np.uint64(offset)"
+        src = (
+            f"def {fname}(out, x, seed, offset, p, scale, n):\n"
+            "    i = cuda.grid(1)\n"
+            "    if i < n:\n"
+            f"        s_ = {seed}\n"
+            "        key0 = s_ & MASK\n"
+            "        key1 = s_ >> np.uint64(32)\n"
+            f"        ctr = np.uint64(i) + {off}\n" + _PHILOX_SRC.replace("\n    ", "\n        ") + ""
+            "        v = np.float32(np.float32(c0 >> np.uint64(8)) * np.float32(5.960464477539063e-08))\n"
+            "        r = np.float32(0)\n"
+            "        if v >= np.float32(p):\n"
+            f"            r = {load_expr('x[i]', x_dt, 'np.float32')} * np.float32(scale)\n"
+            f"        out[i] = {store_expr('r', o_dt)}\n"
+        )
+
+        def sim(out: np.ndarray, x: np.ndarray, seed: Any, offset: Any, p: float, scale: float, n: int) -> None:
+            s = int(np.asarray(seed).reshape(-1)[0]) & ((1 << 64) - 1)
+            o = int(np.asarray(offset).reshape(-1)[0]) & ((1 << 64) - 1)
+            w0 = philox(np.arange(n, dtype=np.uint64) + np.uint64(o), s)[0]
+            v = (w0 >> np.uint64(8)).astype(np.float32) * np.float32(5.960464477539063e-08)
+            xs = bf16_to_f32(x) if x_dt == BFLOAT16 else np.asarray(x).astype(np.float32)
+            with np.errstate(all="ignore"):
+                r = np.where(v >= np.float32(p), xs * np.float32(scale), np.float32(0))
+            if o_dt == BFLOAT16:
+                np.copyto(out, f32_to_bf16(r))
+            else:
+                np.copyto(out, r, casting="unsafe")
+
+        g = {"O": np.uint16 if o_dt == BFLOAT16 else o_dt.type, "MASK": np.uint64(_MASK)}
+        g.update({"M0": np.uint64(_M0), "M1": np.uint64(_M1), "W0": np.uint64(_W0), "W1": np.uint64(_W1)})
+        return make_kernel(fname, src, g, sim, flat_geometry)
+
+    return cached(key, build)
+
+
+class Dropout(TensorOp):
+    __slots__ = ()
+    _cacheable = True
+    name = "ops.dropout"
+
+    def _check(self, *args: Any) -> None:
+        x, _p, seed, offset, out = args
+        if not isinstance(x, Tensor):
+            raise TypeError(f"ops.dropout: needs a tensor, not {type(x).__name__}")
+        if x.dtype.kind != "f" and x.dtype != BFLOAT16:
+            raise TypeError(f"ops.dropout: needs a floating tensor, not {x.dtype}")
+        for what, v in (("seed", seed), ("offset", offset)):
+            if isinstance(v, Tensor):
+                if v.size != 1 or v.dtype.kind not in "iu":
+                    raise TypeError(
+                        f"ops.dropout: {what} must be an int or a one-element integer tensor, not {v.dtype} {v.shape}"
+                    )
+                if v.device is not x.device:
+                    raise ValueError(f"ops.dropout: {what} is on device {v.device.ordinal}, x on {x.device.ordinal}")
+        if out is not None:
+            check_out(self.name, out, x.shape, x.dtype, x.device)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        x, p, seed, offset, out = args
+        ln = lane.on(x.device)
+        plan.use(x._buffer, x)
+        res = output(plan, ln, self.name, out, x.shape, x.dtype, x.device, (x,), inplace_ok=True)
+        n = x.size
+        if n == 0:
+            return finish(plan, ln, res, self.name)
+        dst = res.t
+        flat = dst if dst.is_contiguous else alloc(plan, ln, x.shape, x.dtype, self.name)
+        isz = x.dtype.itemsize
+        xs = view(half_view(contiguous(plan, ln, x)), (n,), (isz,))
+        scalars: list[Any] = []
+        dts: list[Any] = []
+        for v in (seed, offset):
+            if isinstance(v, Tensor):
+                plan.use(v._buffer, v)
+                scalars.append(view(v, (1,), (v.dtype.itemsize,)))
+                dts.append(v.dtype)
+            else:
+                scalars.append(np.uint64(v))
+                dts.append(None)
+        scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+        k = _dropout_kernel(x.dtype, x.dtype, dts[0], dts[1])
+        launch(plan, ln, k, (out_partition(view(half_view(flat), (n,), (isz,))), xs, *scalars, float(p), scale, n))
+        if flat is not dst:
+            copy_into(plan, ln, dst, flat, self.name)
+        return finish(plan, ln, res, self.name)
+
+
+def dropout(x: Any, p: Any, seed: Any, offset: Any, out: Any) -> Dropout:
+    name = "ops.dropout"
+    if not is_scalar(p) or isinstance(p, (bool, np.bool_, complex)) or not 0.0 <= float(p) <= 1.0:
+        raise ValueError(f"{name}: p must be a probability in [0, 1], not {p!r}")
+    args: list[Any] = []
+    for what, v in (("seed", seed), ("offset", offset)):
+        if is_int(v):
+            if not 0 <= int(v) < 2**64:
+                raise ValueError(f"{name}: {what} must be an int in [0, 2**64), not {v!r}")
+            args.append(int(v))
+        elif v is None or is_scalar(v):
+            raise TypeError(f"{name}: {what} must be an int or a one-element integer tensor, not {v!r}")
+        else:
+            args.append(operand(v, name, what))
+    return Dropout((operand(x, name), float(p), args[0], args[1], None if out is None else operand(out, name)))

@@ -19,7 +19,7 @@ import numpy as np
 from .._checks import BFLOAT16, arg_type, is_int, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
-from ._codegen import block_reduce, row_kernel, row_loop
+from ._codegen import bf16_to_f32, block_reduce, f32_to_bf16, half_view, row_kernel, row_loop, store_expr
 from ._core import TensorOp, alloc, check_out, compute_dtype, launch, one_stride, operand, out_partition, output, view
 from ._elementwise import contiguous, copy_into, finish
 
@@ -30,7 +30,30 @@ _MIN = "({p} if ({p} <= {q} or {p} != {p}) else {q})"
 
 
 def _np_name(dt: np.dtype[Any]) -> str:
+    if dt == BFLOAT16:
+        return "uint16"  # kernels see bfloat16 as its bits (see _codegen.half_view)
     return "bool_" if dt == np.bool_ else dt.name
+
+
+def _ld(src: str, bf16: bool) -> str:
+    """Source loading element ``src`` into the accumulator type ``A``."""
+    return f"A(BF16_IN({src}))" if bf16 else f"A({src})"
+
+
+def _st(value: str, res: np.dtype[Any]) -> str:
+    return store_expr(value, res)
+
+
+def _host_in(x: np.ndarray, bf16: bool, a_t: Any) -> Any:
+    """A kernel argument's values (numpy twin), bfloat16 bits decoded, as ``a_t``."""
+    return (bf16_to_f32(x) if bf16 else x).astype(a_t)
+
+
+def _host_out(out: np.ndarray, r: Any, res: np.dtype[Any]) -> None:
+    if res == BFLOAT16:
+        np.copyto(out, f32_to_bf16(np.broadcast_to(r, out.shape)))
+    else:
+        np.copyto(out, r, casting="unsafe")
 
 
 def _axes(name: str, axis: Any, ndim: int) -> tuple[int, ...]:
@@ -65,13 +88,18 @@ def _as_rows(plan: Plan, lane: Lane, x: Tensor, axes: Sequence[int]) -> tuple[Te
 def _check_float(name: str, x: Tensor) -> None:
     if x.dtype.kind != "f" and x.dtype != BFLOAT16:
         raise TypeError(f"{name}: needs a floating tensor, got {x.dtype}")
-    if x.dtype == BFLOAT16:
-        raise TypeError(f"{name}: bfloat16 tensors: convert with .astype(np.float32) first")
 
 
 # -- sum, mean, prod, max, min, argmax, argmin, any, all ----------------------------------------------------------------
 def _reduce_dtypes(kind: str, dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(accumulator dtype, result dtype) of reduction ``kind`` over ``dt`` (numpy's results)."""
+    if dt == BFLOAT16:  # as numpy's float16: accumulated in float32, bfloat16 results
+        f32 = np.dtype(np.float32)
+        if kind in ("argmax", "argmin"):
+            return f32, np.dtype(np.int64)
+        if kind in ("any", "all"):
+            return np.dtype(np.uint8), np.dtype(np.bool_)
+        return f32, dt
     z = np.zeros(1, dt)
     if kind == "sum":
         res = z.sum().dtype
@@ -106,7 +134,8 @@ def _init(kind: str, acc: np.dtype[Any]) -> str:
 
 
 @functools.cache  # the kernel source is built once per key
-def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
+def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any], bf16: bool = False) -> Any:
+    """``bf16``: the input is bfloat16 (its bits)."""
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
     if kind in ("argmax", "argmin"):
         # argmin is argmax with the order reversed (NaN still wins, the first one)
@@ -118,7 +147,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "bi = np.int64(-1)",
             "c = t_",
             "while c < k:",
-            "    v = A(x[row, c])",
+            f"    v = {_ld('x[row, c]', bf16)}",
             f"    if bi < 0 or (best == best and (v {gt} best or v != v)):",
             "        best = v",
             "        bi = c",
@@ -155,7 +184,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
         np_arg = np.argmax if kind == "argmax" else np.argmin
 
         def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
-            np.copyto(out, np_arg(x.astype(a_t), axis=1), casting="unsafe")
+            np.copyto(out, np_arg(_host_in(x, bf16, a_t), axis=1), casting="unsafe")
 
     else:
         combine = {
@@ -168,17 +197,24 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "all": _MIN,
         }[kind]
         final = "acc / A(k)" if kind == "mean" else "acc"
+
         # any and all load truth values (NaN is true), as numpy's
-        load = "A(x[row, {c}] != 0)" if kind in ("any", "all") else "A(x[row, {c}])"
+        def load(src: str) -> str:
+            if kind in ("any", "all"):
+                return f"A(BF16_IN({src}) != 0)" if bf16 else f"A({src} != 0)"
+            return _ld(src, bf16)
+
         body = [
             "sm = cuda.shared.array(256, A)",
             f"acc = {_init(kind, acc)}",
             *row_loop(
-                lambda c, j: [f"v{j} = {load.format(c=c)}"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"], 8
+                lambda c, j: [f"v{j} = {load(f'x[row, {c}]')}"],
+                lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"],
+                8,
             ),
             *block_reduce("acc", combine),
             "if t_ == 0:",
-            f"    out[row] = O({final})",
+            f"    out[row] = {_st(final, res)}",
         ]
         fns: dict[str, Callable[..., Any]] = {
             "sum": np.sum,
@@ -196,14 +232,14 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
                 if k == 0 and kind in ("sum", "mean", "prod", "any", "all"):
                     r = np.full(out.shape, 1 if kind in ("prod", "all") else 0, a_t)
                 elif kind in ("any", "all"):
-                    r = np_fn(x != 0, axis=1)
+                    r = np_fn((bf16_to_f32(x) if bf16 else x) != 0, axis=1)
                 else:
-                    r = np_fn(x.astype(a_t), axis=1)
+                    r = np_fn(_host_in(x, bf16, a_t), axis=1)
                 if kind == "mean":
                     r = r / a_t(k)
-            np.copyto(out, r, casting="unsafe")
+            _host_out(out, r, res)
 
-    return row_kernel(kind, ["out", "x", "k", "m"], body, {"A": a_t, "O": o_t}, sim, ("reduce", kind, acc.str, res.str))
+    return row_kernel(kind, ["out", "x", "k", "m"], body, {"A": a_t, "O": o_t}, sim, ("reduce", kind, acc.str, res.str, bf16))
 
 
 class Reduce(TensorOp):
@@ -219,7 +255,7 @@ class Reduce(TensorOp):
         """(reduced axes, result shape)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
-        if x.dtype == BFLOAT16 or x.dtype.kind not in "biuf":
+        if x.dtype != BFLOAT16 and x.dtype.kind not in "biuf":
             raise TypeError(f"{self.name}: tensors of dtype {x.dtype} are not supported (convert with astype)")
         if self._kind in ("argmax", "argmin") and isinstance(axis, (tuple, list)):
             raise TypeError(f"{self.name}: axis must be an int or None")
@@ -254,8 +290,9 @@ class Reduce(TensorOp):
         if m == 0:
             return finish(plan, ln, result, self.name)
         flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, self.name)
-        o = view(flat, (m,), (res.itemsize,))
-        launch(plan, ln, _reduce_kernel(self._kind, acc, res), (out_partition(o), rows, k, m))
+        o = half_view(view(flat, (m,), (res.itemsize,)))
+        kernel = _reduce_kernel(self._kind, acc, res, x.dtype == BFLOAT16)
+        launch(plan, ln, kernel, (out_partition(o), half_view(rows), k, m))
         if flat is not dst:
             copy_into(plan, ln, dst, flat, self.name)
         return finish(plan, ln, result, self.name)
@@ -272,27 +309,32 @@ def reduce(kind: str, x: Any, axis: Any = None, keepdims: bool = False, out: Any
 @functools.cache  # the kernel source is built once per key
 def _softmax_kernel(log: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
-    write = "O(v{j} - ls)" if log else "O(math.exp(v{j}) * rs)"
+    bf16 = res == BFLOAT16  # the input's dtype too
+    write = _st("v{j} - ls", res) if log else _st("math.exp(v{j}) * rs", res)
     body = [
         "sm = cuda.shared.array(256, A)",
         "mx = A(-math.inf)",
-        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"], 8),
+        *row_loop(
+            lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"], 8
+        ),
         *block_reduce("mx", _MAX),
         "s = A(0)",
-        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"s += math.exp(v{j})"], 8),
+        *row_loop(lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)} - mx"], lambda c, j: [f"s += math.exp(v{j})"], 8),
         *block_reduce("s", "{p} + {q}"),
         "ls = math.log(s)",
         "rs = A(1) / s",
-        *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - mx"], lambda c, j: [f"out[row, {c}] = {write.format(j=j)}"]),
+        *row_loop(
+            lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)} - mx"], lambda c, j: [f"out[row, {c}] = {write.format(j=j)}"]
+        ),
     ]
 
     def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
         with np.errstate(all="ignore"):
-            v = x.astype(a_t)
+            v = _host_in(x, bf16, a_t)
             v = v - np.max(v, axis=1, keepdims=True)
             s = np.sum(np.exp(v), axis=1, keepdims=True)
             r = v - np.log(s) if log else np.exp(v) / s
-        np.copyto(out, r, casting="unsafe")
+        _host_out(out, r, res)
 
     return row_kernel(
         "log_softmax" if log else "softmax",
@@ -339,9 +381,9 @@ class Softmax(TensorOp):
         moved_shape = tuple(x.shape[d] for d in perm)
         tmp = alloc(plan, ln, moved_shape, x.dtype, self.name) if (ax != x.ndim - 1 or not dst.is_contiguous) else dst
         isz = x.dtype.itemsize
-        o = view(tmp, (m, k), (k * isz, isz))
+        o = half_view(view(tmp, (m, k), (k * isz, isz)))
         acc = compute_dtype(x.dtype)
-        launch(plan, ln, _softmax_kernel(self._log, acc, x.dtype), (out_partition(o), rows, k, m))
+        launch(plan, ln, _softmax_kernel(self._log, acc, x.dtype), (out_partition(o), half_view(rows), k, m))
         if tmp is not dst:
             inverse = [perm.index(d) for d in range(x.ndim)]
             copy_into(plan, ln, dst, tmp.transpose(inverse), self.name)
@@ -357,11 +399,14 @@ def softmax(x: Any, axis: Any = -1, *, log: bool = False, out: Any = None) -> So
 
 # -- layer_norm, rms_norm ---------------------------------------------------------------------------
 @functools.cache  # the kernel source is built once per key
-def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
+def _norm_kernel(
+    rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: np.dtype[Any], w_bf16: bool = False, b_bf16: bool = False
+) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
+    bf16 = res == BFLOAT16  # the input's dtype too; w_bf16, b_bf16: the weight's, the bias's
 
     def weights(c: str, j: str) -> list[str]:
-        return [f"w{j} = A(w[{c}])"] * has_w + [f"b{j} = A(b[{c}])"] * has_b
+        return [f"w{j} = {_ld(f'w[{c}]', w_bf16)}"] * has_w + [f"b{j} = {_ld(f'b[{c}]', b_bf16)}"] * has_b
 
     scale = " * w{j}" if has_w else ""
     shift = " + b{j}" if has_b else ""
@@ -369,12 +414,12 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
         body = [
             "sm = cuda.shared.array(256, A)",
             "s = A(0)",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"s += v{j} * v{j}"], 8),
+            *row_loop(lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}"], lambda c, j: [f"s += v{j} * v{j}"], 8),
             *block_reduce("s", "{p} + {q}"),
             "r = A(1) / math.sqrt(s / A(k) + eps)",
             *row_loop(
-                lambda c, j: [f"v{j} = A(x[row, {c}])", *weights(c, j)],
-                lambda c, j: [f"out[row, {c}] = O(v{j} * r{scale.format(j=j)})"],
+                lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}", *weights(c, j)],
+                lambda c, j: [f"out[row, {c}] = {_st(f'v{j} * r{scale.format(j=j)}', res)}"],
             ),
         ]
     else:
@@ -385,10 +430,12 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
             "sq = cuda.shared.array(256, A)",
             "x0 = A(0)",
             "if k > 0:",
-            "    x0 = A(x[row, 0])",
+            f"    x0 = {_ld('x[row, 0]', bf16)}",
             "s = A(0)",
             "q2 = A(0)",
-            *row_loop(lambda c, j: [f"d{j} = A(x[row, {c}]) - x0"], lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"], 8),
+            *row_loop(
+                lambda c, j: [f"d{j} = {_ld(f'x[row, {c}]', bf16)} - x0"], lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"], 8
+            ),
             *block_reduce("s", "{p} + {q}"),
             *block_reduce("q2", "{p} + {q}", "sq"),
             "md = s / A(k)",
@@ -398,8 +445,8 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
             "mean = x0 + md",
             "r = A(1) / math.sqrt(var + eps)",
             *row_loop(
-                lambda c, j: [f"v{j} = A(x[row, {c}])", *weights(c, j)],
-                lambda c, j: [f"out[row, {c}] = O((v{j} - mean) * r{scale.format(j=j)}{shift.format(j=j)})"],
+                lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}", *weights(c, j)],
+                lambda c, j: [f"out[row, {c}] = {_st(f'(v{j} - mean) * r{scale.format(j=j)}{shift.format(j=j)}', res)}"],
             ),
         ]
     params = ["out", "x", *(["w"] if has_w else []), *(["b"] if has_b else []), "eps", "k", "m"]
@@ -410,7 +457,7 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
         b = next(it) if has_b else None
         eps = next(it)
         with np.errstate(all="ignore"):
-            v = x.astype(a_t)
+            v = _host_in(x, bf16, a_t)
             if rms:
                 r = v / np.sqrt(np.mean(v * v, axis=1, keepdims=True) + a_t(eps))
             else:
@@ -418,13 +465,14 @@ def _norm_kernel(rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: n
                 d = v - mean
                 r = d / np.sqrt(np.mean(d * d, axis=1, keepdims=True) + a_t(eps))
             if w is not None:
-                r = r * w.astype(a_t)
+                r = r * _host_in(w, w_bf16, a_t)
             if b is not None:
-                r = r + b.astype(a_t)
-        np.copyto(out, r, casting="unsafe")
+                r = r + _host_in(b, b_bf16, a_t)
+        _host_out(out, r, res)
 
     op = "rms_norm" if rms else "layer_norm"
-    return row_kernel(op, params, body, {"A": a_t, "O": o_t}, sim, ("norm", rms, has_w, has_b, acc.str, res.str))
+    key = ("norm", rms, has_w, has_b, acc.str, res.str, w_bf16, b_bf16)
+    return row_kernel(op, params, body, {"A": a_t, "O": o_t}, sim, key)
 
 
 class Norm(TensorOp):
@@ -451,7 +499,7 @@ class Norm(TensorOp):
                 continue
             if not isinstance(p, Tensor):
                 raise TypeError(f"{self.name}: the {what} must be a tensor, not {arg_type(p)}")
-            if p.dtype.kind != "f":
+            if p.dtype.kind != "f" and p.dtype != BFLOAT16:
                 raise TypeError(f"{self.name}: the {what} must be floating, not {p.dtype}")
             if p.device is not x.device:
                 raise ValueError(f"{self.name}: the {what} is on device {p.device.ordinal}, x on {x.device.ordinal}")
@@ -479,15 +527,17 @@ class Norm(TensorOp):
         rows, m, k = _as_rows(plan, ln, x, axes)
         flat = dst if dst.is_contiguous else alloc(plan, ln, x.shape, x.dtype, self.name)
         isz = x.dtype.itemsize
-        o = view(flat, (m, k), (k * isz, isz))
-        params: list[Any] = [out_partition(o), rows]
+        o = half_view(view(flat, (m, k), (k * isz, isz)))
+        params: list[Any] = [out_partition(o), half_view(rows)]
         for p in (w, b):
             if p is not None:
                 pc = contiguous(plan, ln, p)
-                params.append(view(pc, (k,), (p.dtype.itemsize,)))
+                params.append(half_view(view(pc, (k,), (p.dtype.itemsize,))))
         acc = compute_dtype(x.dtype)
         params += [acc.type(eps), k, m]
-        launch(plan, ln, _norm_kernel(self._rms, w is not None, b is not None, acc, x.dtype), tuple(params))
+        halves = (w is not None and w.dtype == BFLOAT16, b is not None and b.dtype == BFLOAT16)
+        kernel = _norm_kernel(self._rms, w is not None, b is not None, acc, x.dtype, *halves)
+        launch(plan, ln, kernel, tuple(params))
         if flat is not dst:
             copy_into(plan, ln, dst, flat, self.name)
         return finish(plan, ln, result, self.name)

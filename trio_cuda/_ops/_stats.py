@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import is_int, is_scalar
+from .._checks import BFLOAT16, is_int, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor
-from ._codegen import block_reduce, row_kernel, row_loop
+from ._codegen import block_reduce, half_view, row_kernel, row_loop
 from ._core import alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
 from ._elementwise import copy_into, finish
-from ._reduce import Reduce, _as_rows
+from ._reduce import Reduce, _as_rows, _host_in, _host_out, _ld, _np_name, _st
 
 __all__ = ["Stat", "logsumexp", "stat"]
 
@@ -31,22 +31,25 @@ _MAX = "({p} if ({p} >= {q} or {p} != {p}) else {q})"
 
 def _dtypes(dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(accumulator dtype, result dtype)."""
+    if dt == BFLOAT16:  # accumulated in float32, rounded once into bfloat16
+        return np.dtype(np.float32), dt
     res = dt if dt.kind == "f" else np.dtype(np.float64)
     return compute_dtype(res), res
 
 
 @functools.cache  # the kernel source is built once per key
 def _stat_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
-    a_t, o_t = getattr(np, acc.name), getattr(np, res.name)
+    a_t, o_t = getattr(np, acc.name), getattr(np, _np_name(res))
+    bf16 = res == BFLOAT16  # the input's dtype too
     if kind in ("var", "std"):
         body = [
             "sm = cuda.shared.array(256, A)",
             "s = A(0)",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"s += v{j}"], 8),
+            *row_loop(lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}"], lambda c, j: [f"s += v{j}"], 8),
             *block_reduce("s", "{p} + {q}"),
             "mean = s / A(k) if k > 0 else A(math.nan)",
             "q = A(0)",
-            *row_loop(lambda c, j: [f"d{j} = A(x[row, {c}]) - mean"], lambda c, j: [f"q += d{j} * d{j}"], 8),
+            *row_loop(lambda c, j: [f"d{j} = {_ld(f'x[row, {c}]', bf16)} - mean"], lambda c, j: [f"q += d{j} * d{j}"], 8),
             *block_reduce("q", "{p} + {q}"),
             # numpy divides by max(k - ddof, 0): by zero, inf (or NaN for a zero sum)
             "dn = A(k) - A(dd)",
@@ -58,7 +61,7 @@ def _stat_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "    r = A(math.nan)",
             *(["r = math.sqrt(r)"] if kind == "std" else []),
             "if t_ == 0:",
-            "    out[row] = O(r)",
+            f"    out[row] = {_st('r', res)}",
         ]
 
         def sim(out: np.ndarray, x: np.ndarray, dd: float, k: int, m: int) -> None:
@@ -66,40 +69,42 @@ def _stat_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
                 if k == 0:
                     r = np.full(out.shape, np.nan, a_t)
                 else:
-                    v = x.astype(a_t)
+                    v = _host_in(x, bf16, a_t)
                     d = v - v.mean(axis=1, keepdims=True)
                     r = (d * d).sum(axis=1) / a_t(max(k - dd, 0))
                     if kind == "std":
                         r = np.sqrt(r)
-            np.copyto(out, r, casting="unsafe")
+            _host_out(out, r, res)
 
     else:  # logsumexp
         body = [
             "sm = cuda.shared.array(256, A)",
             "mx = A(-math.inf)",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"], 8),
+            *row_loop(
+                lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}"], lambda c, j: [f"mx = {_MAX.format(p='mx', q='v' + j)}"], 8
+            ),
             *block_reduce("mx", _MAX),
             # shifted by a finite maximum (an infinite or NaN one gives itself below)
             "sh = mx if (mx - mx) == (mx - mx) else A(0)",
             "s = A(0)",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}]) - sh"], lambda c, j: [f"s += math.exp(v{j})"], 8),
+            *row_loop(lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)} - sh"], lambda c, j: [f"s += math.exp(v{j})"], 8),
             *block_reduce("s", "{p} + {q}"),
             "r = sh + math.log(s) if s > A(0) else A(-math.inf)",
             "if mx != mx:",
             "    r = mx",
             "if t_ == 0:",
-            "    out[row] = O(r)",
+            f"    out[row] = {_st('r', res)}",
         ]
 
         def sim(out: np.ndarray, x: np.ndarray, dd: float, k: int, m: int) -> None:
             with np.errstate(all="ignore"):
-                v = x.astype(a_t)
+                v = _host_in(x, bf16, a_t)
                 mx = np.max(v, axis=1, keepdims=True) if k else np.full((m, 1), -np.inf, a_t)
                 sh = np.where(np.isfinite(mx), mx, a_t(0))
                 s = np.sum(np.exp(v - sh), axis=1, keepdims=True)
                 r = np.where(s > 0, sh + np.log(s), a_t(-np.inf))
                 r = np.where(np.isnan(mx), mx, r)[:, 0]
-            np.copyto(out, r, casting="unsafe")
+            _host_out(out, r, res)
 
     return row_kernel(kind, ["out", "x", "dd", "k", "m"], body, {"A": a_t, "O": o_t}, sim, ("stat", kind, acc.str, res.str))
 
@@ -127,8 +132,8 @@ class Stat(Reduce):
         if m == 0:
             return finish(plan, ln, result, self.name)
         flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, self.name)
-        o = view(flat, (m,), (res.itemsize,))
-        launch(plan, ln, _stat_kernel(self._kind, acc, res), (out_partition(o), rows, float(ddof), k, m))
+        o = half_view(view(flat, (m,), (res.itemsize,)))
+        launch(plan, ln, _stat_kernel(self._kind, acc, res), (out_partition(o), half_view(rows), float(ddof), k, m))
         if flat is not dst:
             copy_into(plan, ln, dst, flat, self.name)
         return finish(plan, ln, result, self.name)

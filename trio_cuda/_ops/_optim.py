@@ -1,0 +1,430 @@
+"""Fused optimizer steps over lists of tensors: ``sgd_step`` and ``adamw_step``.
+
+Each step is one op: one kernel launch per parameter, each reading the parameter, its
+gradient and its state once and writing the parameter and the state in place (PyTorch's
+fused kernels do the same work, in fewer launches). The learning rate and the step count
+may be 0-d tensors, read by the kernels on the device: a captured training step replays
+with the values the tensors hold at each replay (a Python number is baked into the
+kernel's arguments, and so into a captured graph). Arithmetic runs in float32 (float64
+for float64 parameters); half-precision parameters and states are rounded once when stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._checks import BFLOAT16, arg_type, is_scalar
+from .._plan import Lane, Plan
+from .._tensor import Tensor
+from ._codegen import bf16_to_f32, cached, f32_to_bf16, load_expr, make_kernel, store_expr
+from ._core import THREADS, TensorOp, device_of, launch, operand, out_partition, overlaps, unrolled_geometry, view
+
+__all__ = ["OptimizerStep", "adamw_step", "sgd_step"]
+
+UNROLL = 4  # elements per thread (their loads issue together), as the elementwise kernels
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _is_float(dt: np.dtype[Any]) -> bool:
+    return dt in _FLOATS or dt == BFLOAT16
+
+
+def _np_type(dt: np.dtype[Any]) -> Any:
+    return np.uint16 if dt == BFLOAT16 else dt.type
+
+
+def _host_in(a: Any, dt: np.dtype[Any], c: Any) -> Any:
+    """A kernel argument's values (numpy twin): bfloat16 bits decoded, in compute type ``c``."""
+    return (bf16_to_f32(a) if dt == BFLOAT16 else np.asarray(a)).astype(c)
+
+
+def _host_out(dst: np.ndarray, r: Any, dt: np.dtype[Any]) -> None:
+    if dt == BFLOAT16:
+        np.copyto(dst, f32_to_bf16(r))
+    else:
+        np.copyto(dst, r, casting="unsafe")
+
+
+# -- the kernels ------------------------------------------------------------------------------
+def _kernel(
+    kind: str,
+    flags: tuple[Any, ...],
+    tensors: tuple[tuple[str, np.dtype[Any]], ...],
+    scalars: tuple[tuple[str, np.dtype[Any] | None], ...],
+    compute: np.dtype[Any],
+    setup: list[str],
+    update: list[str],
+    host: Callable[..., None],
+) -> Any:
+    """A kernel ``(written tensors..., read tensors..., scalars..., n)`` running ``update``
+    on each element (``UNROLL`` per thread): ``tensors`` are (name, dtype) of the written
+    then the read operands (each loaded as ``<name>_`` and, if written, stored from it),
+    ``scalars`` (name, dtype of a one-element tensor, or None for a plain number), loaded
+    once per thread as ``<name>_``; ``setup`` runs once per thread after them."""
+    key = ("optim", kind, flags, tuple((n, d.str) for n, d in tensors), tuple((n, d and d.str) for n, d in scalars), compute.str)
+
+    def build() -> Any:
+        fname = f"{kind}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
+        written = [n for n, _ in tensors if n in _WRITTEN]
+        params = [n for n, _ in tensors] + [n for n, _ in scalars] + ["n"]
+        body = [f"base = cuda.blockIdx.x * {THREADS * UNROLL} + cuda.threadIdx.x"]
+        for name, dt in scalars:
+            body.append(f"{name}_ = " + (load_expr(f"{name}[0]", dt, "C") if dt is not None else f"C({name})"))
+        body += setup
+
+        def element(j: str) -> tuple[list[str], list[str]]:
+            loads = [f"{n}_{j} = {load_expr(f'{n}[i{j}]', dt, 'C')}" for n, dt in tensors]
+            ren = {n: f"{n}_{j}" for n, _ in tensors}
+            work = [_rename(line, ren) for line in update]
+            stores = [f"{n}[i{j}] = {store_expr(f'{n}_{j}', dt, 'T_' + n)}" for n, dt in tensors if n in written]
+            return loads, work + stores
+
+        parts = [element(str(j)) for j in range(UNROLL)]
+        body.append(f"if base + {THREADS * (UNROLL - 1)} < n:")
+        for j in range(UNROLL):
+            body.append(f"    i{j} = base + {THREADS * j}")
+            body += [f"    {line}" for line in parts[j][0]]
+        for j in range(UNROLL):
+            body += [f"    {line}" for line in parts[j][1]]
+        body += ["else:", f"    for q_ in range({UNROLL}):", f"        i0 = base + q_ * {THREADS}", "        if i0 < n:"]
+        body += [f"            {line}" for line in (*parts[0][0], *parts[0][1])]
+        src = f"def {fname}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
+        g: dict[str, Any] = {"C": compute.type, "F": np.float64}
+        for n, dt in tensors:
+            g[f"T_{n}"] = _np_type(dt)
+        return make_kernel(fname, src, g, host, unrolled_geometry)
+
+    return cached(key, build)
+
+
+_WRITTEN = ("p", "m", "v", "buf")
+
+
+def _rename(line: str, names: dict[str, str]) -> str:
+    import re
+
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda mt: names[mt.group(1)], line)
+
+
+def _adamw_kernel(
+    dts: tuple[np.dtype[Any], ...], lr_dt: np.dtype[Any] | None, step_dt: np.dtype[Any] | None, compute: np.dtype[Any]
+) -> Any:
+    p_dt, m_dt, v_dt, g_dt = dts
+    c = compute.type
+    setup = [
+        "t_ = F(step_)",
+        "bc1 = C(F(1) - math.pow(F(beta1), t_))",
+        "bc2s = C(math.sqrt(F(1) - math.pow(F(beta2), t_)))",
+        "size_ = lr_ / bc1",
+        "decay_ = C(1) - lr_ * wd_",
+        "b1_ = C(beta1)",
+        "b2_ = C(beta2)",
+        "eps2_ = C(eps)",
+    ]
+    # PyTorch's AdamW: decoupled weight decay, then the moments, then the bias-corrected step
+    update = [
+        "p = p * decay_",
+        "m = b1_ * m + (C(1) - b1_) * g",
+        "v = b2_ * v + (C(1) - b2_) * g * g",
+        "p = p - size_ * m / (math.sqrt(v) / bc2s + eps2_)",
+    ]
+
+    def host(p: Any, m: Any, v: Any, g: Any, lr: Any, step: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, n: int) -> None:
+        lr_ = c(np.asarray(lr, np.float64).reshape(-1)[0] if lr_dt is None else _host_in(lr, lr_dt, c)[0])
+        t_ = float(step if step_dt is None else _host_in(step, step_dt, np.float64)[0])
+        bc1 = c(1 - math.pow(beta1, t_))
+        bc2s = c(math.sqrt(1 - math.pow(beta2, t_)))
+        b1, b2, wd_ = c(beta1), c(beta2), c(wd)
+        with np.errstate(all="ignore"):
+            pv, mv, vv, gv = (_host_in(a, dt, c) for a, dt in zip((p, m, v, g), dts, strict=True))
+            pv = pv * (c(1) - lr_ * wd_)
+            mv = b1 * mv + (c(1) - b1) * gv
+            vv = b2 * vv + (c(1) - b2) * gv * gv
+            pv = pv - (lr_ / bc1) * mv / (np.sqrt(vv) / bc2s + c(eps))
+        for dst, r, dt in ((p, pv, p_dt), (m, mv, m_dt), (v, vv, v_dt)):
+            _host_out(dst, r, dt)
+
+    return _kernel(
+        "adamw",
+        (),
+        (("p", p_dt), ("m", m_dt), ("v", v_dt), ("g", g_dt)),
+        (("lr", lr_dt), ("step", step_dt), ("beta1", None), ("beta2", None), ("eps", None), ("wd", None)),
+        compute,
+        setup,
+        update,
+        host,
+    )
+
+
+def _sgd_kernel(
+    dts: tuple[np.dtype[Any], ...],
+    lr_dt: np.dtype[Any] | None,
+    compute: np.dtype[Any],
+    momentum: bool,
+    decay: bool,
+    nesterov: bool,
+) -> Any:
+    c = compute.type
+    update = ["g = g + wd_ * p"] if decay else []
+    if momentum:
+        update.append("buf = mom_ * buf + (C(1) - damp_) * g")
+        update.append("g = g + mom_ * buf" if nesterov else "g = buf")
+    update.append("p = p - lr_ * g")
+    names = ("p", "buf", "g") if momentum else ("p", "g")
+
+    def host(*args: Any) -> None:
+        arrays = args[: len(names)]
+        lr, mom, damp, wd = args[len(names) : len(names) + 4]
+        lr_ = c(np.asarray(lr, np.float64).reshape(-1)[0] if lr_dt is None else _host_in(lr, lr_dt, c)[0])
+        vals = dict(zip(names, (_host_in(a, dt, c) for a, dt in zip(arrays, dts, strict=True)), strict=True))
+        with np.errstate(all="ignore"):
+            g = vals["g"]
+            if decay:
+                g = g + c(wd) * vals["p"]
+            if momentum:
+                vals["buf"] = c(mom) * vals["buf"] + (c(1) - c(damp)) * g
+                g = g + c(mom) * vals["buf"] if nesterov else vals["buf"]
+            vals["p"] = vals["p"] - lr_ * g
+        for name, a, dt in zip(names, arrays, dts, strict=True):
+            if name != "g":
+                _host_out(a, vals[name], dt)
+
+    return _kernel(
+        "sgd",
+        (momentum, decay, nesterov),
+        tuple(zip(names, dts, strict=True)),
+        (("lr", lr_dt), ("mom", None), ("damp", None), ("wd", None)),
+        compute,
+        [],
+        update,
+        host,
+    )
+
+
+# -- the op -----------------------------------------------------------------------------------------
+class OptimizerStep(TensorOp):
+    """One fused step over ``groups`` of (parameter, state..., gradient) tensors; the
+    arguments are flat: ``(lr, step, *hyper, *group0, *group1, ...)``. Its output is the
+    tuple of the (updated) parameters."""
+
+    __slots__ = ("_hyper", "_kind", "_width", "name")
+
+    def __init__(self, kind: str, width: int, hyper: tuple[Any, ...], args: tuple[Any, ...]) -> None:
+        self._kind = kind
+        self._width = width  # tensors per parameter: the parameter, its states, its gradient
+        self._hyper = hyper  # Python numbers, checked and baked
+        self.name = f"ops.{kind}_step"
+        super().__init__(args)
+
+    def _groups(self, args: tuple[Any, ...]) -> list[tuple[Tensor, ...]]:
+        w = self._width
+        flat = args[2:]
+        return [tuple(flat[i : i + w]) for i in range(0, len(flat), w)]
+
+    def _scalar_tensor(self, what: str, t: Any, kinds: str) -> None:
+        if t is None or is_scalar(t):
+            return
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{self.name}: {what} must be a number or a one-element tensor, not {arg_type(t)}")
+        if t.size != 1:
+            raise ValueError(f"{self.name}: {what} must be a number or a one-element (0-d) tensor, not of shape {t.shape}")
+        if not (_is_float(t.dtype) or (t.dtype.kind in kinds and t.dtype != np.bool_)):
+            raise TypeError(
+                f"{self.name}: {what} must be a tensor of a floating{' or integer' * ('i' in kinds)} dtype, not {t.dtype}"
+            )
+
+    def _check(self, *args: Any) -> None:
+        name = self.name
+        lr, step = args[0], args[1]
+        self._scalar_tensor("lr", lr, "f")
+        self._scalar_tensor("step", step, "fiu")
+        groups = self._groups(args)
+        what = ("param", *(("momentum buffer",) if self._kind == "sgd" else ("exp_avg", "exp_avg_sq")), "grad")
+        if self._kind == "sgd" and self._width == 2:
+            what = ("param", "grad")
+        tensors: list[Tensor] = [t for t in (lr, step) if isinstance(t, Tensor)]
+        for i, group in enumerate(groups):
+            for w, t in zip(what, group, strict=True):
+                if not isinstance(t, Tensor):
+                    raise TypeError(f"{name}: {w} {i} must be a tensor, not {arg_type(t)}")
+                tensors.append(t)
+            p = group[0]
+            if not _is_float(p.dtype):
+                raise TypeError(f"{name}: param {i} has dtype {p.dtype}; parameters must be floating")
+            for w, t in zip(what, group, strict=True):
+                if t.shape != p.shape:
+                    raise ValueError(f"{name}: {w} {i} has shape {t.shape}, its param {p.shape}")
+                if not _is_float(t.dtype):
+                    raise TypeError(f"{name}: {w} {i} has dtype {t.dtype}; it must be floating")
+                if w not in ("param", "grad") and t.dtype not in (p.dtype, np.dtype(np.float32)):
+                    raise TypeError(
+                        f"{name}: {w} {i} has dtype {t.dtype}: states are of the param's dtype ({p.dtype}) or float32"
+                    )
+                if not t.is_contiguous:
+                    raise ValueError(
+                        f"{name}: {w} {i} is not C-contiguous (a copy: ops.copy(t); parameters and states are updated in place)"
+                    )
+        if tensors:
+            device_of(name, tensors)
+        # a written tensor must not share memory with any other operand (a state passed
+        # for two parameters, a parameter listed twice, a gradient that is its parameter)
+        by_buffer: dict[int, list[tuple[str, Tensor, bool]]] = {}
+        for i, group in enumerate(groups):
+            for j, (w, t) in enumerate(zip(what, group, strict=True)):
+                by_buffer.setdefault(id(t._buffer), []).append((f"{w} {i}", t, j < len(group) - 1))
+        for t, label in ((lr, "lr"), (step, "step")):
+            if isinstance(t, Tensor):
+                by_buffer.setdefault(id(t._buffer), []).append((label, t, False))
+        for entries in by_buffer.values():
+            for a in range(len(entries)):
+                for b in range(a + 1, len(entries)):
+                    (la, ta, wa), (lb, tb, wb) = entries[a], entries[b]
+                    if (wa or wb) and overlaps(ta, tb):
+                        raise ValueError(f"{name}: {la} and {lb} share memory (each parameter and state must be its own tensor)")
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Any:  # the tuple of the parameters
+        lr, step = args[0], args[1]
+        groups = self._groups(args)
+        if not groups:
+            return ()
+        dev = groups[0][0].device
+        ln = lane.on(dev)
+        extra: list[Any] = []
+        scalar_dts: list[np.dtype[Any] | None] = []
+        for t in (lr, step) if self._kind == "adamw" else (lr,):
+            if isinstance(t, Tensor):
+                plan.use(t._buffer, t)
+                extra.append(view(t, (1,), (t.dtype.itemsize,)))
+                scalar_dts.append(t.dtype)
+            else:
+                extra.append(float(t))
+                scalar_dts.append(None)
+        out: list[Tensor] = []
+        for group in groups:
+            for t in group:
+                plan.use(t._buffer, t)
+            p = group[0]
+            out.append(p)
+            n = p.size
+            if n == 0:
+                continue
+            flat = [view(t, (n,), (t.dtype.itemsize,)) for t in group]
+            compute = np.dtype(np.float64) if p.dtype == np.float64 else np.dtype(np.float32)
+            dts = tuple(t.dtype for t in group)
+            kargs: list[Any] = [out_partition(_bits(t)) for t in flat[:-1]] + [_bits(flat[-1])]
+            if self._kind == "adamw":
+                k = _adamw_kernel(dts, scalar_dts[0], scalar_dts[1], compute)
+                kargs += [_bits(e) if isinstance(e, Tensor) else e for e in extra]
+            else:
+                momentum, dampening, wd, nesterov = self._hyper
+                k = _sgd_kernel(dts, scalar_dts[0], compute, momentum != 0, wd != 0, nesterov)
+                kargs += [_bits(extra[0]) if isinstance(extra[0], Tensor) else extra[0], momentum, dampening, wd]
+            if self._kind == "adamw":
+                kargs += list(self._hyper)
+            kargs.append(n)
+            launch(plan, ln, k, tuple(kargs))
+        return tuple(out)
+
+
+def _bits(t: Tensor) -> Tensor:
+    from ._codegen import half_view
+
+    return half_view(t)  # type: ignore[no-any-return]
+
+
+# -- argument checks ------------------------------------------------------------------------------
+def _number(name: str, what: str, v: Any, low: float, high: float = math.inf, high_open: bool = False) -> float:
+    if not is_scalar(v) or isinstance(v, (bool, np.bool_, complex, np.complexfloating)):
+        raise TypeError(f"{name}: {what} must be a real number, not {v!r}")
+    f = float(v)
+    if not (math.isfinite(f) and low <= f and (f < high if high_open else f <= high)):
+        bound = f"[{low}, {high})" if high_open else f"[{low}, {high}]"
+        raise ValueError(f"{name}: {what} must be finite and in {bound}, not {v!r}")
+    return f
+
+
+def _list(name: str, what: str, xs: Any, n: int | None) -> list[Any]:
+    if isinstance(xs, (Tensor, str)) or not isinstance(xs, Sequence):
+        raise TypeError(f"{name}: {what} must be a list or tuple of tensors, not {arg_type(xs)}")
+    items = [operand(x, name, what) for x in xs]
+    if n is not None and len(items) != n:
+        raise ValueError(f"{name}: {len(items)} {what} for {n} params")
+    return items
+
+
+def _tensor_or_number(name: str, what: str, v: Any, low: float) -> Any:
+    if isinstance(v, (Tensor,)) or not is_scalar(v):
+        return operand(v, name, what)
+    return _number(name, what, v, low)
+
+
+def adamw_step(
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    exp_avgs: Sequence[Any],
+    exp_avg_sqs: Sequence[Any],
+    lr: Any,
+    step: Any,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> OptimizerStep:
+    name = "ops.adamw_step"
+    ps = _list(name, "params", params, None)
+    gs = _list(name, "grads", grads, len(ps))
+    ms = _list(name, "exp_avgs", exp_avgs, len(ps))
+    vs = _list(name, "exp_avg_sqs", exp_avg_sqs, len(ps))
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{name}: betas must be a pair of numbers, not {betas!r}")
+    b1 = _number(name, "betas[0]", betas[0], 0.0, 1.0, high_open=True)
+    b2 = _number(name, "betas[1]", betas[1], 0.0, 1.0, high_open=True)
+    e = _number(name, "eps", eps, 0.0)
+    wd = _number(name, "weight_decay", weight_decay, 0.0)
+    lr_ = _tensor_or_number(name, "lr", lr, 0.0)
+    if is_scalar(step) and not isinstance(step, Tensor):
+        step_ = _number(name, "step", step, 1.0)
+    else:
+        step_ = operand(step, name, "step")
+    flat: list[Any] = []
+    for group in zip(ps, ms, vs, gs, strict=True):
+        flat.extend(group)
+    return OptimizerStep("adamw", 4, (b1, b2, e, wd), (lr_, step_, *flat))
+
+
+def sgd_step(
+    params: Sequence[Any],
+    grads: Sequence[Any],
+    momentum_buffers: Sequence[Any] | None,
+    lr: Any,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+) -> OptimizerStep:
+    name = "ops.sgd_step"
+    ps = _list(name, "params", params, None)
+    gs = _list(name, "grads", grads, len(ps))
+    mom = _number(name, "momentum", momentum, 0.0)
+    damp = _number(name, "dampening", dampening, 0.0, 1.0)
+    wd = _number(name, "weight_decay", weight_decay, 0.0)
+    if nesterov and (mom == 0 or damp != 0):
+        raise ValueError(f"{name}: nesterov needs a momentum and zero dampening (momentum={momentum!r}, dampening={dampening!r})")
+    if mom != 0 and momentum_buffers is None:
+        raise ValueError(f"{name}: momentum={momentum!r} needs momentum_buffers (zero-initialised tensors like the params)")
+    lr_ = _tensor_or_number(name, "lr", lr, 0.0)
+    flat: list[Any] = []
+    if mom != 0:
+        bufs = _list(name, "momentum_buffers", momentum_buffers, len(ps))
+        for p, b, g in zip(ps, bufs, gs, strict=True):
+            flat += [p, b, g]
+        width = 3
+    else:
+        for p, g in zip(ps, gs, strict=True):
+            flat += [p, g]
+        width = 2
+    return OptimizerStep("sgd", width, (mom, damp, wd, bool(nesterov)), (lr_, None, *flat))
