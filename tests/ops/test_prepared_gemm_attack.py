@@ -86,7 +86,7 @@ def recycling(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     Returns the list of reused addresses."""
     import bisect
 
-    from trio_cuda._backends import _sim
+    from trio_cuda._backends import _sim, _simstream
 
     dev = trio_cuda.current_device()
     drv = dev._driver
@@ -139,7 +139,7 @@ def recycling(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             for i, (ptr, sz) in enumerate(freed):
                 if sz == size and ptr not in drv._allocs:
                     del freed[i]
-                    drv._allocs[ptr] = _sim._Alloc(size, nbytes)
+                    drv._allocs[ptr] = _simstream.Alloc(size, nbytes)
                     bisect.insort(drv._bases, ptr)
                     drv._in_use += size
                     reused.append(ptr)
