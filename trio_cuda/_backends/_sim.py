@@ -59,7 +59,7 @@ from ._boundary import (
     Waker,
     gemm_dtype,
 )
-from ._simcollectives import Rendezvous, SimComms
+from ._simcollectives import ProcessComm, Rendezvous, SimComms
 
 __all__ = ["SimBackend"]
 
@@ -826,11 +826,13 @@ class SimBackend(Backend):
     def communicators(self, drivers: Sequence[DeviceDriver]) -> SimComms:
         return SimComms([d for d in drivers if isinstance(d, _SimDevice)])
 
-    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
-        raise LaunchError(
-            "the simulated device has no multi-process collectives (its devices live in one process): "
-            "use a Group of simulated devices"
-        )
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int, channel: Any = None) -> Any:
+        if channel is None:
+            raise LaunchError(
+                "the simulated device has no NCCL for multi-process collectives: join through a launcher "
+                "(ProcessGroup.from_env or from_store), whose channel carries the data, or use a Group of simulated devices"
+            )
+        return ProcessComm(driver, channel, rank, nranks)
 
     def unique_id(self) -> bytes:
         raise LaunchError("the simulated device has no multi-process collectives: use a Group of simulated devices")
@@ -844,6 +846,20 @@ class SimBackend(Backend):
             d._live(c.stream)
             if c.stream.capture is not None:
                 raise GraphCaptureError("collectives cannot be captured in a graph", device=d.ordinal)
+        if isinstance(comms, ProcessComm):
+            (c,) = calls
+            tag = comms.next_tag()  # in enqueue order, the same on every rank
+
+            def part(c: CollectiveCall = c, d: Any = c.driver) -> None:
+                bad = c.stream.error
+                if bad is None:
+                    a = d._alloc_at(c.send)
+                    if a is not None and a.poison is not None:
+                        bad = a.poison
+                comms.run(kind, c, dtype, op, root, tag, bad)
+
+            c.stream.enqueue(_Command(part, f"collective {kind}", (), (c.recv,), always=True))
+            return
         rdv = Rendezvous(kind, calls, dtype, op, root)
         for c in calls:
             d = c.driver
