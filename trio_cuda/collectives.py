@@ -323,9 +323,12 @@ class ProcessGroup(_Base):
         as for :meth:`from_env`."""
         _check_ranks(nranks, rank)
         _check_timeout(timeout)
-        for method in ("set", "get", "check", "add", "delete_key"):
-            if not callable(getattr(store, method, None)):
-                raise TypeError(f"ProcessGroup.from_store: the store needs a {method}() method (torch.distributed.Store's)")
+        missing = [m for m in ("set", "get", "check", "add", "delete_key") if not callable(getattr(store, m, None))]
+        if missing:
+            raise TypeError(
+                f"ProcessGroup.from_store: a {arg_type(store)} is no store: it lacks {', '.join(missing)} "
+                "(torch.distributed.Store's methods)"
+            )
         return await cls._launched(_rendezvous.Launch("store", int(rank), int(nranks), store=store), device, timeout)
 
     @classmethod

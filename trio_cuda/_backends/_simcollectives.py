@@ -217,7 +217,12 @@ class ProcessComm:
             if failure is None and got[p][:1] == _FAILED:
                 failure = f"collective {kind}: rank {p}'s part failed: {got[p][1:].decode(errors='replace')}"
         if failure is not None:
-            d._poison((call.recv,), DeviceFault(failure, device=d.ordinal, op=f"collective {kind}"))
+            fault = DeviceFault(failure, device=d.ordinal, op=f"collective {kind}")
+            d._poison((call.recv,), fault)
+            # as a failed wait: the stream's later work of this submission is not done,
+            # and the submission's record carries the fault to its await
+            stream: Any = call.stream
+            stream.error = fault
             return
         own = payloads[me][1:] if kind == "reduce_scatter" else mine
         parts = [np.frombuffer(own if p == me else got[p][1:], dtype=dtype) for p in range(n)]
