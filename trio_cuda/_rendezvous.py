@@ -300,7 +300,8 @@ def join(launch: Launch, make_id: Callable[[], bytes], timeout: float, stop: thr
     hellos = {p: pickle.loads(b) for p, b in got.items()}
     hellos[launch.rank] = (uid, host)
     if isinstance(channel, MpiChannel):
-        channel = _own_communicator(channel, deadline, stop)
+        # every rank is here: the communicator gets a deadline of its own
+        channel = _own_communicator(channel, time.monotonic() + timeout, stop)
     local = launch.local_rank
     if local is None:
         local = sum(1 for p in range(launch.rank) if hellos[p][1] == host)

@@ -242,6 +242,7 @@ class _SimDevice(DeviceDriver):
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
+        self._process_comms: weakref.WeakSet[ProcessComm] = weakref.WeakSet()  # told of a reset
 
     # -- faults ---------------------------------------------------------------
     def _set_fault(self, fault: DeviceFault) -> None:
@@ -270,6 +271,8 @@ class _SimDevice(DeviceDriver):
             _cond.notify_all()
         for s in list(self._streams):
             s.close()
+        for c in list(self._process_comms):
+            c.abandon()  # the parts its streams will never run: the peers hear at once
         with self._lock:
             self._allocs.clear()
             self._bases.clear()
@@ -832,7 +835,9 @@ class SimBackend(Backend):
                 "the simulated device has no NCCL for multi-process collectives: join through a launcher "
                 "(ProcessGroup.from_env or from_store), whose channel carries the data, or use a Group of simulated devices"
             )
-        return ProcessComm(driver, channel, rank, nranks)
+        comm = ProcessComm(driver, channel, rank, nranks)
+        driver._process_comms.add(comm)  # type: ignore[attr-defined]
+        return comm
 
     def unique_id(self) -> bytes:
         raise LaunchError("the simulated device has no multi-process collectives: use a Group of simulated devices")

@@ -176,15 +176,35 @@ class ProcessComm:
     def __init__(self, driver: DeviceDriver, channel: Channel, rank: int, nranks: int) -> None:
         self.driver, self.channel, self.rank, self.nranks = driver, channel, rank, nranks
         self._tags = itertools.count()
+        self._lock = threading.Lock()
+        self._waiting: set[int] = set()  # tags enqueued whose part has not started
 
     def next_tag(self) -> int:
-        return next(self._tags)
+        with self._lock:
+            tag = next(self._tags)
+            self._waiting.add(tag)
+            return tag
+
+    def abandon(self) -> None:
+        """The device was reset (called by the reset): the parts still waiting on its
+        streams never run, so tell the peers now, as a failed part, rather than let them
+        wait for their timeout."""
+        with self._lock:
+            tags, self._waiting = sorted(self._waiting), set()
+        d: Any = self.driver
+        why = _FAILED + f"device {d.ordinal} (rank {self.rank}) was reset before its part ran".encode()
+        for tag in tags:
+            self.channel.post(tag, [why] * self.nranks)
 
     def run(
         self, kind: str, call: CollectiveCall, dtype: np.dtype[Any], op: str, root: int, tag: int, bad: DeviceFault | None
     ) -> None:
         """This rank's part of collective ``tag`` (on its stream's thread): send, collect,
         compute, write."""
+        with self._lock:
+            if tag not in self._waiting:
+                return  # abandoned by a reset: the peers were told
+            self._waiting.discard(tag)
         d: Any = call.driver
         gen, n, me, isz = d.generation, self.nranks, self.rank, dtype.itemsize
         count = call.count
@@ -194,9 +214,9 @@ class ProcessComm:
             try:
                 mine = d._bytes(call.send, sent * isz).tobytes()
             except IndexError:
-                if d.generation != gen:
-                    return  # reset while it was read: its memory is gone
-                raise  # an address that was never valid: a fault, as on a GPU
+                if d.generation == gen:
+                    raise  # an address that was never valid: a fault, as on a GPU
+                bad = DeviceFault(f"device {d.ordinal} (rank {me}) was reset while its part ran")
         if bad is not None:
             payloads = [_FAILED + bad.message.encode()] * n
         elif kind == "reduce_scatter":
