@@ -185,10 +185,9 @@ async def build(
     return group, replicas
 
 
-async def build_process(batch: int, features: int, hidden: int, outputs: int) -> tuple[collectives.ProcessGroup, list[Replica]]:
-    """The one-process-per-device form (started by mpirun/mpiexec/srun or torchrun):
-    this rank's group and its one replica, with its shard of the data."""
-    group = await collectives.ProcessGroup.from_env()
+async def build_process(group: collectives.ProcessGroup, batch: int, features: int, hidden: int, outputs: int) -> list[Replica]:
+    """The one-process-per-device form (started by mpirun/mpiexec/srun, torchrun or
+    Ray): this rank's one replica, with its shard of the data and rank 0's weights."""
     n, rank = group.nranks, group.rank
     if batch % n:
         group.close()
@@ -198,7 +197,7 @@ async def build_process(batch: int, features: int, hidden: int, outputs: int) ->
     await replica.setup(init_weights(features, hidden, outputs), np.split(x, n)[rank], np.split(t, n)[rank], hidden, offset=rank)
     for b in range(len(BUCKETS)):
         await group.broadcast(replica.wb[b], root=0)
-    return group, [replica]
+    return [replica]
 
 
 async def train(
@@ -260,7 +259,8 @@ async def main() -> int:
 
     group: Groups
     if args.processes:
-        group, replicas = await build_process(args.batch, args.features, args.hidden, args.outputs)
+        group = await collectives.ProcessGroup.from_env()
+        replicas = await build_process(group, args.batch, args.features, args.hidden, args.outputs)
         n, lead, where = group.nranks, group.rank == 0, f"{group.nranks} process(es) ({group.launcher})"
     else:
         devices = trio_cuda.devices()[: args.devices or None]

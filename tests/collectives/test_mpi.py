@@ -6,6 +6,7 @@ CUDA, NCCL (with one GPU per rank: the 3-rank programs need 3 GPUs there)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -18,6 +19,7 @@ import pytest
 
 import trio_cuda
 
+from ..helpers.benchmarks import BENCHMARKS
 from ..helpers.examples import EXAMPLES
 
 try:
@@ -135,6 +137,9 @@ FAILURES = """
 
     async def main(mode: str) -> None:
         me = MPI.COMM_WORLD.Get_rank()
+        # every process has started (imported numba...): the 1 s deadlines below time the
+        # join and the collective, not a loaded machine's start
+        MPI.COMM_WORLD.Barrier()
         if mode == "late" and me == 2:
             time.sleep(2)  # never joins
             return
@@ -191,3 +196,15 @@ def test_the_data_parallel_example_with_a_process_per_device() -> None:
     r = mpiexec(2, [sys.executable, str(EXAMPLES / "train_mlp_ddp.py"), "--processes", *sizes], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     assert "2 process(es) (mpi)" in r.stdout and "correct" in r.stdout
+
+
+@pytest.mark.skipif(not ON_SIM, reason="the smoke mode's sizes are for the simulated device")
+def test_bench_ddp_smoke_with_a_process_per_device(tmp_path: pathlib.Path) -> None:
+    r = mpiexec(2, [sys.executable, str(BENCHMARKS / "bench_ddp.py"), "--smoke", "--processes", "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    (md,) = tmp_path.glob("ddp-*.md")
+    (js,) = tmp_path.glob("ddp-*.json")
+    text, (row,) = md.read_text(), json.loads(js.read_text())
+    assert "one process per device (mpi)" in text and "replicas identical: True" in text
+    assert row["devices"] == 2 and row["trio_steps_s"] > 0 and row["trio_loss"] > 0
+    assert f"| 2 | {row['trio_steps_s']:.1f} |" in text

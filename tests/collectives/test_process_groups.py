@@ -128,7 +128,7 @@ async def test_the_join_is_cancellable() -> None:
 
 
 async def test_a_rank_that_never_takes_part_fails_the_others_collective_without_hanging() -> None:
-    groups = await joined(store := MemoryStore(), 3, timeout=0.5)
+    groups = await joined(store := MemoryStore(), 3, timeout=2.0)
     xs = [await api.from_host(np.full(4, r + 1.0, np.float32), device=r) for r in range(3)]
 
     async def rank(r: int) -> BaseException | None:
@@ -141,7 +141,7 @@ async def test_a_rank_that_never_takes_part_fails_the_others_collective_without_
     errors = await every_rank(2, rank)  # rank 2 never calls the all-reduce
     for r, err in enumerate(errors):
         assert isinstance(err, trio_cuda.DeviceFault), err
-        assert "rank 2 of 3 did not take part within 0.5 s" in str(err)
+        assert "rank 2 of 3 did not take part within 2 s" in str(err)
         assert not trio_cuda.device(r).is_faulted  # the device keeps working
         np.testing.assert_array_equal(await api.full((2,), 3.0, device=r).to_host(), [3, 3])
     del store
@@ -181,7 +181,7 @@ async def test_a_failed_part_fails_every_rank_naming_it() -> None:
 
 async def test_a_reset_of_one_ranks_device_fails_the_collective_then_every_rank_joins_again() -> None:
     store = MemoryStore()
-    groups = await joined(store, 3, timeout=1.0)
+    groups = await joined(store, 3, timeout=10.0)
     xs = [await api.from_host(np.full(64, r + 1.0, np.float32), device=r) for r in range(3)]
     with trio_cuda.use_device(1):
         await sleep(counter(), 1000)  # loaded: the next launch is at once
