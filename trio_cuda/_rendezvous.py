@@ -97,12 +97,13 @@ def launch_from_env(env: Mapping[str, str]) -> Launch:
         )
     comm = _mpi_world(mpi[0])
     rank, size = comm.Get_rank(), comm.Get_size()
-    for rk, sz in (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+    for rk, sz, hint in (
+        ("PMI_RANK", "PMI_SIZE", "mpi4py uses another MPI than the launcher's: run the mpiexec of the MPI mpi4py loads"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpi4py uses another MPI than Open MPI's mpirun"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "srun started the tasks without MPI: srun --mpi=pmix (or pmi2)"),
+    ):
         if rk in env and sz in env and (env[rk], env[sz]) != (str(rank), str(size)):
-            raise ValueError(
-                f"ProcessGroup.from_env: {rk}={env[rk]}, {sz}={env[sz]} but MPI says rank {rank} of {size}: "
-                "mpi4py is built against another MPI than the launcher's (run the mpiexec of the MPI mpi4py uses)"
-            )
+            raise ValueError(f"ProcessGroup.from_env: {rk}={env[rk]}, {sz}={env[sz]} but MPI says rank {rank} of {size}: {hint}")
     return Launch("mpi", rank, size)
 
 
@@ -118,17 +119,22 @@ def _mpi_world(variable: str) -> Any:
 
 
 # -- channels ---------------------------------------------------------------------------
+# Our MPI calls come from several threads (the join's, the simulated streams'): one at a
+# time, so that an MPI library without MPI_THREAD_MULTIPLE is safe too.
+_MPI_LOCK = threading.Lock()
+
+
 class MpiChannel:
     """Messages between the ranks of an MPI communicator: a buffered send to each peer,
     a matched probe to see whether a peer's has arrived (both return at once)."""
 
     def __init__(self, comm: Any, timeout: float) -> None:
         self.comm = comm
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        with _MPI_LOCK:
+            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+            self._tags = int(comm.Get_attr(_mpi().TAG_UB) or 32767) - 16
         self.timeout = timeout
-        self._tags = int(comm.Get_attr(_mpi().TAG_UB) or 32767) - 16
-        self._lock = threading.Lock()
-        self._sends: list[Any] = []
+        self._sends: list[Any] = []  # (under _MPI_LOCK)
 
     def _tag(self, tag: int) -> int:
         return 16 + tag % self._tags
@@ -136,18 +142,19 @@ class MpiChannel:
     def post(self, tag: int, payloads: Sequence[bytes]) -> None:
         """Send ``payloads[p]`` to every peer ``p`` (``payloads[self.rank]`` is not sent)."""
         t = self._tag(tag)
-        reqs = [self.comm.isend(payloads[p], dest=p, tag=t) for p in range(self.size) if p != self.rank]
-        with self._lock:
+        with _MPI_LOCK:
+            reqs = [self.comm.isend(payloads[p], dest=p, tag=t) for p in range(self.size) if p != self.rank]
             self._sends = [r for r in self._sends if not r.Test()] + reqs
 
     def collect(self, tag: int, got: dict[int, bytes]) -> None:
         """Add to ``got`` the peers' payloads of ``tag`` that have arrived."""
         t = self._tag(tag)
-        for p in range(self.size):
-            if p != self.rank and p not in got:
-                msg = self.comm.improbe(source=p, tag=t)
-                if msg is not None:
-                    got[p] = msg.recv()
+        with _MPI_LOCK:
+            for p in range(self.size):
+                if p != self.rank and p not in got:
+                    msg = self.comm.improbe(source=p, tag=t)
+                    if msg is not None:
+                        got[p] = msg.recv()
 
     def done(self, tag: int) -> None:
         """Every peer's payload of ``tag`` has been collected (nothing to release)."""
@@ -311,8 +318,14 @@ def join(launch: Launch, make_id: Callable[[], bytes], timeout: float, stop: thr
 def _own_communicator(channel: MpiChannel, deadline: float, stop: threading.Event) -> MpiChannel:
     """A communicator of the group's own (its collectives' tags never meet another
     group's). MPI's Idup is collective: it comes after the hellos showed every rank here."""
-    comm, req = channel.comm.Idup()
-    while not req.Test():
+    with _MPI_LOCK:
+        comm, req = channel.comm.Idup()
+
+    def made() -> bool:
+        with _MPI_LOCK:
+            return bool(req.Test())
+
+    while not made():
         if stop.is_set():
             raise Stopped()
         if time.monotonic() >= deadline:

@@ -208,3 +208,13 @@ def test_bench_ddp_smoke_with_a_process_per_device(tmp_path: pathlib.Path) -> No
     assert "one process per device (mpi)" in text and "replicas identical: True" in text
     assert row["devices"] == 2 and row["trio_steps_s"] > 0 and row["trio_loss"] > 0
     assert f"| 2 | {row['trio_steps_s']:.1f} |" in text
+
+
+def test_srun_without_mpi_is_named() -> None:
+    """srun's variables say rank 1 of 2, but MPI (without srun's PMI) says 0 of 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA"))}
+    env.update(SLURM_PROCID="1", SLURM_NTASKS="2")
+    code = "import trio; from trio_cuda import collectives; trio.run(collectives.ProcessGroup.from_env)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0
+    assert "SLURM_PROCID=1, SLURM_NTASKS=2 but MPI says rank 0 of 1: srun started the tasks without MPI" in r.stderr, r.stderr

@@ -9,7 +9,7 @@ path that separate processes take (tests/collectives/test_mpi.py runs them under
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -260,3 +260,35 @@ async def test_torchruns_environment_without_torch_says_what_to_install(monkeypa
         monkeypatch.setenv(k, v)
     with pytest.raises(ImportError, match=r"needs torch for its TCPStore at MASTER_ADDR:MASTER_PORT"):
         await collectives.ProcessGroup.from_env()
+
+
+class FailingStore(MemoryStore):
+    """A store that fails once told to (its host gone, say)."""
+
+    broken = False
+
+    def check(self, keys: Sequence[str]) -> bool:
+        if self.broken:
+            raise ConnectionError("the store's host is gone")
+        return super().check(keys)
+
+
+async def test_a_failing_channel_fails_the_collective_not_the_device() -> None:
+    store = FailingStore()
+    groups = await joined(store, 2)
+    store.broken = True
+    errors = await every_rank(2, lambda r: _all_reduce_error(groups[r], r))
+    for r, err in enumerate(errors):
+        assert isinstance(err, trio_cuda.DeviceFault), err
+        assert "the launcher's channel failed: ConnectionError: the store's host is gone" in str(err)
+        assert not trio_cuda.device(r).is_faulted
+
+
+async def _all_reduce_error(g: collectives.ProcessGroup, r: int) -> BaseException | None:
+    try:
+        await g.all_reduce(api.full((4,), 1.0, device=r))
+    except trio_cuda.DeviceFault as err:
+        return err
+    finally:
+        g.close()
+    return None

@@ -227,10 +227,14 @@ class ProcessComm:
         else:
             payloads = [_OK + mine] * n
         timeout = self.channel.timeout
-        got, missing = exchange(self.channel, tag, payloads, time.monotonic() + timeout, lambda: d.generation != gen)
+        failure = bad.message if bad is not None else None
+        try:
+            got, missing = exchange(self.channel, tag, payloads, time.monotonic() + timeout, lambda: d.generation != gen)
+        except Exception as exc:  # the channel failed (a store whose host is gone, say): this result is lost, not the device
+            got, missing = {}, []
+            failure = f"collective {kind}: the launcher's channel failed: {type(exc).__name__}: {exc}"
         if d.generation != gen:
             return  # this rank's device was reset: nothing of its memory is left to write
-        failure = bad.message if bad is not None else None
         if missing:
             failure = f"collective {kind}: {ranks(missing)} of {n} did not take part within {timeout:g} s"
         for p in sorted(got):
