@@ -1,12 +1,11 @@
 """ProcessGroup across processes started by mpiexec (mpi4py and an MPI from PyPI: the
 test extra's mpich), each process with its own device: results against numpy, a
 cancelled await, a reset of one rank's device, a rank that dies, a rank that never
-joins, and the data-parallel example. On the simulated device MPI carries the data; on
+joins (the documented commands: test_launch_commands.py). On the simulated device MPI carries the data; on
 CUDA, NCCL (with one GPU per rank: the 3-rank programs need 3 GPUs there)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import shutil
@@ -18,9 +17,6 @@ import time
 import pytest
 
 import trio_cuda
-
-from ..helpers.benchmarks import BENCHMARKS
-from ..helpers.examples import EXAMPLES
 
 try:
     import mpi4py  # noqa: F401
@@ -188,26 +184,6 @@ def test_a_rank_that_dies_ends_the_job_or_fails_the_others_collective(tmp_path: 
         assert f"rank {survivor}: collective all_reduce: rank 1 of 3 did not take part within 1 s" in r.stdout, (
             r.stdout + r.stderr[-4000:]
         )
-
-
-def test_the_data_parallel_example_with_a_process_per_device() -> None:
-    """The command docs/multi-gpu.md gives, with small sizes on CUDA."""
-    sizes = [] if ON_SIM else ["--batch", "96", "--features", "16", "--hidden", "32", "--outputs", "4", "--steps", "60"]
-    r = mpiexec(2, [sys.executable, str(EXAMPLES / "train_mlp_ddp.py"), "--processes", *sizes], timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert "2 process(es) (mpi)" in r.stdout and "correct" in r.stdout
-
-
-@pytest.mark.skipif(not ON_SIM, reason="the smoke mode's sizes are for the simulated device")
-def test_bench_ddp_smoke_with_a_process_per_device(tmp_path: pathlib.Path) -> None:
-    r = mpiexec(2, [sys.executable, str(BENCHMARKS / "bench_ddp.py"), "--smoke", "--processes", "--out", str(tmp_path)])
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    (md,) = tmp_path.glob("ddp-*.md")
-    (js,) = tmp_path.glob("ddp-*.json")
-    text, (row,) = md.read_text(), json.loads(js.read_text())
-    assert "one process per device (mpi)" in text and "replicas identical: True" in text
-    assert row["devices"] == 2 and row["trio_steps_s"] > 0 and row["trio_loss"] > 0
-    assert f"| 2 | {row['trio_steps_s']:.1f} |" in text
 
 
 def test_srun_without_mpi_is_named() -> None:
