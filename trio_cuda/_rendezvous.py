@@ -291,12 +291,17 @@ class Stopped(Exception):
 def join(launch: Launch, make_id: Callable[[], bytes], timeout: float, stop: threading.Event) -> Joined:
     """Open the channel and exchange the hellos (blocking, polling ``stop``; run it in a
     thread). ``make_id`` runs on rank 0 only. The hellos of join ``n`` (the n-th of this
-    process) carry tag ``n``: a late hello of an abandoned join never meets a later one."""
+    rank) are apart from every other join's: a late hello of an abandoned join never
+    meets a later one."""
     deadline = time.monotonic() + timeout
     channel, number = open_channel(launch, timeout)
     uid = make_id() if launch.rank == 0 else b""
     host = socket.gethostname()
-    got, missing = exchange(channel, number, [pickle.dumps((uid, host))] * launch.size, deadline, stop.is_set)
+    # the hellos' tag: on MPI's COMM_WORLD the join's number (the collectives use a
+    # communicator of their own); in a store, whose prefix has the number, one that no
+    # collective uses (a hello still unread must not meet a collective's part)
+    tag = number if isinstance(channel, MpiChannel) else -1
+    got, missing = exchange(channel, tag, [pickle.dumps((uid, host))] * launch.size, deadline, stop.is_set)
     if stop.is_set():
         raise Stopped()
     if missing:
