@@ -840,7 +840,10 @@ class SimBackend(Backend):
         return comm
 
     def unique_id(self) -> bytes:
-        raise LaunchError("the simulated device has no multi-process collectives: use a Group of simulated devices")
+        raise LaunchError(
+            "the simulated device makes no NCCL unique id: its multi-process collectives join through a launcher "
+            "(ProcessGroup.from_env or from_store), whose channel carries the data"
+        )
 
     def collective(
         self, kind: str, comms: Any, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int
