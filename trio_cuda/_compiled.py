@@ -17,7 +17,10 @@ __all__ = ["MODULES", "check_required", "compiled_modules"]
 #: The modules of the per-await and per-submission path, compiled as they are.
 MODULES: tuple[str, ...] = (
     "trio_cuda._backends._cuda",
+    "trio_cuda._backends._cudaerrors",
+    "trio_cuda._backends._cudakernels",
     "trio_cuda._device",
+    "trio_cuda._device_stats",
     "trio_cuda._direct",
     "trio_cuda._guard",
     "trio_cuda._kernel",

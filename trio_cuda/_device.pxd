@@ -4,24 +4,8 @@
 
 cimport cython
 
+from trio_cuda._device_stats cimport Counters
 from trio_cuda._stream cimport Event, Stream
-
-
-cdef class _Counters:
-    cdef public object allocations
-    cdef public object bytes_allocated
-    cdef public object bytes_freed
-    cdef public object copies
-    cdef public object frees
-    cdef public object graph_launches
-    cdef public object launches
-    cdef public object staging_bytes
-    cdef public object staging_pins
-    cdef public object staging_unpinning
-    cdef public object staging_unpins
-    cdef public object stream_waits
-    cdef public object streams_destroyed
-    cdef public object submissions
 
 
 @cython.final
@@ -45,7 +29,7 @@ cdef class Device:
     cdef public object _dead_buffers
     cdef public object _dead_graphs
     cdef public object _bytes_in_use
-    cdef public _Counters _stats
+    cdef public Counters _stats
     cdef public object _reset_callbacks
     cdef public object _blocking
     cdef public object _peer_readers

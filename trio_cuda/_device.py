@@ -24,10 +24,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._backends._boundary import DeviceDriver, Waker
+from ._device_stats import Counters, DeviceStatistics
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed, check_not_forked
 from ._staging import drain as _staging_drain
@@ -42,67 +42,6 @@ _REPOLL_S = 0.02  # a sleeping wait re-polls this often (a faulted device posts 
 # Polls answer from the stream where they can (see Device.poll); False asks the driver
 # about the awaited event only (benchmarks/probes/probe_poll.py measures both in one process).
 poll_by_stream = True
-
-
-@dataclass(frozen=True)
-class DeviceStatistics:
-    """A snapshot of one device's runtime counters (see :meth:`Device.statistics`).
-
-    Attributes:
-        ordinal: The device ordinal.
-        backend: ``"cuda"`` or ``"sim"``.
-        generation: How many times the device was reset.
-        submissions: DAG submissions so far.
-        launches: Kernel launches enqueued.
-        graph_launches: CUDA graph replays enqueued.
-        allocations: Device allocations made.
-        frees: Device frees enqueued.
-        copies: Copies and fills enqueued.
-        stream_waits: Cross-stream waits enqueued by dependency tracking and joins.
-        bytes_in_use: Bytes of live device buffers plus frees not yet enqueued.
-        streams: Live streams of the device.
-        streams_destroyed: Streams destroyed because nothing referenced them any more.
-        staging_bytes: Pinned host staging memory held for this device (idle or lent).
-        staging_pins: Pinned buffers allocated for it so far.
-        staging_unpins: Pinned buffers released (idle beyond the cap).
-        staging_unpinning: Bytes of those buffers the janitor thread has not unpinned
-            yet (unpinning may wait for the device, so it runs in the background; 0
-            once it is done). They no longer count in ``staging_bytes``.
-        faulted: Whether the device is faulted (and refuses work until reset).
-        bytes_allocated: Bytes of device memory allocated so far (all allocations).
-        bytes_freed: Bytes of device memory whose free was enqueued so far.
-        queue_depths: Per live stream of the device, the points of work enqueued on it
-            that are not yet known to have completed (``seq - done_seq``; the runtime
-            learns of completions when it polls or waits, so this is an upper bound).
-        notifier_fast_path: Awaits (of any device, process-wide) that completed while
-            polling between trio checkpoints.
-        notifier_slow_path: Awaits (process-wide) that parked until the notifier's helper
-            thread woke them.
-    """
-
-    ordinal: int
-    backend: str
-    generation: int
-    submissions: int
-    launches: int
-    graph_launches: int
-    allocations: int
-    frees: int
-    copies: int
-    stream_waits: int
-    bytes_in_use: int
-    streams: int
-    streams_destroyed: int
-    staging_bytes: int
-    staging_pins: int
-    staging_unpins: int
-    faulted: bool
-    bytes_allocated: int = 0
-    bytes_freed: int = 0
-    queue_depths: tuple[int, ...] = ()
-    notifier_fast_path: int = 0
-    notifier_slow_path: int = 0
-    staging_unpinning: int = 0
 
 
 class _Released:
@@ -120,31 +59,6 @@ class _Released:
                 fn()
             except Exception:  # a library's deleter failing must not break the runtime
                 pass
-
-
-class _Counters:
-    __slots__ = (
-        "allocations",
-        "bytes_allocated",
-        "bytes_freed",
-        "copies",
-        "frees",
-        "graph_launches",
-        "launches",
-        "staging_bytes",
-        "staging_pins",
-        "staging_unpinning",
-        "staging_unpins",
-        "stream_waits",
-        "streams_destroyed",
-        "submissions",
-    )
-
-    def __init__(self) -> None:
-        self.submissions = self.launches = self.graph_launches = self.allocations = 0
-        self.frees = self.copies = self.stream_waits = self.streams_destroyed = 0
-        self.staging_bytes = self.staging_pins = self.staging_unpins = self.staging_unpinning = 0
-        self.bytes_allocated = self.bytes_freed = 0
 
 
 class SchedulingPolicy(Protocol):
@@ -193,7 +107,7 @@ class Device:
     _dead_buffers: collections.deque[tuple[int, int, int, list[tuple[Stream, int]], Any]]
     _dead_graphs: collections.deque[tuple[int, Any]]
     _bytes_in_use: int
-    _stats: _Counters
+    _stats: Counters
     _reset_callbacks: list[Callable[[Device], None]]
     _blocking: set[Waker]
     _peer_readers: list[Event]  # work of other devices reading its memory (peer copies)
@@ -227,7 +141,7 @@ class Device:
         self._dead_buffers = collections.deque()
         self._dead_graphs = collections.deque()
         self._bytes_in_use = 0
-        self._stats = _Counters()
+        self._stats = Counters()
         self._reset_callbacks = []
         self._blocking = set()
         self._peer_readers = []

@@ -41,9 +41,10 @@ from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._forecast import Names
 from ._guard import LOCK, _tls, check_blocking_allowed
+from ._needs import KernelNeed, load_kernels
 from ._op import DeviceOp
 from ._pending import EXECUTING
-from ._plan import Lane, Plan, _KernelNeed, _load_kernels
+from ._plan import Lane, Plan
 from ._stream import Event
 from ._tensor import Partition, Tensor
 from ._writes import written_params
@@ -141,9 +142,9 @@ class Kernel:
         (device,) = devices
         with LOCK:
             cfg = _config(self, tuple(args), device)
-            need = None if cfg.loaded is not None else _KernelNeed(self, device, cfg.signature, cfg.proto)
+            need = None if cfg.loaded is not None else KernelNeed(self, device, cfg.signature, cfg.proto)
         if need is not None:
-            _load_kernels([need])
+            load_kernels([need])
             with LOCK:
                 if cfg.loaded is None:
                     cfg.loaded = need.loaded
@@ -431,7 +432,7 @@ def _prepare(k: Kernel, cfg: _Config, args: tuple[Any, ...], device: Device) -> 
     return prepared
 
 
-def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], _KernelNeed | None, Any]) -> None:
+def _launch_step(lane: Lane, arg: tuple[Kernel, _Config, tuple[Any, ...], KernelNeed | None, Any]) -> None:
     k, cfg, args, need, prepared = arg
     device = lane.device
     if prepared is None:

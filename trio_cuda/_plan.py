@@ -7,14 +7,14 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import _loop, _trace
+from . import _trace
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls
 from ._memory import Buffer
-from ._notifier import wait_event
+from ._needs import KernelNeed, Need
 from ._pending import EXECUTING, Claimed, Continue, Done, Failed
-from ._staging import Staging, StagingPool, pin, pool_of
+from ._staging import Staging, StagingPool, pool_of
 from ._stream import dropped_stream
 
 if TYPE_CHECKING:
@@ -206,68 +206,6 @@ class Hold:
         raise NotImplementedError
 
 
-class _KernelNeed:
-    __slots__ = ("args", "device", "loaded", "signature", "source")
-
-    def __init__(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> None:
-        self.source = source
-        self.device = device
-        self.signature = signature
-        self.args = args
-        self.loaded: Any = None
-
-
-class Need:
-    """What a submission waits for before it can enqueue (see the module docstring)."""
-
-    __slots__ = ("data", "kind")
-
-    def __init__(self, kind: str, data: Any) -> None:
-        self.kind = kind  # "kernels" | "staging" | "plan" | "memory" | "communicators"
-        self.data = data
-        counts[kind] += 1
-
-    def wait_blocking(self) -> None:
-        kind, data = self.kind, self.data
-        if kind == "kernels":
-            _load_kernels(data)
-        elif kind == "staging":
-            for device, sizes in data:
-                pin(device, sizes)
-        elif kind == "plan":
-            data.done.wait()
-        elif kind == "communicators":
-            for hold in data:
-                hold.make()
-        else:  # memory
-            for ev in data:
-                ev.device.wait_blocking(ev)
-
-    async def wait_async(self) -> None:
-        kind, data = self.kind, self.data
-        if kind == "memory":
-            for ev in data:
-                await wait_event(ev)
-        elif kind == "plan":
-            # Another submission (perhaps in this trio run) finishes its own wait first.
-            if not data.done.is_set():
-                await _loop.run_in_thread(data.done.wait)
-            await _loop.checkpoint()
-        else:
-            await _loop.run_in_thread(self.wait_blocking)
-
-
-def _load_kernels(needs: list[_KernelNeed]) -> None:
-    """Compile and load kernels (slow: numba and module loading). No runtime lock held."""
-    for n in needs:
-        dev = n.device
-        gen = dev.generation
-        with dev._slow_lock:
-            if dev.generation != gen:
-                continue  # the next plan step re-checks against the reset device
-            n.loaded = dev._driver.load_kernel(n.source, n.signature, n.args)
-
-
 class Plan:
     """One submission: its lanes, its steps, what it allocates, and its state."""
 
@@ -277,7 +215,7 @@ class Plan:
     buffers: list[tuple[Lane, Buffer, str]] = ()  # type: ignore[assignment]
     allocated: list[tuple[Stream, int]] = ()  # type: ignore[assignment]  # the buffers' allocation points
     shared: list[Any] = ()  # type: ignore[assignment]
-    kernels: list[_KernelNeed] = ()  # type: ignore[assignment]
+    kernels: list[KernelNeed] = ()  # type: ignore[assignment]
     staging: list[_StagingSlot] = ()  # type: ignore[assignment]
     waits: list[Plan] = ()  # type: ignore[assignment]
     foreign: list[Buffer] = ()  # type: ignore[assignment]
@@ -376,8 +314,8 @@ class Plan:
             self.sources = {}
         self.sources[device] = generation
 
-    def need_kernel(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> _KernelNeed:
-        n = _KernelNeed(source, device, signature, args)
+    def need_kernel(self, source: KernelSource, device: Device, signature: tuple[Any, ...], args: list[Any]) -> KernelNeed:
+        n = KernelNeed(source, device, signature, args)
         if not self.kernels:
             self.kernels = []
         self.kernels.append(n)
@@ -489,12 +427,17 @@ class Plan:
     def finished(self) -> bool:
         return self.state in (ENQUEUED, ABORTED, FAILED)
 
+    @staticmethod
+    def _need(kind: str, data: Any) -> Need:
+        counts[kind] += 1
+        return Need(kind, data)
+
     def advance(self) -> Need | None:
         """Enqueue if nothing is missing; else say what to wait for (under LOCK)."""
         while self.waits:
             w = self.waits[-1]
             if not w.finished:
-                return Need("plan", w)
+                return self._need("plan", w)
             self.waits.pop()
             w.dependents -= 1
         for op in self.reused:
@@ -509,11 +452,11 @@ class Plan:
                     if n.loaded is None:
                         missing.append(n)
             if missing:
-                return Need("kernels", missing)
+                return self._need("kernels", missing)
         if self.holds:
             lacking = [h for h in self.holds if not h.ready()]
             if lacking:
-                return Need("communicators", lacking)
+                return self._need("communicators", lacking)
         try:
             return self._enqueue()
         except BaseException as exc:
@@ -557,7 +500,7 @@ class Plan:
         # what the pool lacks for all of them at once: the ones given back count only once
         # (asking about the missing sizes alone counts a returned buffer for two slots,
         # and the retry would find the same shortage forever)
-        return Need("staging", [(d, pool_of(d).missing(wanted[d])) for d in short])
+        return self._need("staging", [(d, pool_of(d).missing(wanted[d])) for d in short])
 
     def _end_staging_waits(self) -> None:
         """No longer waiting to take pinned buffers (under LOCK): see StagingPool.wait_end."""
@@ -734,7 +677,7 @@ class Plan:
                 self.oom_retried = True
                 events = [ev for dev in self.generations for ev in dev.pending_events()]
                 if events:
-                    return Need("memory", events)
+                    return self._need("memory", events)
             raise err from None
         # the stream-ordered allocations, each the buffer's first writer (a failure part-way
         # through the enqueue frees the buffers still in that state: see _failed)

@@ -36,9 +36,10 @@ from . import _loop, _trace
 from ._capture import Capture
 from ._errors import DeviceError
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
+from ._needs import Need
 from ._notifier import wait_event, wait_steps
 from ._pending import resolve
-from ._plan import PLANNED, Need, Plan, check_generations, counts, name_fault
+from ._plan import PLANNED, Plan, check_generations, counts, name_fault
 from ._registry import current_device
 from ._staging import Staging, copies_completed
 

@@ -337,7 +337,7 @@ async def test_streams_dropped_with_pending_work_during_a_reset_in_another_threa
     late = [dev.create_stream() for _ in range(6)]
     evs = []
     for s in early + late:
-        evs.append((await lowlevel.submit(sleep(c, 200_000_000), s)).event)
+        evs.append((await lowlevel.submit(sleep(c, SLOW_NS), s)).event)
     del early, s
     gc.collect()
     await api.zeros((1,))  # the early ones linger now

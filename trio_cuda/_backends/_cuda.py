@@ -15,17 +15,17 @@
   ``cuModuleLoadData`` and launched with ``cuLaunchKernel`` from pre-packed parameters
   in numba's argument layout. Tensor (input) arguments are compiled as read-only
   arrays, so a kernel that writes one is refused when it is built, before any launch.
-  numba's dispatcher is never on the launch path.
+  numba's dispatcher is never on the launch path (``_cudakernels``).
 * **Completion**: ``arm`` queues, on a side stream per work stream, a wait for the event
   and a host function that is libc's ``sem_post`` itself (no Python callback, no GIL),
-  posting the semaphore the notifier's helper thread sleeps on.
+  posting the semaphore the notifier's helper thread sleeps on (``_cudawaker``).
 * **Fast path**: the three driver calls of every await (``cuLaunchKernel``,
   ``cuEventRecord``, ``cuEventQuery``) go through a small C extension
   (``_cudafast``, built at install when a C compiler is present) straight to the
   driver's entry points, about 2 us less per await than cuda.bindings' wrappers on an
   H200; without it the same calls go through cuda.bindings (the same behaviour and
   errors).
-* Every driver result goes through :func:`check`, which turns a bad ``CUresult`` into the
+* Every driver result goes through ``_cudaerrors.check``, which turns a bad ``CUresult`` into the
   project's errors; sticky errors (illegal address, ...) mark the device faulted.
 """
 
@@ -33,9 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
-import os
-import pathlib
 import struct
 import threading
 import time
@@ -45,9 +42,12 @@ from typing import Any
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
-from ._boundary import ArrayArg, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker, scalar_dtype
+from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, LaunchError, fresh
+from ._boundary import Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
 from ._cublaslt import WORKSPACE, Gemms
+from ._cudaerrors import NOT_READY, STICKY, SUCCESS, check, error, result_code
+from ._cudakernels import Launcher, Prepared, compile_cubin, param_format, param_values
+from ._cudawaker import SEM_POST_ADDR, SemWaker, wakers
 
 try:
     from . import _cudafast
@@ -55,256 +55,7 @@ except ImportError:  # built without a C compiler: the pure-Python path
     _cudafast = None  # type: ignore[assignment]
 _BUILT: bool = _cudafast is not None
 
-__all__ = ["CudaBackend", "check"]
-
-R = cu.CUresult
-_SUCCESS = R.CUDA_SUCCESS
-_NOT_READY = int(R.CUDA_ERROR_NOT_READY)  # compared with result codes as ints
-
-# Errors after which the context is unusable: asynchronous device faults.
-_STICKY = {
-    getattr(R, n)
-    for n in (
-        "CUDA_ERROR_ILLEGAL_ADDRESS",
-        "CUDA_ERROR_LAUNCH_FAILED",
-        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-        "CUDA_ERROR_MISALIGNED_ADDRESS",
-        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-        "CUDA_ERROR_INVALID_PC",
-        "CUDA_ERROR_HARDWARE_STACK_ERROR",
-        "CUDA_ERROR_ASSERT",
-        "CUDA_ERROR_LAUNCH_TIMEOUT",
-        "CUDA_ERROR_ECC_UNCORRECTABLE",
-        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        "CUDA_ERROR_TENSOR_MEMORY_LEAK",
-    )
-    if hasattr(R, n)
-}
-_CAPTURE = {getattr(R, n) for n in dir(R) if n.startswith(("CUDA_ERROR_STREAM_CAPTURE", "CUDA_ERROR_CAPTURED_EVENT"))}
-
-
-def _name(err: Any) -> str:
-    try:
-        e, s = cu.cuGetErrorName(err)
-        return s.decode() if e == _SUCCESS else str(err)
-    except Exception:
-        return str(err)
-
-
-def check(result: Any, what: str, device: CudaDevice | None = None, *, launch: bool = False, op: str | None = None) -> Any:
-    """Unpack a cuda.bindings result tuple; raise the project's error for a bad CUresult."""
-    err = result[0]
-    if err == _SUCCESS:
-        n = len(result)
-        return None if n == 1 else result[1] if n == 2 else result[1:]
-    raise error(err, what, device, launch=launch, op=op)
-
-
-def error(err: Any, what: str, device: CudaDevice | None, *, launch: bool = False, op: str | None = None) -> DeviceError:
-    """The project's error for a bad CUresult (sticky errors also fault the device)."""
-    ordinal = device.ordinal if device is not None else None
-    msg = f"{what} failed: {_name(err)}"
-    if err == R.CUDA_ERROR_OUT_OF_MEMORY:
-        return DeviceOutOfMemory(msg, device=ordinal, op=op)
-    if err in _STICKY:
-        fault = DeviceFault(msg, device=ordinal, op=op)
-        if device is not None:
-            device._set_fault(fault)
-            return fresh(device._fault) if device._fault is not None else fault  # type: ignore[return-value]
-        return fault
-    if err in _CAPTURE:
-        return GraphCaptureError(msg, device=ordinal, op=op)
-    if launch:
-        return LaunchError(msg, device=ordinal, op=op)
-    return DeviceError(msg, device=ordinal, op=op)
-
-
-# -- the semaphore the host functions post ----------------------------------------------
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_SEM_SIZE = 64  # sizeof(sem_t) is 32 on x86-64 Linux; leave room
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
-_libc.sem_post.argtypes = [ctypes.c_void_p]
-_libc.sem_wait.argtypes = [ctypes.c_void_p]
-_libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
-_SEM_POST_ADDR = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
-
-
-_wakers: list[_SemWaker] = []  # never freed: a pending host function may still post one
-
-
-class _SemWaker(Waker):
-    """A POSIX semaphore: posted by CUDA host functions (libc's sem_post), waited without the GIL."""
-
-    def __init__(self) -> None:
-        self._buf = ctypes.create_string_buffer(_SEM_SIZE)
-        self.addr = ctypes.addressof(self._buf)
-        if _libc.sem_init(self.addr, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "sem_init failed")
-
-    def wait(self, timeout: float | None) -> bool:
-        # ctypes releases the GIL around foreign calls.
-        if timeout is None:
-            while _libc.sem_wait(self.addr) != 0:
-                pass  # EINTR
-            return True
-        deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        return bool(_libc.sem_timedwait(self.addr, ctypes.byref(ts)) == 0)
-
-    def post(self) -> None:
-        _libc.sem_post(self.addr)
-
-
-# -- kernels ------------------------------------------------------------------------------
-_SCALAR_FORMATS = {
-    # numba's argument packing: one slot per scalar (complex: real and imaginary slots).
-    "b": ("b7x", 1),
-    "B": ("B7x", 1),
-    "?": ("B7x", 1),
-    "h": ("h6x", 1),
-    "H": ("H6x", 1),
-    "i": ("i4x", 1),
-    "I": ("I4x", 1),
-    "l": ("q", 1),
-    "L": ("Q", 1),
-    "q": ("q", 1),
-    "Q": ("Q", 1),
-    "e": ("e6x", 1),
-    "f": ("f4x", 1),
-    "d": ("d", 1),
-    "F": ("f4xf4x", 2),
-    "D": ("dd", 2),
-}
-
-
-class _Launcher:
-    """One compiled kernel for one signature on one device."""
-
-    __slots__ = ("fmt", "function", "module", "name", "slots")
-
-    def __init__(self, module: Any, function: Any, fmt: str, nslots: int, name: str) -> None:
-        self.module = module
-        self.function = function
-        self.fmt = fmt
-        self.slots = nslots
-        self.name = name
-
-
-class _Prepared:
-    """A launch minus its stream: the function, the geometry and the packed parameters."""
-
-    __slots__ = ("buf", "bx", "by", "bz", "fn", "function", "gx", "gy", "gz", "name", "params", "ptrs")
-
-    def __init__(self, launcher: _Launcher, grid: tuple[int, int, int], block: tuple[int, int, int], values: list[Any]) -> None:
-        n = max(launcher.slots, 1)
-        self.buf = (ctypes.c_uint64 * n)()
-        struct.pack_into(launcher.fmt, self.buf, 0, *values)
-        base = ctypes.addressof(self.buf)
-        self.ptrs = (ctypes.c_void_p * n)(*[base + 8 * i for i in range(n)])
-        self.params = ctypes.addressof(self.ptrs)
-        self.function = launcher.function
-        self.fn = int(launcher.function)  # the handle as an integer, for the fast path
-        self.gx, self.gy, self.gz = grid
-        self.bx, self.by, self.bz = block
-        self.name = launcher.name
-
-
-def _numba_signature(args: Sequence[Any]) -> tuple[Any, ...]:
-    from numba import from_dtype, types
-
-    sig = []
-    for a in args:
-        if type(a) is ArrayArg:
-            layout = "C" if a.contiguous else "A"
-            sig.append(types.Array(from_dtype(a.dtype), len(a.shape), layout, readonly=not a.writable))
-        else:
-            sig.append(from_dtype(scalar_dtype(a)))
-    return tuple(sig)
-
-
-def _param_format(args: Sequence[Any]) -> tuple[str, int]:
-    fmt = ["<"]
-    slots = 0
-    for a in args:
-        if type(a) is ArrayArg:
-            n = 5 + 2 * len(a.shape)
-            fmt.append("q" * n)
-            slots += n
-        else:
-            f, n = _SCALAR_FORMATS[scalar_dtype(a).char]
-            fmt.append(f)
-            slots += n
-    return "".join(fmt), slots
-
-
-def _param_values(args: Sequence[Any]) -> list[Any]:
-    vals: list[Any] = []
-    for a in args:
-        if type(a) is ArrayArg:
-            vals.extend(a.numba_params())
-        elif isinstance(a, (complex, np.complexfloating)):
-            vals.extend((a.real, a.imag))
-        elif isinstance(a, np.bool_):
-            vals.append(bool(a))  # struct packs Python bools, not numpy's
-        else:
-            vals.append(a)
-    return vals
-
-
-def _cache_dir() -> pathlib.Path | None:
-    d = os.environ.get("TRIO_CUDA_CACHE_DIR")
-    path = pathlib.Path(d) if d else pathlib.Path.home() / ".cache" / "trio-cuda"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:
-        return None
-
-
-_CACHE_FORMAT = "trio-cuda-kernel-cache-2"
-
-
-def _compile_cubin(device: CudaDevice, source: KernelSource, args: Sequence[Any]) -> tuple[bytes, str]:
-    """PTX from numba, linked to a cubin for this device; cached on disk by content."""
-    import numba
-    from numba.cuda import compile_ptx
-
-    sig = _numba_signature(args)
-    cc = device.compute_capability
-    key_text = "|".join([_CACHE_FORMAT, numba.__version__, source.key, repr(sig), repr(cc)])
-    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    cache = _cache_dir() if source.cacheable else None
-    if cache is not None:
-        cubin_path = cache / f"{key}.cubin"
-        name_path = cache / f"{key}.name"
-        if cubin_path.exists() and name_path.exists():
-            return cubin_path.read_bytes(), name_path.read_text()
-    try:
-        ptx, _ = compile_ptx(source.py_func, sig, cc=cc)
-    except Exception as err:  # numba's typing and lowering errors
-        raise LaunchError(
-            f"numba cannot compile the kernel for {sig}: {err}", op=f"kernel {source.name}", device=device.ordinal
-        ) from err
-    entry = None
-    for line in ptx.splitlines():
-        if ".entry" in line:
-            entry = line.split(".entry", 1)[1].strip().split("(")[0].strip()
-            break
-    if entry is None:
-        raise LaunchError("numba produced no kernel entry", op=source.name, device=device.ordinal)
-    cubin = device._link(ptx.encode(), source.name)
-    if cache is not None:
-        for path, data in ((cubin_path, cubin), (name_path, entry.encode())):
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-    return cubin, entry
+__all__ = ["CudaBackend"]
 
 
 class _ThreadState(threading.local):
@@ -329,15 +80,6 @@ class _Graph:
 _use_fast_path = True
 
 
-def _result(err: int) -> Any:
-    """A driver result code as cuda.bindings' CUresult (as is when this cuda-bindings
-    does not know it, so the error still names the code)."""
-    try:
-        return R(err)
-    except ValueError:
-        return err
-
-
 def fast_path() -> tuple[int, int, int] | None:
     """The driver entry points of ``cuLaunchKernel``, ``cuEventRecord`` and
     ``cuEventQuery`` for the compiled fast path, or None: not built, switched off
@@ -349,7 +91,7 @@ def fast_path() -> tuple[int, int, int] | None:
     for name in (b"cuLaunchKernel", b"cuEventRecord", b"cuEventQuery"):
         # 12000: the CUDA 12.0 ABI of each call (none of the three changed since).
         r = cu.cuGetProcAddress(name, 12000, flags)
-        if r[0] != _SUCCESS or not int(r[1]):
+        if r[0] != SUCCESS or not int(r[1]):
             return None
         out.append(int(r[1]))
     return out[0], out[1], out[2]
@@ -360,7 +102,7 @@ def graph_launch_entry() -> int:
     none; the backend then launches through cuda.bindings)."""
     flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
     r = cu.cuGetProcAddress(b"cuGraphLaunch", 12000, flags)
-    return int(r[1]) if r[0] == _SUCCESS else 0
+    return int(r[1]) if r[0] == SUCCESS else 0
 
 
 def _fast_path_note(fast: tuple[int, int, int] | None) -> str:
@@ -415,7 +157,7 @@ class CudaDevice(DeviceDriver):
             "cuMemPoolSetAttribute",
             self,
         )
-        self._launchers: dict[tuple[Any, ...], _Launcher] = {}
+        self._launchers: dict[tuple[Any, ...], Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
@@ -436,7 +178,7 @@ class CudaDevice(DeviceDriver):
             _tls.token = self._token
 
     # -- faults -------------------------------------------------------------------
-    def _set_fault(self, fault: DeviceFault) -> None:
+    def set_fault(self, fault: DeviceFault) -> None:
         with self._lock:
             if self._fault is None:
                 self._fault = fault
@@ -510,13 +252,13 @@ class CudaDevice(DeviceDriver):
                 self._record_failed(err)
         else:
             err = cu.cuEventRecord(event, stream)[0]
-            if err != _SUCCESS:
+            if err != SUCCESS:
                 raise error(err, "cuEventRecord", self, launch=True)
 
     def wait_event(self, stream: Any, event: Any, *, ordering_only: bool = False) -> None:
         self._current()
         err = cu.cuStreamWaitEvent(stream, event, 0)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "cuStreamWaitEvent", self, launch=True)
 
     def query(self, event: Any) -> bool:
@@ -526,23 +268,23 @@ class CudaDevice(DeviceDriver):
         err = _cudafast.query(fast[2], int(event)) if fast is not None else int(cu.cuEventQuery(event)[0])
         if not err:
             return True
-        if err == _NOT_READY:
+        if err == NOT_READY:
             if self._fault is not None:
                 raise fresh(self._fault)
             return False
-        raise error(_result(err), "cuEventQuery", self)
+        raise error(result_code(err), "cuEventQuery", self)
 
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
-        assert isinstance(waker, _SemWaker)
+        assert isinstance(waker, SemWaker)
         self._current()
         key = int(stream) if stream is not None else 0  # 0: one side stream for orphans
         side = self._notify.get(key)
         if side is None:
             side = self._notify[key] = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
         err = cu.cuStreamWaitEvent(side, event, 0)[0]
-        if err == _SUCCESS:
-            err = cu.cuLaunchHostFunc(side, cu.CUhostFn(_SEM_POST_ADDR), waker.addr)[0]
-        if err != _SUCCESS:
+        if err == SUCCESS:
+            err = cu.cuLaunchHostFunc(side, cu.CUhostFn(SEM_POST_ADDR), waker.addr)[0]
+        if err != SUCCESS:
             # The helper thread's periodic poll still catches this event.
             e = error(err, "arming a completion wake-up", self)
             if isinstance(e, DeviceFault):
@@ -552,7 +294,7 @@ class CudaDevice(DeviceDriver):
     def alloc(self, nbytes: int, stream: Any) -> int:
         self._current()
         err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, self.pool, stream)
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, f"allocating {nbytes} bytes", self, launch=True)
         return int(ptr)
 
@@ -561,7 +303,7 @@ class CudaDevice(DeviceDriver):
             return  # the context is gone with the fault; reset releases everything
         self._current()
         err = cu.cuMemFreeAsync(ptr, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "cuMemFreeAsync", self)
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
@@ -587,36 +329,36 @@ class CudaDevice(DeviceDriver):
             lo, hi = struct.unpack("<II", pattern)
             rows = nbytes // 8
             res = cu.cuMemsetD2D32Async(ptr, 8, lo, 1, rows, stream)
-            if res[0] == _SUCCESS:
+            if res[0] == SUCCESS:
                 res = cu.cuMemsetD2D32Async(ptr + 4, 8, hi, 1, rows, stream)
         else:
             raise ValueError(f"fill pattern of {n} bytes")
-        if res[0] != _SUCCESS:
+        if res[0] != SUCCESS:
             raise error(res[0], "memset", self, launch=True)
 
     def copy_h2d(self, dst: int, src: np.ndarray, stream: Any) -> None:
         self._current()
         err = cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, src.nbytes, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "copy host to device", self, launch=True)
 
     def copy_d2h(self, dst: np.ndarray, src: int, stream: Any) -> None:
         self._current()
         err = cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, dst.nbytes, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "copy device to host", self, launch=True)
 
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         self._current()
         err = cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "copy device to device", self, launch=True)
 
     def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: Any) -> None:
         assert isinstance(src_driver, CudaDevice)
         self._current()
         err = cu.cuMemcpyPeerAsync(dst, self.ctx, src, src_driver.ctx, nbytes, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, f"copy from device {src_driver.ordinal}", self, launch=True)
 
     # -- libraries ------------------------------------------------------------------
@@ -652,7 +394,7 @@ class CudaDevice(DeviceDriver):
         ref, host = reference
         err, ms = cu.cuEventElapsedTime(ref, stamp)
         cu.cuEventDestroy(stamp)
-        if err != _SUCCESS:
+        if err != SUCCESS:
             return None  # not reached (or the device faulted): left out of the trace
         return host + float(ms) / 1e3
 
@@ -695,7 +437,7 @@ class CudaDevice(DeviceDriver):
                 if not err:
                     gemms.replays += 1
                     return
-                exc = error(_result(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
+                exc = error(result_code(err), "cuGraphLaunch (a replayed GEMM)", self, launch=True, op="matmul")
                 if isinstance(exc, DeviceFault):
                     raise exc
                 # Refused: the library makes the call. Out of memory may pass (the graph
@@ -718,7 +460,7 @@ class CudaDevice(DeviceDriver):
     def _capturing(self, stream: Any) -> bool:
         """Whether ``stream`` is recording a graph now (asks the driver)."""
         err, status = cu.cuStreamIsCapturing(stream)
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "cuStreamIsCapturing", self)
         return bool(status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
@@ -759,12 +501,12 @@ class CudaDevice(DeviceDriver):
         cs = gemms.capture_stream
         if cs is None:
             err, cs = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            if err != _SUCCESS:
+            if err != SUCCESS:
                 return self._refuse_graph(key, err, "cuStreamCreate")
             gemms.capture_stream = cs
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
         err = cu.cuStreamBeginCapture(cs, mode)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             return self._refuse_graph(key, err, "cuStreamBeginCapture")
         graph = exec_ = None
         try:
@@ -775,13 +517,13 @@ class CudaDevice(DeviceDriver):
             except Exception:  # refused: the caller's own call says why
                 pass
             err, graph = cu.cuStreamEndCapture(cs)
-            if err != _SUCCESS:
+            if err != SUCCESS:
                 graph = None
                 return self._refuse_graph(key, err, "cuStreamEndCapture")
             if not ran:
-                return self._refuse_graph(key, _SUCCESS, "cuBLASLt")
+                return self._refuse_graph(key, SUCCESS, "cuBLASLt")
             err, exec_ = cu.cuGraphInstantiate(graph, 0)
-            if err != _SUCCESS:
+            if err != SUCCESS:
                 exec_ = None
                 return self._refuse_graph(key, err, "cuGraphInstantiate")
             kept = gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
@@ -791,9 +533,9 @@ class CudaDevice(DeviceDriver):
             # Whatever happened (a KeyboardInterrupt anywhere above too): the stream does
             # not stay capturing, and nothing made here is left undestroyed.
             err, status = cu.cuStreamIsCapturing(cs)
-            if err == _SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
+            if err == SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
                 err, left = cu.cuStreamEndCapture(cs)
-                if err == _SUCCESS and left is not None and int(left):
+                if err == SUCCESS and left is not None and int(left):
                     cu.cuGraphDestroy(left)
             if graph is not None:
                 cu.cuGraphDestroy(graph)
@@ -803,7 +545,7 @@ class CudaDevice(DeviceDriver):
     def _refuse_graph(self, key: tuple[Any, ...], err: Any, what: str) -> None:
         """A capture step failed with ``err``: a sticky error faults the device and is
         raised; anything else refuses the key (the library makes its calls)."""
-        if err != _SUCCESS and err in _STICKY:
+        if err != SUCCESS and err in STICKY:
             raise error(err, f"{what} (capturing a replayed GEMM)", self, launch=True, op="matmul")
         self._gemms.refuse(key)
         return None
@@ -814,7 +556,7 @@ class CudaDevice(DeviceDriver):
         return int(free), int(total)
 
     # -- kernels ---------------------------------------------------------------------
-    def _link(self, ptx: bytes, name: str) -> bytes:
+    def link(self, ptx: bytes, name: str) -> bytes:
         self._current()
         state = check(cu.cuLinkCreate(0, [], []), "cuLinkCreate", self)
         try:
@@ -831,7 +573,7 @@ class CudaDevice(DeviceDriver):
     def loaded_kernel(self, source: KernelSource, signature: tuple[Any, ...]) -> Any:
         return self._launchers.get((source.key, signature))
 
-    def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> _Launcher:
+    def load_kernel(self, source: KernelSource, signature: tuple[Any, ...], args: Sequence[Any]) -> Launcher:
         key = (source.key, signature)
         launcher = self._launchers.get(key)
         if launcher is not None:
@@ -841,7 +583,7 @@ class CudaDevice(DeviceDriver):
             launcher = self._launchers.get(key)
             if launcher is not None:
                 return launcher
-            cubin, entry = _compile_cubin(self, source, args)
+            cubin, entry = compile_cubin(self, source, args)
             self._current()
             op = f"kernel {source.name}"
             module = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData", self, launch=True, op=op)
@@ -850,21 +592,21 @@ class CudaDevice(DeviceDriver):
                 # Finish lazy loading now, not at the first launch (loading can wait for
                 # work already running on the device; here it waits in a worker thread).
                 check(cu.cuFuncLoad(function), "cuFuncLoad", self, launch=True, op=op)
-            fmt, nslots = _param_format(args)
-            launcher = _Launcher(module, function, fmt, nslots, source.name)
+            fmt, nslots = param_format(args)
+            launcher = Launcher(module, function, fmt, nslots, source.name)
             self._launchers[key] = launcher
         return launcher
 
     def prepare_launch(
         self,
-        loaded: _Launcher,
+        loaded: Launcher,
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         args: Sequence[Any],
-    ) -> _Prepared:
-        return _Prepared(loaded, grid, block, _param_values(args))
+    ) -> Prepared:
+        return Prepared(loaded, grid, block, param_values(args))
 
-    def launch(self, p: _Prepared, stream: Any) -> None:
+    def launch(self, p: Prepared, stream: Any) -> None:
         if _tls.token is not self._token:
             self._current()
         fast = self._fast
@@ -875,14 +617,14 @@ class CudaDevice(DeviceDriver):
         if err:
             self._launch_failed(err, p)
 
-    def _launch_failed(self, err: int, p: _Prepared) -> None:
+    def _launch_failed(self, err: int, p: Prepared) -> None:
         """Raise the error of a launch that returned ``err``."""
         grid, block = (p.gx, p.gy, p.gz), (p.bx, p.by, p.bz)
-        raise error(_result(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
+        raise error(result_code(err), f"launching grid={grid} block={block}", self, launch=True, op=f"kernel {p.name}")
 
     def _record_failed(self, err: int) -> None:
         """Raise the error of an event record that returned ``err`` (the fast path's)."""
-        raise error(_result(err), "cuEventRecord", self, launch=True)
+        raise error(result_code(err), "cuEventRecord", self, launch=True)
 
     # -- graphs ----------------------------------------------------------------------
     def begin_capture(self, stream: Any) -> None:
@@ -905,13 +647,13 @@ class CudaDevice(DeviceDriver):
     def abort_capture(self, stream: Any) -> None:
         self._current()
         err, graph = cu.cuStreamEndCapture(stream)
-        if err == _SUCCESS and graph is not None and int(graph) != 0:
+        if err == SUCCESS and graph is not None and int(graph) != 0:
             cu.cuGraphDestroy(graph)
 
     def graph_launch(self, graph: _Graph, stream: Any) -> None:
         self._current()
         err = cu.cuGraphLaunch(graph.exec, stream)[0]
-        if err != _SUCCESS:
+        if err != SUCCESS:
             raise error(err, "cuGraphLaunch", self, launch=True)
 
     def graph_nodes(self, graph: _Graph) -> int:
@@ -980,8 +722,8 @@ class CudaBackend(Backend):
         return d
 
     def new_waker(self) -> Waker:
-        w = _SemWaker()
-        _wakers.append(w)
+        w = SemWaker()
+        wakers.append(w)
         return w
 
     # -- collectives: NCCL through nccl4py's raw-pointer bindings ----------------------

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,6 +59,18 @@ from ._boundary import (
     gemm_dtype,
 )
 from ._simcollectives import ProcessComm, Rendezvous, SimComms
+from ._simstream import (
+    Alloc,
+    Command,
+    ForeignFailure,
+    SimCapture,
+    SimEvent,
+    SimGraph,
+    SimStream,
+    SimWaker,
+    Ticket,
+    describe_fault,
+)
 
 __all__ = ["SimBackend"]
 
@@ -81,148 +92,9 @@ _cond = threading.Condition()
 # numba's simulator supports one kernel at a time per process.
 _kernel_lock = threading.Lock()
 # Wakers live for the whole process (see Waker).
-_wakers: list[_SimWaker] = []
+_wakers: list[SimWaker] = []
 
 _ALIGN = 256
-
-
-class _SimWaker(Waker):
-    def __init__(self) -> None:
-        self._sem = threading.Semaphore(0)
-
-    def wait(self, timeout: float | None) -> bool:
-        return self._sem.acquire(timeout=timeout)
-
-    def post(self) -> None:
-        self._sem.release()
-
-
-class _Ticket:
-    """One record of an event: complete once the stream reaches it (maybe with an error)."""
-
-    __slots__ = ("armed", "done", "error")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.error: DeviceFault | None = None
-        self.armed: list[Waker] = []
-
-
-class _SimEvent:
-    """An event: its latest record (a ticket)."""
-
-    __slots__ = ("__weakref__", "device", "ticket")
-
-    def __init__(self, device: _SimDevice) -> None:
-        self.device = device
-        self.ticket: _Ticket | None = None  # never recorded: complete
-
-
-class _SimGraph:
-    __slots__ = ("commands", "device")
-
-    def __init__(self, device: _SimDevice, commands: list[_Command]) -> None:
-        self.device = device
-        self.commands = commands
-
-
-class _Capture:
-    """An open capture: the commands of every stream that joined it, in enqueue order."""
-
-    __slots__ = ("commands", "origin", "streams")
-
-    def __init__(self, origin: _SimStream) -> None:
-        self.origin = origin
-        self.commands: list[_Command] = []
-        self.streams: set[_SimStream] = {origin}
-
-
-class _Command:
-    """A unit of stream work: what it does, and which allocations it reads and writes."""
-
-    __slots__ = ("always", "fn", "full", "reads", "what", "writes")
-
-    def __init__(
-        self,
-        fn: Callable[[], None],
-        what: str,
-        reads: tuple[int, ...] = (),
-        writes: tuple[int, ...] = (),
-        full: bool = False,
-        always: bool = False,
-    ) -> None:
-        self.fn = fn
-        self.what = what
-        self.reads = reads  # device pointers read
-        self.writes = writes  # device pointers written
-        self.full = full  # the write covers its whole allocation (clears poison)
-        self.always = always  # runs after a failed wait too (event records, frees)
-
-
-class _Alloc:
-    __slots__ = ("data", "nbytes", "poison")
-
-    def __init__(self, size: int, nbytes: int) -> None:
-        self.data = np.zeros(size, dtype=np.uint8)
-        self.nbytes = nbytes  # as requested (data is rounded up)
-        self.poison: DeviceFault | None = None
-
-
-class _SimStream:
-    __slots__ = ("__weakref__", "capture", "device", "error", "freeing", "generation", "queue", "thread")
-
-    def __init__(self, device: _SimDevice) -> None:
-        self.device = device
-        self.freeing = 0  # bytes whose free is queued on it: its later allocations may reuse them
-        self.generation = device.generation
-        self.queue: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-        self.capture: _Capture | None = None
-        self.error: DeviceFault | None = None  # a failed cross-device wait, until the next record
-
-    def enqueue(self, cmd: _Command) -> None:
-        if self.capture is not None:
-            self.capture.commands.append(cmd)
-            return
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._work, name=f"trio-cuda-sim-stream-{self.device.ordinal}", daemon=True)
-            self.thread.start()
-        self.queue.put(cmd)
-
-    def close(self) -> None:
-        if self.thread is not None:
-            self.queue.put(None)
-
-    def _work(self) -> None:
-        device = self.device
-        while True:
-            cmd = self.queue.get()
-            if cmd is None or self.generation != device.generation:
-                return
-            if device._fault is not None:
-                continue  # a faulted device runs nothing
-            device._run(self, cmd)
-
-
-def _describe_fault(what: str, exc: BaseException) -> DeviceFault:
-    if isinstance(exc, DeviceFault):
-        return exc
-    if isinstance(exc, IndexError):
-        kind = "illegal memory access (index out of bounds)"
-    elif isinstance(exc, ValueError) and "read-only" in str(exc):
-        kind = "write to a read-only input (pass a tensor the kernel writes as a partition)"
-    else:
-        kind = f"{type(exc).__name__}"
-    fault = DeviceFault(f"{kind}: {exc}", op=what)
-    fault.__cause__ = exc
-    return fault
-
-
-class _ForeignFailure(Exception):
-    """A stream wait whose event belongs to a device that faulted or was reset."""
-
-    def __init__(self, fault: DeviceFault) -> None:
-        self.fault = fault
 
 
 class _SimDevice(DeviceDriver):
@@ -234,18 +106,18 @@ class _SimDevice(DeviceDriver):
         self.generation = 0
         self._fault: DeviceFault | None = None
         self._lock = threading.Lock()
-        self._allocs: dict[int, _Alloc] = {}
+        self._allocs: dict[int, Alloc] = {}
         self._bases: list[int] = []
         self._next = _ALIGN * (1 + ordinal) << 36  # distinct address ranges per device
         self._in_use = 0
         self._wakers: set[Waker] = set()
         self._kernels: dict[str, Any] = {}
-        self._streams: weakref.WeakSet[_SimStream] = weakref.WeakSet()
+        self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
         self._process_comms: weakref.WeakSet[ProcessComm] = weakref.WeakSet()  # told of a reset
 
     # -- faults ---------------------------------------------------------------
-    def _set_fault(self, fault: DeviceFault) -> None:
+    def set_fault(self, fault: DeviceFault) -> None:
         if fault.device is None:
             fault = DeviceFault(fault.message, device=self.ordinal, op=fault.op)
         with _cond:
@@ -281,12 +153,12 @@ class _SimDevice(DeviceDriver):
             w.post()
 
     # -- running commands -----------------------------------------------------
-    def _run(self, stream: _SimStream, cmd: _Command) -> None:
+    def _run(self, stream: SimStream, cmd: Command) -> None:
         if cmd.always:
             try:
                 cmd.fn()
             except BaseException as exc:
-                self._set_fault(_describe_fault(cmd.what, exc))
+                self.set_fault(describe_fault(cmd.what, exc))
             return
         err = stream.error
         if err is None:
@@ -304,12 +176,12 @@ class _SimDevice(DeviceDriver):
             return
         try:
             cmd.fn()
-        except _ForeignFailure as f:
+        except ForeignFailure as f:
             stream.error = f.fault
             self._poison(cmd.writes, f.fault)  # what it would have written is not there
             return
         except BaseException as exc:
-            self._set_fault(_describe_fault(cmd.what, exc))
+            self.set_fault(describe_fault(cmd.what, exc))
             return
         if cmd.full:
             for ptr in cmd.writes:
@@ -323,7 +195,7 @@ class _SimDevice(DeviceDriver):
             if a is not None:
                 a.poison = err
 
-    def _alloc_at(self, ptr: int) -> _Alloc | None:
+    def _alloc_at(self, ptr: int) -> Alloc | None:
         with self._lock:
             i = bisect.bisect_right(self._bases, ptr) - 1
             if i < 0:
@@ -332,27 +204,27 @@ class _SimDevice(DeviceDriver):
             return a if ptr < self._bases[i] + a.data.nbytes else None
 
     # -- streams and events ---------------------------------------------------
-    def create_stream(self) -> _SimStream:
+    def create_stream(self) -> SimStream:
         self._check()
-        s = _SimStream(self)
+        s = SimStream(self)
         self._streams.add(s)
         return s
 
-    def destroy_stream(self, stream: _SimStream) -> None:
+    def destroy_stream(self, stream: SimStream) -> None:
         stream.close()
 
-    def create_event(self) -> _SimEvent:
-        return _SimEvent(self)
+    def create_event(self) -> SimEvent:
+        return SimEvent(self)
 
-    def _live(self, stream: _SimStream) -> _SimStream:
+    def _live(self, stream: SimStream) -> SimStream:
         if stream.generation != self.generation:
             raise LaunchError("stream belongs to the device before its reset", device=self.ordinal)
         return stream
 
-    def record(self, event: _SimEvent, stream: _SimStream) -> None:
+    def record(self, event: SimEvent, stream: SimStream) -> None:
         self._check()
         self._live(stream)
-        ticket = _Ticket()
+        ticket = Ticket()
         event.ticket = ticket
         if stream.capture is not None:
             # As on CUDA, a record inside a capture only marks a point for other streams
@@ -374,9 +246,9 @@ class _SimDevice(DeviceDriver):
                 w.post()
 
         # A record runs even after a failed wait: it carries the failure to the waiters.
-        stream.enqueue(_Command(complete, "event record", always=True))
+        stream.enqueue(Command(complete, "event record", always=True))
 
-    def wait_event(self, stream: _SimStream, event: _SimEvent, *, ordering_only: bool = False) -> None:
+    def wait_event(self, stream: SimStream, event: SimEvent, *, ordering_only: bool = False) -> None:
         self._check()
         self._live(stream)
         ticket = event.ticket
@@ -401,7 +273,7 @@ class _SimDevice(DeviceDriver):
                             raise fresh(src._fault)
                         if ordering_only:
                             return
-                        raise _ForeignFailure(
+                        raise ForeignFailure(
                             DeviceFault(
                                 f"waited for work of device {src.ordinal}, which faulted: {src._fault.message}",
                                 device=self.ordinal,
@@ -410,18 +282,18 @@ class _SimDevice(DeviceDriver):
                     if src.generation != gen_src:
                         if ordering_only:
                             return
-                        raise _ForeignFailure(
+                        raise ForeignFailure(
                             DeviceFault(f"waited for work of device {src.ordinal}, which was reset", device=self.ordinal)
                         )
                     if self.generation != stream.generation:
                         return
                     _cond.wait()
             if ticket.error is not None and not ordering_only:
-                raise _ForeignFailure(ticket.error)
+                raise ForeignFailure(ticket.error)
 
-        stream.enqueue(_Command(wait, f"wait for device {src.ordinal}" if src is not self else "stream wait"))
+        stream.enqueue(Command(wait, f"wait for device {src.ordinal}" if src is not self else "stream wait"))
 
-    def query(self, event: _SimEvent) -> bool:
+    def query(self, event: SimEvent) -> bool:
         dev = event.device
         if dev._fault is not None:
             raise fresh(dev._fault)
@@ -432,7 +304,7 @@ class _SimDevice(DeviceDriver):
             raise fresh(t.error)
         return t.done
 
-    def arm(self, event: _SimEvent, stream: _SimStream | None, waker: Waker) -> None:
+    def arm(self, event: SimEvent, stream: SimStream | None, waker: Waker) -> None:
         dev = event.device
         ticket = event.ticket
         with _cond:
@@ -445,7 +317,7 @@ class _SimDevice(DeviceDriver):
             waker.post()
 
     # -- memory ---------------------------------------------------------------
-    def alloc(self, nbytes: int, stream: _SimStream) -> int:
+    def alloc(self, nbytes: int, stream: SimStream) -> int:
         self._check()
         self._live(stream)
         if stream.capture is not None:
@@ -461,7 +333,7 @@ class _SimDevice(DeviceDriver):
                 )
             ptr = self._next
             self._next += size
-            self._allocs[ptr] = _Alloc(size, nbytes)
+            self._allocs[ptr] = Alloc(size, nbytes)
             bisect.insort(self._bases, ptr)
             self._in_use += size
         return ptr
@@ -474,7 +346,7 @@ class _SimDevice(DeviceDriver):
         raw._owner = owner  # type: ignore[attr-defined]  # every view of the memory keeps its owner alive
         view = np.ctypeslib.as_array(raw)[:nbytes]
         size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-        a = _Alloc.__new__(_Alloc)
+        a = Alloc.__new__(Alloc)
         a.data, a.nbytes, a.poison = view, nbytes, None
         with self._lock:
             ptr = self._next
@@ -490,7 +362,7 @@ class _SimDevice(DeviceDriver):
                 del self._bases[bisect.bisect_left(self._bases, ptr)]
         self._adopted.pop(ptr, None)
 
-    def free(self, ptr: int, stream: _SimStream) -> None:
+    def free(self, ptr: int, stream: SimStream) -> None:
         gen = self.generation
 
         queued = 0
@@ -513,7 +385,7 @@ class _SimDevice(DeviceDriver):
             queued = a.data.nbytes if a is not None else 0
             stream.freeing += queued
         # A free runs even on a stream whose wait failed (memory is returned regardless).
-        stream.enqueue(_Command(release, "free", always=True))
+        stream.enqueue(Command(release, "free", always=True))
 
     def memory_in_use(self) -> int:
         return self._in_use
@@ -540,7 +412,7 @@ class _SimDevice(DeviceDriver):
     def host_free(self, buf: np.ndarray) -> None:
         pass
 
-    def fill(self, ptr: int, nbytes: int, pattern: bytes, stream: _SimStream) -> None:
+    def fill(self, ptr: int, nbytes: int, pattern: bytes, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         pat = np.frombuffer(pattern, dtype=np.uint8)
@@ -549,9 +421,9 @@ class _SimDevice(DeviceDriver):
             dst = self._bytes(ptr, nbytes)
             dst.reshape(-1, len(pat))[:] = pat
 
-        stream.enqueue(_Command(run, "fill", (), (ptr,), self._whole(ptr, nbytes)))
+        stream.enqueue(Command(run, "fill", (), (ptr,), self._whole(ptr, nbytes)))
 
-    def copy_h2d(self, dst: int, src: np.ndarray, stream: _SimStream) -> None:
+    def copy_h2d(self, dst: int, src: np.ndarray, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         data = src.reshape(-1).view(np.uint8)
@@ -559,9 +431,9 @@ class _SimDevice(DeviceDriver):
         def run() -> None:
             self._bytes(dst, data.nbytes)[:] = data
 
-        stream.enqueue(_Command(run, "copy host to device", (), (dst,), self._whole(dst, data.nbytes)))
+        stream.enqueue(Command(run, "copy host to device", (), (dst,), self._whole(dst, data.nbytes)))
 
-    def copy_d2h(self, dst: np.ndarray, src: int, stream: _SimStream) -> None:
+    def copy_d2h(self, dst: np.ndarray, src: int, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         out = dst.reshape(-1).view(np.uint8)
@@ -569,18 +441,18 @@ class _SimDevice(DeviceDriver):
         def run() -> None:
             out[:] = self._bytes(src, out.nbytes)
 
-        stream.enqueue(_Command(run, "copy device to host", (src,), ()))
+        stream.enqueue(Command(run, "copy device to host", (src,), ()))
 
-    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: _SimStream) -> None:
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: SimStream) -> None:
         self._check()
         self._live(stream)
 
         def run() -> None:
             self._bytes(dst, nbytes)[:] = self._bytes(src, nbytes)
 
-        stream.enqueue(_Command(run, "copy device to device", (src,), (dst,), self._whole(dst, nbytes)))
+        stream.enqueue(Command(run, "copy device to device", (src,), (dst,), self._whole(dst, nbytes)))
 
-    def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: _SimStream) -> None:
+    def copy_peer(self, dst: int, src_driver: DeviceDriver, src: int, nbytes: int, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         assert isinstance(src_driver, _SimDevice)
@@ -588,17 +460,17 @@ class _SimDevice(DeviceDriver):
 
         def run() -> None:
             if src_driver._fault is not None or src_driver.generation != gen_src:
-                raise _ForeignFailure(
+                raise ForeignFailure(
                     DeviceFault(f"copy from device {src_driver.ordinal}, which faulted or was reset", device=self.ordinal)
                 )
             a = src_driver._alloc_at(src)
             if a is not None and a.poison is not None:
-                raise _ForeignFailure(
+                raise ForeignFailure(
                     DeviceFault(f"copy from device {src_driver.ordinal} of data a failed op did not write", device=self.ordinal)
                 )
             self._bytes(dst, nbytes)[:] = src_driver._bytes(src, nbytes)
 
-        stream.enqueue(_Command(run, f"copy from device {src_driver.ordinal}", (), (dst,), self._whole(dst, nbytes)))
+        stream.enqueue(Command(run, f"copy from device {src_driver.ordinal}", (), (dst,), self._whole(dst, nbytes)))
 
     def mem_info(self) -> tuple[int, int]:
         return self.total_memory - self._in_use, self.total_memory
@@ -608,10 +480,10 @@ class _SimDevice(DeviceDriver):
     def trace_clock(self) -> Any:
         return None  # simulated streams run on host threads: stamps are host times
 
-    def timestamp(self, stream: _SimStream) -> list[float]:
+    def timestamp(self, stream: SimStream) -> list[float]:
         stamp: list[float] = []
         if stream.capture is None and stream.generation == self.generation:
-            stream.enqueue(_Command(lambda: stamp.append(time.perf_counter()), "timestamp", always=True))
+            stream.enqueue(Command(lambda: stamp.append(time.perf_counter()), "timestamp", always=True))
         return stamp
 
     def timestamp_seconds(self, reference: Any, stamp: list[float]) -> float | None:
@@ -624,7 +496,7 @@ class _SimDevice(DeviceDriver):
         b: int,
         d: int,
         bias: int,
-        stream: _SimStream,
+        stream: SimStream,
         capturing: bool | None = None,
         foreign: bool = False,
         reuse: bool = False,
@@ -655,7 +527,7 @@ class _SimDevice(DeviceDriver):
             out[...] = r.astype(dt)
 
         reads = (a, b, bias) if desc.has_bias else (a, b)
-        stream.enqueue(_Command(run, "matmul", reads, (d,), self._whole(d, nbytes)))
+        stream.enqueue(Command(run, "matmul", reads, (d,), self._whole(d, nbytes)))
 
     def _matrices(self, ptr: int, op: GemmOperand, batch: int, dt: np.dtype[Any]) -> np.ndarray:
         isz = dt.itemsize
@@ -702,7 +574,7 @@ class _SimDevice(DeviceDriver):
         writes = tuple(a.ptr for a in args if isinstance(a, ArrayArg) and a.writable)
         return (name, impl, host_impl, grid, block, tuple(args), reads, writes)
 
-    def launch(self, prepared: tuple[Any, ...], stream: _SimStream) -> None:
+    def launch(self, prepared: tuple[Any, ...], stream: SimStream) -> None:
         self._check()
         self._live(stream)
         name, loaded, host_impl, grid, block, args, reads, writes = prepared
@@ -718,7 +590,7 @@ class _SimDevice(DeviceDriver):
             with _kernel_lock:
                 loaded[grid, block](*wrapped)
 
-        stream.enqueue(_Command(run, f"kernel {name}", reads, writes))
+        stream.enqueue(Command(run, f"kernel {name}", reads, writes))
 
     def _array(self, a: ArrayArg) -> np.ndarray:
         if any(n == 0 for n in a.shape):  # no element: no memory to look up (may be none)
@@ -736,14 +608,14 @@ class _SimDevice(DeviceDriver):
         return arr
 
     # -- graphs ---------------------------------------------------------------
-    def begin_capture(self, stream: _SimStream) -> None:
+    def begin_capture(self, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         if stream.capture is not None:
             raise GraphCaptureError("the stream is capturing already", device=self.ordinal)
-        stream.capture = _Capture(stream)
+        stream.capture = SimCapture(stream)
 
-    def _end(self, stream: _SimStream) -> _Capture:
+    def _end(self, stream: SimStream) -> SimCapture:
         cap = stream.capture
         if cap is None or cap.origin is not stream:
             raise GraphCaptureError("the stream did not begin a capture", device=self.ordinal)
@@ -753,13 +625,13 @@ class _SimDevice(DeviceDriver):
             del _capture_events[ev]
         return cap
 
-    def end_capture(self, stream: _SimStream) -> _SimGraph:
-        return _SimGraph(self, list(self._end(stream).commands))
+    def end_capture(self, stream: SimStream) -> SimGraph:
+        return SimGraph(self, list(self._end(stream).commands))
 
-    def abort_capture(self, stream: _SimStream) -> None:
+    def abort_capture(self, stream: SimStream) -> None:
         self._end(stream)
 
-    def graph_launch(self, graph: _SimGraph, stream: _SimStream) -> None:
+    def graph_launch(self, graph: SimGraph, stream: SimStream) -> None:
         self._check()
         self._live(stream)
         commands = graph.commands
@@ -770,22 +642,22 @@ class _SimDevice(DeviceDriver):
             for c in commands:
                 try:
                     c.fn()
-                except _ForeignFailure:
+                except ForeignFailure:
                     raise
                 except BaseException as exc:
-                    raise _describe_fault(f"graph node {c.what}", exc) from exc
+                    raise describe_fault(f"graph node {c.what}", exc) from exc
 
-        stream.enqueue(_Command(run, "graph launch", reads, writes))
+        stream.enqueue(Command(run, "graph launch", reads, writes))
 
-    def graph_nodes(self, graph: _SimGraph) -> int:
+    def graph_nodes(self, graph: SimGraph) -> int:
         return len(graph.commands)
 
-    def graph_destroy(self, graph: _SimGraph) -> None:
+    def graph_destroy(self, graph: SimGraph) -> None:
         graph.commands = []
 
 
 # Events recorded inside an open capture, and the capture they belong to.
-_capture_events: weakref.WeakKeyDictionary[_SimEvent, _Capture] = weakref.WeakKeyDictionary()
+_capture_events: weakref.WeakKeyDictionary[SimEvent, SimCapture] = weakref.WeakKeyDictionary()
 
 
 def _check_launch_config(name: str, grid: tuple[int, int, int], block: tuple[int, int, int], ordinal: int) -> None:
@@ -822,7 +694,7 @@ class SimBackend(Backend):
         return self._devices[ordinal]
 
     def new_waker(self) -> Waker:
-        w = _SimWaker()
+        w = SimWaker()
         _wakers.append(w)
         return w
 
@@ -866,7 +738,7 @@ class SimBackend(Backend):
                         bad = a.poison
                 comms.run(kind, c, dtype, op, root, tag, bad)
 
-            c.stream.enqueue(_Command(part, f"collective {kind}", (), (c.recv,), always=True))
+            c.stream.enqueue(Command(part, f"collective {kind}", (), (c.recv,), always=True))
             return
         rdv = Rendezvous(kind, calls, dtype, op, root)
         for c in calls:
@@ -882,7 +754,7 @@ class SimBackend(Backend):
                 rdv.arrive(c.rank, bad)
 
             # always: it runs after a failed wait too (it then poisons every result)
-            c.stream.enqueue(_Command(run, f"collective {kind}", (), (c.recv,), always=True))
+            c.stream.enqueue(Command(run, f"collective {kind}", (), (c.recv,), always=True))
 
     def close_communicators(self, comms: Any) -> None:
         pass
