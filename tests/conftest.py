@@ -45,7 +45,12 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", nodeid]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(item.config.rootpath))
             if r.returncode != 0:
-                pytest.fail(f"isolated run of {nodeid} failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}", pytrace=False)
+                # A crash ends stderr with a long list of extension modules: keep the
+                # fatal error and the threads' stacks before it.
+                err = r.stderr.split("\nExtension modules:", 1)[0]
+                pytest.fail(
+                    f"isolated run of {nodeid} failed (exit {r.returncode}):\n{r.stdout[-6000:]}\n{err[-8000:]}", pytrace=False
+                )
 
         item.obj = run_isolated  # type: ignore[attr-defined]
     yield

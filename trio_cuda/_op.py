@@ -34,7 +34,18 @@ from ._plan import Lane, Plan
 from ._stream import Stream
 from ._submission import await_op, run_sync
 
-__all__ = ["DeviceOp", "ScheduledOp", "SharedOp", "TensorMath", "extensions", "is_function", "one_item", "value", "zip"]
+__all__ = [
+    "DeviceOp",
+    "ScheduledOp",
+    "SharedOp",
+    "TensorMath",
+    "array_index",
+    "extensions",
+    "is_function",
+    "one_item",
+    "value",
+    "zip",
+]
 
 T = TypeVar("T", covariant=True)
 U = TypeVar("U")
@@ -104,6 +115,17 @@ def _compare(name: str, x: Any, y: Any) -> DeviceOp[Any]:
     if not _comparable(y):
         return NotImplemented  # type: ignore[no-any-return]
     return _ext(name)(x, y)  # type: ignore[no-any-return]
+
+
+def array_index(key: Any) -> bool:
+    """True if indexing ``key`` holds a tensor or an op (a gather, not a view)."""
+    if isinstance(key, TensorMath):
+        return True
+    if type(key) is tuple:
+        for k in key:
+            if isinstance(k, TensorMath):
+                return True
+    return False
 
 
 class TensorMath:
@@ -203,6 +225,12 @@ class TensorMath:
     def __int__(self) -> int:
         raise TypeError(_SCALAR_HINT.format("int"))
 
+    def __pow__(self, other: Any) -> DeviceOp[Any]:
+        return _ext("power")(self, other)  # type: ignore[no-any-return]
+
+    def __rpow__(self, other: Any) -> DeviceOp[Any]:
+        return _ext("power")(other, self)  # type: ignore[no-any-return]
+
     def __neg__(self) -> DeviceOp[Any]:
         return _ext("negative")(self)  # type: ignore[no-any-return]
 
@@ -255,6 +283,27 @@ class TensorMath:
 
     def argmax(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
         return _ext("argmax")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def argmin(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("argmin")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def prod(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("prod")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def any(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("any")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def all(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("all")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def var(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("var")(self, axis, ddof=ddof, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def std(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> DeviceOp[Any]:
+        return _ext("std")(self, axis, ddof=ddof, keepdims=keepdims)  # type: ignore[no-any-return]
+
+    def cumsum(self, axis: Any = None) -> DeviceOp[Any]:
+        return _ext("cumsum")(self, axis)  # type: ignore[no-any-return]
 
     def softmax(self, axis: int = -1) -> DeviceOp[Any]:
         return _ext("softmax")(self, axis)  # type: ignore[no-any-return]
@@ -386,7 +435,10 @@ class DeviceOp(TensorMath, Generic[T]):
 
     # views of the output tensor (free: no device work)
     def __getitem__(self: DeviceOp[V], key: Any) -> DeviceOp[V]:
-        """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`)."""
+        """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`),
+        or, with an integer tensor in ``key``, a gather (see :func:`trio_cuda.ops.take`)."""
+        if array_index(key):
+            return _ext("index")(self, key)  # type: ignore[no-any-return]
         return _Map(self, lambda v: _tensor_of(v, "indexing")[key])
 
     def transpose(self: DeviceOp[V], *axes: Any) -> DeviceOp[V]:

@@ -13,7 +13,7 @@ from ._guard import _tls
 if TYPE_CHECKING:
     from ._stream import Stream
 
-__all__ = ["Claimed", "Continue", "Done", "EXECUTING", "Failed", "Pending", "contains_pending", "resolve"]
+__all__ = ["Claimed", "Continue", "Done", "EXECUTING", "Failed", "Pending", "checked", "contains_pending", "resolve"]
 
 
 # -- pending host values ------------------------------------------------------------
@@ -84,6 +84,18 @@ def resolve(v: Any) -> Any:
     if t is list:
         return [resolve(x) for x in v]
     return v
+
+
+def checked(value: Any, checks: list[Callable[[], None]]) -> Pending:
+    """``value`` (resolved) once every check has passed: the output of a submission whose
+    ops check something on the device (see Plan.check_when_done)."""
+
+    def run() -> Any:
+        for check in checks:
+            check()
+        return resolve(value)
+
+    return Pending(run)
 
 
 class Continue:

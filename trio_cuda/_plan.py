@@ -223,6 +223,7 @@ class Plan:
     staging_waits: list[StagingPool] = ()  # type: ignore[assignment]  # pools it waits to take from
     sources: dict[Device, int] = {}  # noqa: RUF012  # devices read without a lane (never mutated here)
     reused: list[Any] = ()  # type: ignore[assignment]  # shared ops other plans produce
+    checks: list[Callable[[], None]] = ()  # type: ignore[assignment]  # see check_when_done
     dependents = 0
     error: BaseException | None = None
     _done: threading.Event | None = None  # made when another thread waits for it
@@ -334,6 +335,14 @@ class Plan:
         if not self.holds:
             self.holds = []
         self.holds.append(h)
+
+    def check_when_done(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once this submission's work is done, before its output is returned:
+        what an op checks on the device (an error flag it read back) raises from there,
+        as the error of the await (or ``sync()``)."""
+        if not self.checks:
+            self.checks = []
+        self.checks.append(fn)
 
     def reuse(self, op: Any) -> None:
         """Note a shared op another plan produces (checked again before enqueueing)."""

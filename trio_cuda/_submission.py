@@ -38,7 +38,7 @@ from ._errors import DeviceError
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
 from ._needs import Need
 from ._notifier import wait_event, wait_steps
-from ._pending import resolve
+from ._pending import checked, resolve
 from ._plan import PLANNED, Plan, check_generations, counts, name_fault
 from ._registry import current_device
 from ._staging import Staging, copies_completed
@@ -122,6 +122,9 @@ def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan
             plan.abort(exc)
             raise
         tls.submitting = False
+        if plan.checks:  # the ops' device-side checks run before the output is returned
+            value = checked(value, plan.checks)
+            plan.pending += 1
         plan.state = PLANNED
         counts["planned"] += 1
         need = plan.advance()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, NoReturn
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, overload
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, _ext, one_item, value
+from ._op import DeviceOp, TensorMath, _ext, array_index, one_item, value
 from ._pending import Pending
 from ._plan import Lane, Plan
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from ._staging import Staging
 
 __all__ = ["Partition", "Tensor", "plan_read_to_host"]
+
+# One item of a basic index (a view): what numpy's basic indexing takes.
+_Basic = SupportsIndex | slice | EllipsisType | None
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -242,9 +246,22 @@ class Tensor(TensorMath):
         return plan_read_to_host(plan, lane, self, np.empty(self.shape, dtype=self.dtype))
 
     # -- views --------------------------------------------------------------------
-    def __getitem__(self, key: Any) -> Tensor:
+    # (an integer tensor in the key makes a gather, an op; anything else a view)
+    @overload
+    def __getitem__(self, key: TensorMath) -> DeviceOp[Tensor]: ...
+    @overload
+    def __getitem__(self, key: _Basic | tuple[_Basic, ...]) -> Tensor: ...
+    @overload
+    def __getitem__(self, key: tuple[Any, ...]) -> DeviceOp[Tensor]: ...
+    def __getitem__(self, key: Any) -> Any:
         """A view by basic indexing, as numpy's: ints, slices (any step, negative too),
-        ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering)."""
+        ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering).
+
+        With an integer tensor (or an op producing one) in ``key`` (``t[idx]``,
+        ``t[:, idx]``, ``t[..., idx]``) it is a gather instead: an op, as
+        :func:`trio_cuda.ops.take` along that axis."""
+        if array_index(key):
+            return _ext("index")(self, key)
         shape, strides, offset = index_view(self.shape, self._strides, key)
         return Tensor._new(self._buffer, shape, self.dtype, self._offset + offset, strides, self._tracked)
 

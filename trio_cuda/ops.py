@@ -22,12 +22,23 @@ import numpy as np
 
 from . import _op
 from ._op import DeviceOp
-from ._ops import _create, _elementwise, _matmul, _random, _reduce
+from ._ops import _attention, _create, _elementwise, _gather, _math, _matmul, _random, _reduce, _scan, _sort, _stats
 from ._tensor import Partition, Tensor
 
-# abs, max, min and sum are not in __all__: `from trio_cuda.ops import *` must not
-# shadow the builtins (use ops.sum, ...).
+# abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
+# must not shadow the builtins (use ops.sum, ...).
 __all__ = [
+    "ceil",
+    "clip",
+    "cos",
+    "embedding",
+    "erf",
+    "floor",
+    "power",
+    "sign",
+    "sin",
+    "take",
+    "take_along_axis",
     "invert",
     "bitwise_xor",
     "bitwise_or",
@@ -47,6 +58,15 @@ __all__ = [
     "equal",
     "add",
     "argmax",
+    "argmin",
+    "prod",
+    "var",
+    "std",
+    "logsumexp",
+    "cumsum",
+    "sort",
+    "argsort",
+    "topk",
     "astype",
     "concatenate",
     "copy",
@@ -70,6 +90,7 @@ __all__ = [
     "relu",
     "rms_norm",
     "rsqrt",
+    "scaled_dot_product_attention",
     "sigmoid",
     "silu",
     "softmax",
@@ -147,6 +168,80 @@ def rsqrt(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 def tanh(x: TensorLike, *, out: TensorLike = None) -> Op:
     return _elementwise.elementwise("tanh", x, out=out)
+
+
+# -- more math (elementwise) ----------------------------------------------------------------------
+def sin(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """Sine (radians); integers give float64, as numpy's."""
+    return _math.math_op("sin", x, out=out)
+
+
+def cos(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """Cosine (radians)."""
+    return _math.math_op("cos", x, out=out)
+
+
+def erf(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The error function (``scipy.special.erf``, ``torch.erf``)."""
+    return _math.math_op("erf", x, out=out)
+
+
+def floor(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The largest integer <= x (integers and bools unchanged, as numpy's)."""
+    return _math.math_op("floor", x, out=out)
+
+
+def ceil(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """The smallest integer >= x."""
+    return _math.math_op("ceil", x, out=out)
+
+
+def round(x: TensorLike, decimals: int = 0, *, out: TensorLike = None) -> Op:
+    """numpy's round: to ``decimals`` places, halves to even (``round(2.5) == 2``);
+    integers unchanged (``decimals < 0`` only for floats)."""
+    return _math.round_(x, decimals, out=out)
+
+
+def sign(x: TensorLike, *, out: TensorLike = None) -> Op:
+    """-1, 0 or 1 by the sign of x (NaN stays NaN)."""
+    return _math.math_op("sign", x, out=out)
+
+
+def power(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
+    """``x ** y`` (numpy broadcasting and promotion). Integers compute through float64:
+    exact while the result is below 2**53; a negative integer exponent raises for a
+    scalar exponent (as numpy) and gives 0 (1 or -1 for a base of 1 or -1) from a tensor."""
+    return _math.power(x, y, out=out)
+
+
+def clip(x: TensorLike, a_min: TensorLike, a_max: TensorLike, *, out: TensorLike = None) -> Op:
+    """``minimum(maximum(x, a_min), a_max)`` (either bound may be None; NaN stays NaN)."""
+    return _math.clip(x, a_min, a_max, out=out)
+
+
+# -- gathers --------------------------------------------------------------------------------------
+def take(x: TensorLike, indices: TensorLike, axis: int | None = None, *, out: TensorLike = None) -> Op:
+    """Elements of ``x`` at ``indices`` (an integer tensor) along ``axis`` (None: of the
+    flattened ``x``), as ``numpy.take``: the result has shape
+    ``x.shape[:axis] + indices.shape + x.shape[axis + 1:]``. Negative indices count from
+    the end (once, as numpy's); an index out of range fails the op with ``IndexError``
+    (checked on the device, raised when the submission completes; inside a graph capture
+    it is clamped and not reported)."""
+    return _gather.take(x, indices, axis, out=out)
+
+
+def take_along_axis(x: TensorLike, indices: TensorLike, axis: int | None, *, out: TensorLike = None) -> Op:
+    """``numpy.take_along_axis``: ``out[..., i, ...] = x[..., indices[..., i, ...], ...]``
+    along ``axis``, the other axes broadcast (``indices`` has the rank of ``x``; with
+    axis=None, 1-D indices into the flattened ``x``). Indices are checked as in :func:`take`."""
+    return _gather.take_along_axis(x, indices, axis, out=out)
+
+
+def embedding(weight: TensorLike, ids: TensorLike, *, out: TensorLike = None) -> Op:
+    """Rows of ``weight`` (num_embeddings, dim) at ``ids`` (any shape): the result has
+    shape ``ids.shape + (dim,)``, as ``torch.nn.functional.embedding``; ids are checked
+    as in :func:`take`."""
+    return _gather.embedding(weight, ids, out=out)
 
 
 # -- comparisons and logic (bool results) ----------------------------------------------------------
@@ -293,6 +388,72 @@ def argmax(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: Tens
     return _reduce.reduce("argmax", x, axis, keepdims, out)
 
 
+def argmin(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Index of the minimum along ``axis`` (an int, or None for the flattened tensor);
+    the first occurrence, and the first NaN if any (numpy's rules); int64."""
+    return _reduce.reduce("argmin", x, axis, keepdims, out)
+
+
+def prod(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Product over ``axis`` (integers multiply in int64, as numpy's; empty gives 1)."""
+    return _reduce.reduce("prod", x, axis, keepdims, out)
+
+
+def any(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """True where some element along ``axis`` is nonzero (NaN counts); a bool tensor."""
+    return _reduce.reduce("any", x, axis, keepdims, out)
+
+
+def all(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """True where every element along ``axis`` is nonzero (empty gives True)."""
+    return _reduce.reduce("all", x, axis, keepdims, out)
+
+
+def var(x: TensorLike, axis: Any = None, *, ddof: float = 0, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Variance over ``axis``: the mean squared deviation from the mean, divided by
+    ``n - ddof`` (numpy's; ``ddof=1`` for the unbiased estimate); integers give float64."""
+    return _stats.stat("var", x, axis, ddof, keepdims, out)
+
+
+def std(x: TensorLike, axis: Any = None, *, ddof: float = 0, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """Standard deviation over ``axis``: ``sqrt(var(x, axis, ddof=ddof))``."""
+    return _stats.stat("std", x, axis, ddof, keepdims, out)
+
+
+def logsumexp(x: TensorLike, axis: Any = None, *, keepdims: bool = False, out: TensorLike = None) -> Op:
+    """``log(sum(exp(x)))`` over ``axis``, computed shifted by the maximum (no overflow),
+    as ``scipy.special.logsumexp`` and ``torch.logsumexp``; integers give float64."""
+    return _stats.logsumexp(x, axis, keepdims, out)
+
+
+def cumsum(x: TensorLike, axis: int | None = None, *, dtype: Any = None, out: TensorLike = None) -> Op:
+    """Cumulative sum along ``axis`` (None: of the flattened tensor), numpy's result
+    dtypes (integers and bools in int64) or ``dtype``."""
+    return _scan.cumsum(x, axis, dtype, out)
+
+
+# -- sorting ------------------------------------------------------------------------------------------
+def sort(x: TensorLike, axis: int | None = -1, *, out: TensorLike = None) -> Op:
+    """``x`` sorted along ``axis`` (None: flattened), ascending and stable (numpy's
+    ``kind="stable"``), NaN last."""
+    return _sort.sort("sort", x, axis, out)
+
+
+def argsort(x: TensorLike, axis: int | None = -1, *, out: TensorLike = None) -> Op:
+    """The int64 indices that sort ``x`` along ``axis`` (stable: equal values keep their order)."""
+    return _sort.sort("argsort", x, axis, out)
+
+
+def topk(
+    x: TensorLike, k: int, *, largest: bool = True, out: tuple[Tensor, Tensor] | None = None
+) -> DeviceOp[tuple[Tensor, Tensor]]:
+    """The ``k`` largest elements along the last axis and their int64 indices, largest
+    first (``largest=False``: the smallest, smallest first), as ``torch.topk``: an op
+    producing ``(values, indices)`` (``values, indices = ops.topk(x, 5).unzip()``).
+    Ties keep the lower index first; NaN counts as the largest."""
+    return _sort.topk(x, k, largest, out)  # type: ignore[return-value]
+
+
 # -- normalisation ----------------------------------------------------------------------------------
 def softmax(x: TensorLike, axis: int = -1, *, out: TensorLike = None) -> Op:
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``."""
@@ -338,6 +499,27 @@ def linear(
     ``torch.nn.functional.linear``; ``activation``: None, "relu" or "gelu" (tanh
     approximation). On CUDA the bias and the activation are a cuBLASLt epilogue."""
     return _matmul.linear(x, w, bias, activation=activation, out=out, allow_tf32=allow_tf32)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+def scaled_dot_product_attention(
+    q: TensorLike,
+    k: TensorLike,
+    v: TensorLike,
+    *,
+    mask: TensorLike = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    out: TensorLike = None,
+) -> Op:
+    """``softmax(q @ k.T * scale + mask) @ v`` over ``(batch, heads, seq, head_dim)``
+    tensors, as ``torch.nn.functional.scaled_dot_product_attention``: float16 or
+    bfloat16 (float32 on the simulated device), head dims multiples of 8 up to 128;
+    ``mask`` boolean (True: attend) or additive of q's dtype, broadcastable to
+    ``(batch, heads, seq_q, seq_k)``; ``is_causal``: query ``i`` sees keys ``j <= i``;
+    ``scale`` defaults to ``1 / sqrt(head_dim)``. On CUDA one fused cuDNN kernel
+    (nvidia-cudnn-frontend); on the simulated device numpy, the softmax in float32."""
+    return _attention.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, scale=scale, out=out)
 
 
 # -- random ----------------------------------------------------------------------------------------------
@@ -445,6 +627,13 @@ _op.extensions.update(
         "max": max,
         "min": min,
         "argmax": argmax,
+        "argmin": argmin,
+        "var": var,
+        "cumsum": cumsum,
+        "std": std,
+        "prod": prod,
+        "any": any,
+        "all": all,
         "softmax": softmax,
         "log_softmax": log_softmax,
         "astype": astype,
@@ -459,6 +648,8 @@ _op.extensions.update(
         "bitwise_or": bitwise_or,
         "bitwise_xor": bitwise_xor,
         "invert": invert,
+        "power": power,
+        "index": _gather.index,
         # planning helpers for the layers below (api.memcpy, dup): not part of this namespace
         "contiguous": _elementwise.contiguous,
         "copy_into": _elementwise.copy_into,

@@ -244,9 +244,10 @@ def test_a_blocking_driver_call_lets_other_threads_run(call: str) -> None:
     finally:
         stop.set()
         t.join()
-    # Free, the other thread counts about six times its 50 ms pace during the 0.3 s call;
-    # with the GIL held it only runs until the call starts (one 5 ms switch interval).
-    assert during > 2 * pace, f"the other thread counted {during} during a 0.3 s driver call, {pace} in 50 ms"
+    # Free, the other thread counts about six times its 50 ms pace during the 0.3 s call
+    # (less on a loaded host, which slows it more during the longer call); with the GIL
+    # held it only runs until the call starts (one 5 ms switch interval: a tenth of it).
+    assert during > pace, f"the other thread counted {during} during a 0.3 s driver call, {pace} in 50 ms"
 
 
 def test_the_backend_announcement_says_when_the_fast_path_is_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,14 @@ def combinators_keep_types(x: trio_cuda.Tensor) -> None:
     assert_type(x.partition((2,)), trio_cuda.Partition)
 
 
+def indexing_is_a_view_or_a_gather(x: trio_cuda.Tensor, idx: trio_cuda.Tensor) -> None:
+    assert_type(x[0], trio_cuda.Tensor)
+    assert_type(x[np.int64(1), 1:3, ..., None], trio_cuda.Tensor)
+    assert_type(x[idx], trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(x[:, idx], trio_cuda.DeviceOp[trio_cuda.Tensor])
+    assert_type(x[idx + 1], trio_cuda.DeviceOp[trio_cuda.Tensor])
+
+
 async def awaiting_gives_the_output_type() -> None:
     t = await api.ones((2,))
     assert_type(t, trio_cuda.Tensor)

@@ -34,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "ArrayArg",
+    "AttentionDesc",
     "Backend",
     "CollectiveCall",
     "DeviceDriver",
@@ -146,6 +147,58 @@ class GemmDesc:
     def __getstate__(self) -> dict[str, Any]:
         # The cached hash stays behind: string hashes differ between processes.
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDesc:
+    """``O = softmax(scale * Q @ K^T + bias, causal mask) @ V`` for every (batch, head):
+    Q is ``(batch, heads, seq_q, head_dim)``, K ``(batch, heads, seq_k, head_dim)``, V
+    ``(batch, heads, seq_k, head_dim_v)``, O ``(batch, heads, seq_q, head_dim_v)``, each
+    with its strides in elements (the last one 1); the bias, when ``bias_shape`` is set,
+    is C-contiguous of that shape, ``(1 or batch, 1 or heads, seq_q, seq_k)``, and is
+    added to the scaled scores. All of dtype ``dtype`` ("float16", "bfloat16", or on
+    a device whose :attr:`DeviceDriver.attention_dtypes` says so, "float32").
+
+    ``causal``: query ``i`` attends to keys ``j <= i`` only (the top-left-aligned mask
+    of ``torch.nn.functional.scaled_dot_product_attention``'s ``is_causal``).
+    """
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: str
+    scale: float
+    causal: bool
+    q_strides: tuple[int, int, int, int]
+    k_strides: tuple[int, int, int, int]
+    v_strides: tuple[int, int, int, int]
+    o_strides: tuple[int, int, int, int]
+    bias_shape: tuple[int, int, int, int] | None = None
+
+    def __hash__(self) -> int:
+        # Computed once: the plan is looked up by its desc at every call (as GemmDesc's).
+        h: int | None = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(dataclasses.astuple(self))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int, int, int], ...]:
+        """The shapes of Q, K, V and O."""
+        b, h = self.batch, self.heads
+        return (
+            (b, h, self.seq_q, self.head_dim),
+            (b, h, self.seq_k, self.head_dim),
+            (b, h, self.seq_k, self.head_dim_v),
+            (b, h, self.seq_q, self.head_dim_v),
+        )
 
 
 def gemm_dtype(name: str) -> np.dtype[Any]:
@@ -395,6 +448,31 @@ class DeviceDriver(abc.ABC):
         does; the backend may keep a prepared form of it (the CUDA backend captures the
         library's call at the first such call and replays it as a graph). Raises
         LaunchError if the library refuses the problem."""
+
+    # The dtype names :meth:`attention` takes (see attention_check).
+    attention_dtypes: tuple[str, ...] = ("float16", "bfloat16")
+
+    def attention_check(self) -> None:  # noqa: B027 (a hook: nothing to check by default)
+        """Raise ImportError, saying what to install, where :meth:`attention` needs a
+        library this process does not have (called before any work is planned)."""
+
+    @abc.abstractmethod
+    def attention(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
+        """Enqueue the fused attention ``desc`` describes (pointers are device
+        addresses; ``bias`` is 0 without one). ``capturing`` and ``foreign`` as for
+        :meth:`matmul`. Raises GraphCaptureError if the library cannot run it inside a
+        capture, LaunchError if it refuses the problem."""
 
     # -- graphs ---------------------------------------------------------------
     @abc.abstractmethod

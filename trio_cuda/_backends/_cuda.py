@@ -43,11 +43,14 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from .._errors import DeviceError, DeviceFault, DeviceOutOfMemory, LaunchError, fresh
-from ._boundary import Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
+from ._boundary import AttentionDesc, Backend, CollectiveCall, DeviceDriver, GemmDesc, KernelSource, Waker
 from ._cublaslt import WORKSPACE, Gemms
-from ._cudaerrors import NOT_READY, STICKY, SUCCESS, check, error, result_code
+from ._cudacapture import capture_call
+from ._cudaerrors import NOT_READY, SUCCESS, check, error, result_code
 from ._cudakernels import Launcher, Prepared, compile_cubin, param_format, param_values
 from ._cudawaker import SEM_POST_ADDR, SemWaker, wakers
+from ._cudnn import Attentions
+from ._cudnn import load as _load_cudnn
 
 try:
     from . import _cudafast
@@ -161,6 +164,7 @@ class CudaDevice(DeviceDriver):
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
         self._notify: dict[int, Any] = {}
         self._gemms = Gemms()
+        self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
         # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md at bdba8f3):
@@ -199,6 +203,7 @@ class CudaDevice(DeviceDriver):
         self._launchers = {}
         self._notify = {}
         self._gemms.forget()
+        self._attention.forget()
         try:
             check(cu.cuDevicePrimaryCtxReset(self.cu_device), "cuDevicePrimaryCtxReset", self)
             cu.cuDevicePrimaryCtxRelease(self.cu_device)  # balanced by the retain in _setup
@@ -235,6 +240,9 @@ class CudaDevice(DeviceDriver):
         ws = self._gemms.workspaces.pop(int(stream), None)
         if ws is not None:
             cu.cuMemFreeAsync(ws, stream)  # after the GEMMs queued on it
+        ws = self._attention.drop_stream(int(stream))
+        if ws is not None:
+            cu.cuMemFreeAsync(ws, stream)  # after the attentions queued on it
         # Returns at once; work already enqueued completes first.
         cu.cuStreamDestroy(stream)
 
@@ -450,6 +458,41 @@ class CudaDevice(DeviceDriver):
         except Exception as exc:  # cuBLASLtError: the library refused to enqueue it
             raise LaunchError(f"cuBLASLt matmul failed: {exc}", device=self.ordinal, op="matmul") from exc
 
+    def attention_check(self) -> None:
+        _load_cudnn()
+
+    def attention(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: Any,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
+        """cuDNN's fused SDPA (see _cudnn)."""
+        if _tls.token is not self._token:
+            self._current()
+        if capturing is None:
+            capturing = self._capturing(stream)
+        self._attention.call(
+            desc,
+            q,
+            k,
+            v,
+            bias,
+            o,
+            int(stream),
+            capturing,
+            foreign,
+            lambda n: self.alloc(n, stream),
+            lambda p: cu.cuMemFreeAsync(p, stream),  # after the attentions queued on it
+            self.ordinal,
+        )
+
     def at_exit(self) -> None:
         """Destroy the replayed GEMMs' graphs and capture stream before the interpreter's
         teardown (no more are made)."""
@@ -483,72 +526,15 @@ class CudaDevice(DeviceDriver):
         return plan, ws, ws_bytes
 
     def _gemm_graph(self, key: tuple[Any, ...], desc: GemmDesc, a: int, b: int, d: int, bias: int, stream: Any) -> Any:
-        """Capture cuBLASLt's call for ``key`` (the GEMM's desc, pointers and stream) on
-        the device's capture stream and keep it instantiated; None, and never again for
-        this key, if the call cannot be captured (the caller then makes the call itself,
-        which raises the library's error if it has one). A sticky error on the way
-        faults the device and is raised.
-
-        The graph holds what the call enqueues on ``stream`` itself: the same kernel, the
-        same arguments, the stream's workspace; it is launched on that stream only, and
-        dropped with it (destroy_stream) or with the context (reset).
-
-        While the capture runs (once per key, under the runtime lock), a device- or
-        context-wide synchronize by another library in another thread fails (CUDA
-        forbids it during any capture in the context); see docs/ops.md."""
-        gemms = self._gemms
+        """cuBLASLt's call for ``key`` (the GEMM's desc, pointers and stream) captured
+        once and kept instantiated, or None (see _cudacapture.capture_call). The graph
+        holds what the call enqueues on ``stream`` itself: the same kernel, the same
+        arguments, the stream's workspace; it is launched on that stream only, and
+        dropped with it (destroy_stream) or with the context (reset)."""
         plan, ws, ws_bytes = self._gemm_plan(desc, stream, False, False)
-        cs = gemms.capture_stream
-        if cs is None:
-            err, cs = cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
-            if err != SUCCESS:
-                return self._refuse_graph(key, err, "cuStreamCreate")
-            gemms.capture_stream = cs
-        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
-        err = cu.cuStreamBeginCapture(cs, mode)[0]
-        if err != SUCCESS:
-            return self._refuse_graph(key, err, "cuStreamBeginCapture")
-        graph = exec_ = None
-        try:
-            ran = False
-            try:
-                plan.run(a, b, d, bias, ws, ws_bytes, int(cs))
-                ran = True
-            except Exception:  # refused: the caller's own call says why
-                pass
-            err, graph = cu.cuStreamEndCapture(cs)
-            if err != SUCCESS:
-                graph = None
-                return self._refuse_graph(key, err, "cuStreamEndCapture")
-            if not ran:
-                return self._refuse_graph(key, SUCCESS, "cuBLASLt")
-            err, exec_ = cu.cuGraphInstantiate(graph, 0)
-            if err != SUCCESS:
-                exec_ = None
-                return self._refuse_graph(key, err, "cuGraphInstantiate")
-            kept = gemms.keep(key, (int(exec_), exec_), cu.cuGraphExecDestroy)
-            exec_ = None  # the cache's now
-            return kept
-        finally:
-            # Whatever happened (a KeyboardInterrupt anywhere above too): the stream does
-            # not stay capturing, and nothing made here is left undestroyed.
-            err, status = cu.cuStreamIsCapturing(cs)
-            if err == SUCCESS and status != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE:
-                err, left = cu.cuStreamEndCapture(cs)
-                if err == SUCCESS and left is not None and int(left):
-                    cu.cuGraphDestroy(left)
-            if graph is not None:
-                cu.cuGraphDestroy(graph)
-            if exec_ is not None:
-                cu.cuGraphExecDestroy(exec_)
-
-    def _refuse_graph(self, key: tuple[Any, ...], err: Any, what: str) -> None:
-        """A capture step failed with ``err``: a sticky error faults the device and is
-        raised; anything else refuses the key (the library makes its calls)."""
-        if err != SUCCESS and err in STICKY:
-            raise error(err, f"{what} (capturing a replayed GEMM)", self, launch=True, op="matmul")
-        self._gemms.refuse(key)
-        return None
+        return capture_call(
+            self._gemms, key, lambda cs: plan.run(a, b, d, bias, ws, ws_bytes, cs), self, "a replayed GEMM", "matmul"
+        )
 
     def mem_info(self) -> tuple[int, int]:
         self._current()

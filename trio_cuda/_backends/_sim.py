@@ -49,6 +49,7 @@ from .._config import env_flag, env_int
 from .._errors import DeviceFault, DeviceOutOfMemory, GraphCaptureError, LaunchError, fresh
 from ._boundary import (
     ArrayArg,
+    AttentionDesc,
     Backend,
     CollectiveCall,
     DeviceDriver,
@@ -58,6 +59,7 @@ from ._boundary import (
     Waker,
     gemm_dtype,
 )
+from ._simattention import attend
 from ._simcollectives import ProcessComm, Rendezvous, SimComms
 from ._simstream import (
     Alloc,
@@ -528,6 +530,26 @@ class _SimDevice(DeviceDriver):
 
         reads = (a, b, bias) if desc.has_bias else (a, b)
         stream.enqueue(Command(run, "matmul", reads, (d,), self._whole(d, nbytes)))
+
+    attention_dtypes = ("float16", "bfloat16", "float32")
+
+    def attention(
+        self,
+        desc: AttentionDesc,
+        q: int,
+        k: int,
+        v: int,
+        bias: int,
+        o: int,
+        stream: SimStream,
+        capturing: bool | None = None,
+        foreign: bool = False,
+    ) -> None:
+        """numpy, the softmax in float32 (see _simattention)."""
+        self._check()
+        self._live(stream)
+        reads = (q, k, v, bias) if desc.bias_shape is not None else (q, k, v)
+        stream.enqueue(Command(lambda: attend(self._bytes, desc, q, k, v, bias, o), "attention", reads, (o,)))
 
     def _matrices(self, ptr: int, op: GemmOperand, batch: int, dt: np.dtype[Any]) -> np.ndarray:
         isz = dt.itemsize

@@ -1,4 +1,4 @@
-"""Reductions (sum, mean, max, min, argmax), softmax / log_softmax, layer_norm, rms_norm.
+"""Reductions (sum, mean, prod, max, min, argmax, argmin, any, all), softmax / log_softmax, layer_norm, rms_norm.
 
 All of them run one block of 256 threads per *row* of a ``(rows, cols)`` view: the
 reduced axes are moved last (a view when the memory allows, else a contiguous copy),
@@ -69,7 +69,7 @@ def _check_float(name: str, x: Tensor) -> None:
         raise TypeError(f"{name}: bfloat16 tensors: convert with .astype(np.float32) first")
 
 
-# -- sum, mean, max, min, argmax ----------------------------------------------------------------
+# -- sum, mean, prod, max, min, argmax, argmin, any, all ----------------------------------------------------------------
 def _reduce_dtypes(kind: str, dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtype[Any]]:
     """(accumulator dtype, result dtype) of reduction ``kind`` over ``dt`` (numpy's results)."""
     z = np.zeros(1, dt)
@@ -79,7 +79,13 @@ def _reduce_dtypes(kind: str, dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtyp
     elif kind == "mean":
         res = z.mean().dtype
         acc = np.dtype(np.float64) if res == np.float64 or dt.kind in "biu" else np.dtype(np.float32)
-    elif kind == "argmax":
+    elif kind == "prod":
+        res = z.prod().dtype
+        acc = compute_dtype(res)
+    elif kind in ("any", "all"):
+        res = np.dtype(np.bool_)
+        acc = np.dtype(np.uint8)
+    elif kind in ("argmax", "argmin"):
         res = np.dtype(np.int64)
         acc = compute_dtype(dt) if dt != np.bool_ else np.dtype(np.uint8)
     else:
@@ -89,8 +95,10 @@ def _reduce_dtypes(kind: str, dt: np.dtype[Any]) -> tuple[np.dtype[Any], np.dtyp
 
 
 def _init(kind: str, acc: np.dtype[Any]) -> str:
-    if kind in ("sum", "mean"):
+    if kind in ("sum", "mean", "any"):
         return "A(0)"
+    if kind in ("prod", "all"):
+        return "A(1)"
     if acc.kind == "f":
         return "A(-math.inf)" if kind in ("max", "argmax") else "A(math.inf)"
     info = np.iinfo(acc)
@@ -100,7 +108,9 @@ def _init(kind: str, acc: np.dtype[Any]) -> str:
 @functools.cache  # the kernel source is built once per key
 def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
     a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
-    if kind == "argmax":
+    if kind in ("argmax", "argmin"):
+        # argmin is argmax with the order reversed (NaN still wins, the first one)
+        gt = ">" if kind == "argmax" else "<"
         body = [
             "sv = cuda.shared.array(256, A)",
             "si = cuda.shared.array(256, np.int64)",
@@ -109,7 +119,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "c = t_",
             "while c < k:",
             "    v = A(x[row, c])",
-            "    if bi < 0 or (best == best and (v > best or v != v)):",
+            f"    if bi < 0 or (best == best and (v {gt} best or v != v)):",
             "        best = v",
             "        bi = c",
             "    c += 256",
@@ -129,7 +139,7 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "                take = True",
             "            elif pv != pv:",
             "                take = qv != qv and qi < pi",
-            "            elif qv != qv or qv > pv:",
+            f"            elif qv != qv or qv {gt} pv:",
             "                take = True",
             "            elif qv == pv:",
             "                take = qi < pi",
@@ -142,27 +152,51 @@ def _reduce_kernel(kind: str, acc: np.dtype[Any], res: np.dtype[Any]) -> Any:
             "    out[row] = O(si[0])",
         ]
 
+        np_arg = np.argmax if kind == "argmax" else np.argmin
+
         def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
-            np.copyto(out, np.argmax(x.astype(a_t), axis=1), casting="unsafe")
+            np.copyto(out, np_arg(x.astype(a_t), axis=1), casting="unsafe")
 
     else:
-        combine = {"sum": "{p} + {q}", "mean": "{p} + {q}", "max": _MAX, "min": _MIN}[kind]
+        combine = {
+            "sum": "{p} + {q}",
+            "mean": "{p} + {q}",
+            "prod": "{p} * {q}",
+            "max": _MAX,
+            "min": _MIN,
+            "any": _MAX,
+            "all": _MIN,
+        }[kind]
         final = "acc / A(k)" if kind == "mean" else "acc"
+        # any and all load truth values (NaN is true), as numpy's
+        load = "A(x[row, {c}] != 0)" if kind in ("any", "all") else "A(x[row, {c}])"
         body = [
             "sm = cuda.shared.array(256, A)",
             f"acc = {_init(kind, acc)}",
-            *row_loop(lambda c, j: [f"v{j} = A(x[row, {c}])"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"], 8),
+            *row_loop(
+                lambda c, j: [f"v{j} = {load.format(c=c)}"], lambda c, j: [f"acc = {combine.format(p='acc', q='v' + j)}"], 8
+            ),
             *block_reduce("acc", combine),
             "if t_ == 0:",
             f"    out[row] = O({final})",
         ]
-        fns: dict[str, Callable[..., Any]] = {"sum": np.sum, "mean": np.sum, "max": np.max, "min": np.min}
+        fns: dict[str, Callable[..., Any]] = {
+            "sum": np.sum,
+            "mean": np.sum,
+            "prod": np.prod,
+            "max": np.max,
+            "min": np.min,
+            "any": np.any,
+            "all": np.all,
+        }
         np_fn = fns[kind]
 
         def sim(out: np.ndarray, x: np.ndarray, k: int, m: int) -> None:
             with np.errstate(all="ignore"):
-                if k == 0 and kind in ("sum", "mean"):
-                    r = np.zeros(out.shape, a_t)
+                if k == 0 and kind in ("sum", "mean", "prod", "any", "all"):
+                    r = np.full(out.shape, 1 if kind in ("prod", "all") else 0, a_t)
+                elif kind in ("any", "all"):
+                    r = np_fn(x != 0, axis=1)
                 else:
                     r = np_fn(x.astype(a_t), axis=1)
                 if kind == "mean":
@@ -187,10 +221,10 @@ class Reduce(TensorOp):
             raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
         if x.dtype == BFLOAT16 or x.dtype.kind not in "biuf":
             raise TypeError(f"{self.name}: tensors of dtype {x.dtype} are not supported (convert with astype)")
-        if self._kind == "argmax" and isinstance(axis, (tuple, list)):
-            raise TypeError("ops.argmax: axis must be an int or None")
+        if self._kind in ("argmax", "argmin") and isinstance(axis, (tuple, list)):
+            raise TypeError(f"{self.name}: axis must be an int or None")
         axes = _axes(self.name, axis, x.ndim)
-        if self._kind in ("max", "min", "argmax") and any(x.shape[a] == 0 for a in axes):
+        if self._kind in ("max", "min", "argmax", "argmin") and any(x.shape[a] == 0 for a in axes):
             raise ValueError(f"{self.name}: a reduction over a zero-size axis has no identity")
         if keepdims:
             shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
@@ -212,7 +246,7 @@ class Reduce(TensorOp):
         plan.use(x._buffer, x)
         result = output(plan, ln, self.name, out, shape, res, x.device, (x,))
         dst = result.t
-        if self._kind == "argmax" and axis is None:
+        if self._kind in ("argmax", "argmin") and axis is None:
             rows = view(contiguous(plan, ln, x), (1, x.size), (x.size * x.dtype.itemsize, x.dtype.itemsize))
             m, k = 1, x.size
         else:

@@ -1,0 +1,117 @@
+"""Elementwise math against numpy: sin cos erf floor ceil round sign power clip, the
+``**`` operators, numpy's result dtypes (integers stay integers where numpy keeps them),
+NaN and infinities, out= and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import trio_cuda
+from trio_cuda import api, ops
+
+SPECIAL = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, 1e20, np.inf, -np.inf, np.nan], np.float32)
+INTS = np.array([-7, -1, 0, 1, 2, 5, 100], np.int32)
+
+
+def up(a: np.ndarray) -> trio_cuda.Tensor:
+    return api.from_host(a).sync()
+
+
+def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
+    return op.to_host().sync()
+
+
+def close(got: np.ndarray, want: np.ndarray, tol: float = 2e-6) -> None:
+    want = np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+    if got.dtype.kind == "f":
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, equal_nan=True)
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+def erf(a: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf, otypes=[a.dtype])(a)
+
+
+@pytest.mark.parametrize(("name", "ref"), [("sin", np.sin), ("cos", np.cos), ("erf", erf)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_sin_cos_erf(name: str, ref: object, dtype: type) -> None:
+    a = np.linspace(-4, 4, 41).astype(dtype)
+    tol = 2e-3 if dtype == np.float16 else 2e-6
+    close(host(getattr(ops, name)(up(a))), ref(a), tol)  # type: ignore[operator]
+
+
+def test_sin_of_integers_is_float64_as_numpy() -> None:
+    close(host(ops.sin(up(INTS))), np.sin(INTS), 1e-12)
+    close(host(ops.cos(up(np.array([0, 1], np.int8)))), np.cos(np.array([0, 1], np.int8)), 2e-3)  # float16
+
+
+@pytest.mark.parametrize(("name", "ref"), [("floor", np.floor), ("ceil", np.ceil), ("round", np.round), ("sign", np.sign)])
+def test_rounding_and_sign_of_floats_and_integers(name: str, ref: object) -> None:
+    close(host(getattr(ops, name)(up(SPECIAL))), ref(SPECIAL))  # type: ignore[operator]
+    close(host(getattr(ops, name)(up(INTS))), ref(INTS))  # type: ignore[operator]  # integers stay integers
+    big = np.array([2.0**60 + 2.0**9, -(2.0**53) - 2, 4.5, -4.5], np.float64)
+    close(host(getattr(ops, name)(up(big))), ref(big))  # type: ignore[operator]  # beyond int64 too
+
+
+@pytest.mark.parametrize("decimals", [1, 2, -1, -2])
+def test_round_to_decimals_as_numpy(decimals: int) -> None:
+    a = np.array([1.25, 1.35, -2.675, 123.456, 15.0, 25.0, -35.0], np.float64)
+    close(host(ops.round(up(a), decimals)), np.round(a, decimals), 1e-12)
+    if decimals > 0:
+        close(host(ops.round(up(INTS), decimals)), np.round(INTS, decimals))  # integers unchanged
+
+
+def test_power_and_the_operators() -> None:
+    a = np.array([0.5, 1.0, 2.0, 3.0, 0.0], np.float32)
+    b = np.array([2.0, -1.0, 0.5, 3.0, 2.0], np.float32)
+    x, y = up(a), up(b)
+    close(host(ops.power(x, y)), np.power(a, b))
+    close(host(x**y), a**b)
+    close(host(x**2), a**2)
+    close(host(2.0**x), 2.0**a)  # __rpow__, the scalar weak
+    close(host((x + 0) ** (y + 0)), a**b)  # on ops
+    close(host(np.float64(2.0) ** x), np.float64(2.0) ** a)  # a numpy scalar is strong: float64
+    close(host(up(INTS) ** 2), INTS**2)
+    e = np.array([0, 1, 2, 3, 4, 5, 3], np.int32)
+    close(host(up(INTS) ** up(e)), INTS**e)
+    close(host(up(np.array([2, 1, -1, 3], np.int64)) ** up(np.array([-1, -2, -3, 0], np.int64))), np.array([0, 1, -1, 1]))
+    with pytest.raises(ValueError, match="negative integer powers"):
+        up(INTS) ** -1
+
+
+def test_clip_with_scalars_tensors_and_one_bound() -> None:
+    a = SPECIAL
+    x = up(a)
+    close(host(ops.clip(x, -1, 2)), np.clip(a, -1, 2))
+    close(host(ops.clip(x, None, 2.5)), np.clip(a, None, 2.5))
+    close(host(ops.clip(x, 0.5, None)), np.clip(a, 0.5, None))
+    lo = np.linspace(-3, 0, a.size).astype(np.float32)
+    close(host(ops.clip(x, up(lo), up(lo) + 1)), np.clip(a, lo, lo + 1))
+    close(host(ops.clip(up(INTS), 0, 5)), np.clip(INTS, 0, 5))
+    close(host(ops.clip(up(INTS), 0, 2.5)), np.clip(INTS, 0, 2.5))  # a float bound: float64, as numpy
+    with pytest.raises(ValueError, match="at least one of a_min and a_max"):
+        ops.clip(x, None, None)
+
+
+async def test_out_and_errors() -> None:
+    x = await api.from_host(SPECIAL)
+    out = await api.zeros(SPECIAL.shape)
+    assert await ops.floor(x, out=out) is out
+    close(await out.to_host(), np.floor(SPECIAL))
+    await ops.clip(x, -1, 1, out=x)  # in place
+    close(await x.to_host(), np.clip(SPECIAL, -1, 1))
+    with pytest.raises(TypeError, match=r"ops\.sign: .*bool"):
+        ops.sign(await api.from_host(np.array([True])))
+    with pytest.raises(TypeError, match="decimals must be an int"):
+        ops.round(x, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"ops\.round: tensors of dtype int32"):
+        ops.round(await api.from_host(INTS), -1)
+    with pytest.raises(TypeError, match=r"ops\.power: the argument must be"):
+        ops.power(x, "2")
+    with pytest.raises(TypeError, match="needs at least one tensor"):
+        ops.sin(1.0)

@@ -1,0 +1,201 @@
+"""Elementwise math beyond arithmetic: sin, cos, erf, floor, ceil, round, sign, power, clip.
+
+Each is an :class:`~._elementwise.Elementwise` op (numpy broadcasting and dtype rules,
+one generated kernel, the numpy twin on the simulated device), with one addition: an
+integer or bool loop may use another expression than a float loop (``floor`` of an
+integer is the integer; ``power`` of integers goes through float64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._checks import is_int
+from .._plan import Lane, Plan
+from .._tensor import Tensor
+from ._core import operand
+from ._elementwise import Elementwise, Ufunc, _erf, _plan_elementwise, _resolve
+
+__all__ = ["MATH", "clip", "math_op", "power", "round_"]
+
+# Floats at least this large in magnitude are integers already (float64's 2**52; float32's
+# and float16's are smaller): floor/ceil/round leave them (and inf, NaN) as they are, and
+# never convert them to the int64 that numba's math.floor returns.
+_EXACT = "C(4503599627370496.0)"
+
+
+def _integral(e: str, rounded: str) -> str:
+    """``rounded`` (an expression over ``e``) where ``e`` may not be integral, else ``e``."""
+    return f"({rounded} if abs({e}) < {_EXACT} else {e})"
+
+
+def _rint(e: str) -> str:
+    """Round-half-to-even of expression ``e`` (numpy's round)."""
+    f = f"C(math.floor({e}))"
+    odd = f"C(math.floor({f} * C(0.5))) * C(2) != {f}"
+    return _integral(e, f"({f} + C(1) if ({e} - {f} > C(0.5) or ({e} - {f} == C(0.5) and {odd})) else {f})")
+
+
+class _Unary:
+    """Dtype rules of a one-operand ufunc for an op that takes extra scalar operands
+    (``round``'s scale): the extra operands take the loop dtype."""
+
+    def __init__(self, uf: Any) -> None:
+        self._uf = uf
+
+    def resolve_dtypes(self, key: tuple[Any, ...]) -> tuple[np.dtype[Any], ...]:
+        r = self._uf.resolve_dtypes((key[0], None))
+        return (r[0],) * (len(key) - 1) + (r[-1],)
+
+
+class _ClipDtypes:
+    """numpy's dtypes of ``clip(x, lo, hi)``: ``minimum(maximum(x, lo), hi)``."""
+
+    def resolve_dtypes(self, key: tuple[Any, ...]) -> tuple[np.dtype[Any], ...]:
+        x, lo, hi = key[:3]
+        r = np.maximum.resolve_dtypes((x, lo, None))[-1]
+        r = np.minimum.resolve_dtypes((r, hi, None))[-1]
+        return (r, r, r, r)
+
+
+def _int_power(x: Any, y: Any) -> Any:
+    r = np.power(np.asarray(x, np.float64), np.asarray(y, np.float64))
+    return np.where((y >= 0) | (x == 1) | (x == -1), r, 0)
+
+
+def _power(x: Any, y: Any) -> Any:
+    return np.power(x, y) if np.asarray(x).dtype.kind == "f" else _int_power(x, y)
+
+
+def _round(x: Any, scale: Any) -> Any:
+    if np.asarray(x).dtype.kind != "f":
+        return x
+    return np.round(x * scale) / scale
+
+
+def _round_down(x: Any, scale: Any) -> Any:
+    return np.round(x / scale) * scale
+
+
+@dataclass(frozen=True)
+class MathUfunc(Ufunc):
+    """A Ufunc whose integer and bool loops compute ``int_expr`` (None: ``expr``)."""
+
+    int_expr: str | None = None
+
+
+_MAX = "(x0 if (x0 >= x1 or x0 != x0) else x1)"
+
+
+def _clip_expr() -> str:
+    m = _MAX
+    return f"({m} if ({m} <= x2 or {m} != {m}) else x2)"
+
+
+MATH: dict[str, MathUfunc] = {
+    "sin": MathUfunc("sin", 1, "math.sin(x0)", np.sin, np.sin, "biuf"),
+    "cos": MathUfunc("cos", 1, "math.cos(x0)", np.cos, np.cos, "biuf"),
+    "erf": MathUfunc("erf", 1, "math.erf(x0)", _erf, np.sin, "biuf"),
+    "floor": MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0"),
+    "ceil": MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
+    # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
+    "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0"),
+    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
+    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
+    "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
+    # integers through float64: exact while the result is below 2**53; a negative
+    # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
+    "power": MathUfunc(
+        "power",
+        2,
+        "x0 ** x1",
+        _power,
+        np.power,
+        "biuf",
+        int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
+    ),
+    "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
+    "clip_min": MathUfunc("clip", 2, _MAX, np.maximum, np.maximum, "biuf"),
+    "clip_max": MathUfunc("clip", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf"),
+}
+
+
+class MathOp(Elementwise):
+    """An elementwise op of :data:`MATH` (an integer loop may compute ``int_expr``)."""
+
+    __slots__ = ()
+
+    def _integers(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` as an integer loop takes them: round ignores its scale there (1, so
+        that a large one need not fit the integer dtype)."""
+        if self._u.name == "round" and any(isinstance(x, Tensor) for x in args[:1]):
+            if _resolve(self._u, args[:-1])[0].kind in "biu":
+                return (args[0], 1, args[-1])
+        return args
+
+    def _check(self, *args: Any) -> None:
+        args = self._integers(args)
+        super()._check(*args)
+        u = self._u
+        if u.name == "power":
+            loop, _ = _resolve(u, args[:-1])
+            y = args[1]
+            if loop.kind in "biu" and not isinstance(y, Tensor) and y < 0:
+                raise ValueError(f"ops.power: integers to negative integer powers are not allowed (exponent {y!r}), as in numpy")
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        args = self._integers(args)
+        operands, out = args[:-1], args[-1]
+        u = self._u
+        loop, result = _resolve(u, operands)
+        int_expr = getattr(u, "int_expr", None)
+        expr = int_expr if int_expr is not None and loop.kind in "biu" else u.expr
+        return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, (u.load,) * u.nin, loop, result, out)
+
+
+class _RoundDown(MathOp):
+    """round with decimals < 0: an op class of its own, so that its recipes (keyed by
+    class, name and operands) never serve round's on the same scale."""
+
+    __slots__ = ()
+
+
+def math_op(name: str, *args: Any, out: Any = None) -> MathOp:
+    u = MATH[name]
+    n = u.opname
+    operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
+    cls = _RoundDown if name == "round_down" else MathOp
+    return cls(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
+
+
+def power(x: Any, y: Any, *, out: Any = None) -> MathOp:
+    return math_op("power", x, y, out=out)
+
+
+def clip(x: Any, a_min: Any, a_max: Any, *, out: Any = None) -> MathOp:
+    n = "ops.clip"
+    for what, b in (("a_min", a_min), ("a_max", a_max)):
+        if b is not None and not isinstance(b, (Tensor, int, float, np.generic)) and not hasattr(b, "_plan"):
+            raise TypeError(f"{n}: {what} must be a tensor, an op, a real scalar or None, not {type(b).__name__}")
+    if a_min is None and a_max is None:
+        raise ValueError("ops.clip: at least one of a_min and a_max must be given")
+    if a_min is None:
+        return math_op("clip_max", x, a_max, out=out)
+    if a_max is None:
+        return math_op("clip_min", x, a_min, out=out)
+    return math_op("clip", x, a_min, a_max, out=out)
+
+
+def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
+    """numpy's round: half to even; ``decimals`` as numpy's (floats only below zero)."""
+    if not is_int(decimals):
+        raise TypeError(f"ops.round: decimals must be an int, not {decimals!r}")
+    d = int(decimals)
+    if abs(d) > 300:
+        raise ValueError(f"ops.round: decimals={d} is out of range (|decimals| <= 300)")
+    if d >= 0:
+        return math_op("round", x, 10**d, out=out)
+    return math_op("round_down", x, 10 ** (-d), out=out)
