@@ -17,11 +17,14 @@ pending writes, later readers and writers wait for it), composes with ``then``/`
 and is awaited, cancelled and fails like any op. Collectives are not captured in graphs
 (GraphCaptureError).
 
-:class:`ProcessGroup` is the multi-process form, one process (and one device) per rank:
-rank 0 makes an id with :func:`unique_id`, hands it to every rank (a pipe, a file, a
-launcher's environment), and each rank joins with ``ProcessGroup(id, nranks, rank,
-device)``; its collectives take this rank's one tensor. It needs CUDA and NCCL; the
-simulated device emulates collectives across its devices in one process only.
+:class:`ProcessGroup` is the multi-process form, one process (and one device) per rank,
+started by a launcher (mpirun/srun, torchrun, Ray) and joined with ``await
+ProcessGroup.from_env()`` (or ``from_store``); its collectives take this rank's one
+tensor. On CUDA NCCL carries the data, across hosts too; on the simulated device (a
+device per process) the launcher's channel does (MPI's messages, a store's keys)::
+
+    group = await collectives.ProcessGroup.from_env()   # under: mpiexec -n 2 python prog.py
+    await group.all_reduce(grad)
 
 Supported: float16, bfloat16, float32, float64, int8, uint8, int32, uint32, int64,
 uint64 tensors, C-contiguous; reductions "sum", "prod", "max", "min", "avg".
@@ -29,13 +32,14 @@ uint64 tensors, C-contiguous; reductions "sum", "prod", "max", "min", "avg".
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
 
-from . import _loop
+from . import _loop, _rendezvous
 from ._backends import backend
 from ._backends._boundary import CollectiveCall
 from ._checks import BFLOAT16, arg_type, is_int
@@ -248,35 +252,111 @@ class Group(_Base):
 
 
 class ProcessGroup(_Base):
-    """This process's rank in a collective of ``nranks`` processes sharing ``unique_id``
-    (from :func:`unique_id` on one rank). Joining blocks until every rank has joined: in
-    trio code use ``await ProcessGroup.join(...)``, which waits in a worker thread."""
+    """This process's rank in a collective of ``nranks`` processes, one device each.
+
+    Join it from the launcher that started the processes, in trio or asyncio code:
+    ``await ProcessGroup.from_env()`` (mpirun/mpiexec/srun through mpi4py, or torchrun),
+    ``await ProcessGroup.from_store(store, nranks, rank)`` (a store every rank was handed:
+    Ray), or by hand with an id from :func:`unique_id` on one rank:
+    ``ProcessGroup(unique_id, nranks, rank, device)`` (blocks until every rank has
+    joined; ``await ProcessGroup.join(...)`` waits in a worker thread). On CUDA the ranks'
+    NCCL communicator carries the data; on the simulated device (each process with its own)
+    the launcher's channel does, so the same program runs without GPUs.
+    """
+
+    rank: int
+    nranks: int
+    local_rank: int | None  # this rank's place among the ranks of its host (None: joined by hand)
+    launcher: str  # "mpi", "torchrun", "store" or "unique id"
 
     def __init__(self, unique_id: bytes, nranks: int, rank: int, device: int | Device | None = None) -> None:
-        super().__init__()
         if not isinstance(unique_id, (bytes, bytearray)):
             raise TypeError(
                 f"ProcessGroup: unique_id must be bytes (from collectives.unique_id()), not {type(unique_id).__name__}"
             )
-        if not is_int(nranks) or int(nranks) < 1:
-            raise ValueError(f"ProcessGroup: nranks must be a positive int, not {nranks!r}")
-        if not is_int(rank) or not 0 <= int(rank) < int(nranks):
-            raise ValueError(f"ProcessGroup: rank must be in [0, {nranks}), not {rank!r}")
-        self.rank, self.nranks = int(rank), int(nranks)
-        self.devices = (as_device(device),)
-        self.size = self.nranks
-        self._id = bytes(unique_id)
+        _check_ranks(nranks, rank)
+        self._setup(bytes(unique_id), int(nranks), int(rank), as_device(device), None, None, "unique id")
+
+    def _setup(
+        self, uid: bytes, nranks: int, rank: int, device: Device, channel: Any, local_rank: int | None, launcher: str
+    ) -> ProcessGroup:
+        super().__init__()
+        self.rank, self.nranks, self.local_rank, self.launcher = rank, nranks, local_rank, launcher
+        self.devices = (device,)
+        self.size = nranks
+        self._id = uid
+        self._channel = channel
         self._communicators()  # join now: every rank blocks here until all have joined
+        return self
 
     @classmethod
     async def join(cls, unique_id: bytes, nranks: int, rank: int, device: int | Device | None = None) -> ProcessGroup:
         """Join from trio or asyncio code: the blocking join runs in a worker thread."""
         return await _loop.run_in_thread(cls, unique_id, nranks, rank, device, abandon_on_cancel=False)
 
+    @classmethod
+    async def from_env(cls, device: int | Device | None = None, *, timeout: float = 300.0) -> ProcessGroup:
+        """Join the group of the launcher that started this process: torchrun (its
+        ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; the
+        unique id through ``torch.distributed.TCPStore``, so torch must be installed) or
+        mpirun/mpiexec/srun (rank and size from mpi4py, which carries the id). ``device``
+        defaults to the local rank's (device 0 where the process sees one device).
+
+        A partial or inconsistent environment raises ``ValueError`` naming the variables.
+        The join waits up to ``timeout`` seconds for every rank: one that never arrives is
+        a ``TimeoutError`` naming it on every rank that did. Cancelling the awaiting task
+        ends the wait at once. On the simulated device, ``timeout`` is also how long a
+        collective waits for the other ranks' parts."""
+        _check_timeout(timeout)
+        launch = await _loop.run_in_thread(_rendezvous.launch_from_env, dict(os.environ), abandon_on_cancel=True)
+        return await cls._launched(launch, device, timeout)
+
+    @classmethod
+    async def from_store(
+        cls, store: Any, nranks: int, rank: int, device: int | Device | None = None, *, timeout: float = 300.0
+    ) -> ProcessGroup:
+        """Join through a key-value store every rank was given: an object with
+        ``torch.distributed.Store``'s methods (``set``, ``get``, ``check``, ``add``,
+        ``delete_key``), such as torch's TCPStore or a Ray actor's (see
+        examples/ray_data_parallel.py). The store carries the unique id (and, on the
+        simulated device, the collectives' data). Timeouts, cancellation and ``device``
+        as for :meth:`from_env`."""
+        _check_ranks(nranks, rank)
+        _check_timeout(timeout)
+        missing = [m for m in ("set", "get", "check", "add", "delete_key") if not callable(getattr(store, m, None))]
+        if missing:
+            raise TypeError(
+                f"ProcessGroup.from_store: a {arg_type(store)} is no store: it lacks {', '.join(missing)} "
+                "(torch.distributed.Store's methods)"
+            )
+        return await cls._launched(_rendezvous.Launch("store", int(rank), int(nranks), store=store), device, timeout)
+
+    @classmethod
+    async def _launched(cls, launch: _rendezvous.Launch, device: int | Device | None, timeout: float) -> ProcessGroup:
+        stop = threading.Event()
+        try:
+            joined = await _loop.run_in_thread(_rendezvous.join, launch, _new_id, timeout, stop, abandon_on_cancel=True)
+        finally:
+            stop.set()  # cancelled: the abandoned join stops at its next poll
+        dev = _launched_device(device, joined.local_rank)
+        group = cls.__new__(cls)
+        # every rank has arrived: NCCL's join is quick now (abandoning it would leak its communicator)
+        return await _loop.run_in_thread(
+            group._setup,
+            joined.unique_id,
+            launch.size,
+            launch.rank,
+            dev,
+            joined.channel,
+            joined.local_rank,
+            launch.launcher,
+            abandon_on_cancel=False,
+        )
+
     def _make(self) -> Any:
         if self._generations is not None:
             raise RuntimeError("ProcessGroup: the device was reset; every rank must join a new group")
-        return backend().process_communicator(self.devices[0]._driver, self._id, self.nranks, self.rank)
+        return backend().process_communicator(self.devices[0]._driver, self._id, self.nranks, self.rank, self._channel)
 
     def _tensors(self, tensors: Any, name: str) -> tuple[Any, ...]:
         if isinstance(tensors, Sequence) and not isinstance(tensors, (Tensor, DeviceOp)):
@@ -287,6 +367,38 @@ class ProcessGroup(_Base):
 
     def __repr__(self) -> str:
         return f"<trio_cuda ProcessGroup rank {self.rank} of {self.nranks} on device {self.devices[0].ordinal}>"
+
+
+def _check_ranks(nranks: Any, rank: Any) -> None:
+    if not is_int(nranks) or int(nranks) < 1:
+        raise ValueError(f"ProcessGroup: nranks must be a positive int, not {nranks!r}")
+    if not is_int(rank) or not 0 <= int(rank) < int(nranks):
+        raise ValueError(f"ProcessGroup: rank must be in [0, {nranks}), not {rank!r}")
+
+
+def _check_timeout(timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"ProcessGroup: timeout must be a positive number of seconds, not {timeout!r}")
+
+
+def _new_id() -> bytes:
+    """Rank 0's id for the join: NCCL's, or none on the simulated device (its channel
+    carries the data)."""
+    return b"" if backend().name == "sim" else unique_id()
+
+
+def _launched_device(device: int | Device | None, local_rank: int) -> Device:
+    if device is not None:
+        return as_device(device)
+    n = backend().device_count()
+    if local_rank < n:
+        return as_device(local_rank)
+    if n == 1:  # one device per process: CUDA_VISIBLE_DEVICES set per rank (srun, Ray), or the simulated device
+        return as_device(0)
+    raise ValueError(
+        f"ProcessGroup: local rank {local_rank} has no device of its own (this process sees {n}): "
+        "give device=, or make one device visible per rank (CUDA_VISIBLE_DEVICES)"
+    )
 
 
 class Collective(TensorOp):

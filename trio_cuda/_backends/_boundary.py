@@ -534,9 +534,11 @@ class Backend(abc.ABC):
         ``drivers[i]``)."""
 
     @abc.abstractmethod
-    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int, channel: Any = None) -> Any:
         """This process's communicator as ``rank`` of ``nranks`` processes that share
-        ``unique_id`` (blocks until every rank has joined)."""
+        ``unique_id`` (blocks until every rank has joined). ``channel``: the launcher's
+        (trio_cuda._rendezvous), which the simulated device moves the data through; NCCL
+        has networking of its own."""
 
     @abc.abstractmethod
     def unique_id(self) -> bytes:

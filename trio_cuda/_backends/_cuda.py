@@ -724,7 +724,7 @@ class CudaBackend(Backend):
             raise LaunchError(f"NCCL could not make communicators for devices {ordinals}: {exc}") from exc
         return comms
 
-    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int, channel: Any = None) -> Any:
         nccl, _ = _nccl()
         driver._current()  # type: ignore[attr-defined]  # NCCL takes the calling thread's device
         try:

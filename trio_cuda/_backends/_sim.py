@@ -60,7 +60,7 @@ from ._boundary import (
     gemm_dtype,
 )
 from ._simattention import attend
-from ._simcollectives import Rendezvous, SimComms
+from ._simcollectives import ProcessComm, Rendezvous, SimComms
 from ._simstream import (
     Alloc,
     Command,
@@ -116,6 +116,7 @@ class _SimDevice(DeviceDriver):
         self._kernels: dict[str, Any] = {}
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
         self._adopted: dict[int, Any] = {}  # adopted host memory -> its owner
+        self._process_comms: weakref.WeakSet[ProcessComm] = weakref.WeakSet()  # told of a reset
 
     # -- faults ---------------------------------------------------------------
     def set_fault(self, fault: DeviceFault) -> None:
@@ -144,6 +145,8 @@ class _SimDevice(DeviceDriver):
             _cond.notify_all()
         for s in list(self._streams):
             s.close()
+        for c in list(self._process_comms):
+            c.abandon()  # the parts its streams will never run: the peers hear at once
         with self._lock:
             self._allocs.clear()
             self._bases.clear()
@@ -720,14 +723,21 @@ class SimBackend(Backend):
     def communicators(self, drivers: Sequence[DeviceDriver]) -> SimComms:
         return SimComms([d for d in drivers if isinstance(d, _SimDevice)])
 
-    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int) -> Any:
-        raise LaunchError(
-            "the simulated device has no multi-process collectives (its devices live in one process): "
-            "use a Group of simulated devices"
-        )
+    def process_communicator(self, driver: DeviceDriver, unique_id: bytes, nranks: int, rank: int, channel: Any = None) -> Any:
+        if channel is None:
+            raise LaunchError(
+                "the simulated device has no NCCL for multi-process collectives: join through a launcher "
+                "(ProcessGroup.from_env or from_store), whose channel carries the data, or use a Group of simulated devices"
+            )
+        comm = ProcessComm(driver, channel, rank, nranks)
+        driver._process_comms.add(comm)  # type: ignore[attr-defined]
+        return comm
 
     def unique_id(self) -> bytes:
-        raise LaunchError("the simulated device has no multi-process collectives: use a Group of simulated devices")
+        raise LaunchError(
+            "the simulated device makes no NCCL unique id: its multi-process collectives join through a launcher "
+            "(ProcessGroup.from_env or from_store), whose channel carries the data"
+        )
 
     def collective(
         self, kind: str, comms: Any, calls: Sequence[CollectiveCall], dtype: np.dtype[Any], op: str, root: int
@@ -738,6 +748,20 @@ class SimBackend(Backend):
             d._live(c.stream)
             if c.stream.capture is not None:
                 raise GraphCaptureError("collectives cannot be captured in a graph", device=d.ordinal)
+        if isinstance(comms, ProcessComm):
+            (c,) = calls
+            tag = comms.next_tag()  # in enqueue order, the same on every rank
+
+            def part(c: CollectiveCall = c, d: Any = c.driver) -> None:
+                bad = c.stream.error
+                if bad is None:
+                    a = d._alloc_at(c.send)
+                    if a is not None and a.poison is not None:
+                        bad = a.poison
+                comms.run(kind, c, dtype, op, root, tag, bad)
+
+            c.stream.enqueue(Command(part, f"collective {kind}", (), (c.recv,), always=True))
+            return
         rdv = Rendezvous(kind, calls, dtype, op, root)
         for c in calls:
             d = c.driver

@@ -1,19 +1,29 @@
-"""Collectives across simulated devices of one process: each rank's command meets the
-others' at a rendezvous, and the last to arrive computes every rank's result, as NCCL
-would (the same reductions, in the data's dtype)."""
+"""Collectives on the simulated device, as NCCL would compute them (the same reductions,
+in the data's dtype, rank by rank).
+
+Within one process (a Group of simulated devices) each rank's command meets the others'
+at a rendezvous, and the last to arrive computes every rank's result. Across processes
+(a ProcessGroup joined through a launcher, each process with its own simulated device)
+each rank's command sends its part to every peer through the launcher's channel (MPI's
+messages, or a store's keys: see trio_cuda._rendezvous) and computes its own result from
+what the peers sent, every rank in the same rank order, so that every rank's result is
+bitwise the same."""
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .._errors import DeviceFault
+from .._rendezvous import Channel, exchange, ranks
 from ._boundary import CollectiveCall, DeviceDriver
 
-__all__ = ["Rendezvous", "SimComms", "reduce_arrays"]
+__all__ = ["ProcessComm", "Rendezvous", "SimComms", "reduce_arrays"]
 
 
 def reduce_arrays(op: str, arrays: Sequence[np.ndarray]) -> np.ndarray:
@@ -147,3 +157,114 @@ class Rendezvous:
                 a = d._alloc_at(c.recv)  # type: ignore[attr-defined]
                 if a is not None:
                     a.poison = None  # written whole: an earlier failure's mark is gone
+
+
+_OK, _FAILED = b"\x00", b"\x01"  # a part's first byte: its data follows, or why it has none
+
+
+class ProcessComm:
+    """This process's rank of a collective across processes on the simulated device.
+
+    Every collective gets the next tag when it is enqueued (ranks enqueue their
+    collectives in one order, as NCCL requires), so a stream's collectives may run in any
+    order relative to another stream's. A peer whose part does not come within the
+    channel's timeout (it died, hangs, or its device was reset before its part ran)
+    fails this rank's result (marked as not written: the await raises DeviceFault naming
+    it) instead of hanging; so does a peer whose part failed (poisoned inputs), which says
+    so in its message."""
+
+    def __init__(self, driver: DeviceDriver, channel: Channel, rank: int, nranks: int) -> None:
+        self.driver, self.channel, self.rank, self.nranks = driver, channel, rank, nranks
+        self._tags = itertools.count()
+        self._lock = threading.Lock()
+        self._waiting: set[int] = set()  # tags enqueued whose part has not started
+
+    def next_tag(self) -> int:
+        with self._lock:
+            tag = next(self._tags)
+            self._waiting.add(tag)
+            return tag
+
+    def abandon(self) -> None:
+        """The device was reset (called by the reset): the parts still waiting on its
+        streams never run, so tell the peers now, as a failed part, rather than let them
+        wait for their timeout."""
+        with self._lock:
+            tags, self._waiting = sorted(self._waiting), set()
+        d: Any = self.driver
+        why = _FAILED + f"device {d.ordinal} (rank {self.rank}) was reset before its part ran".encode()
+        for tag in tags:
+            self.channel.post(tag, [why] * self.nranks)
+
+    def run(
+        self, kind: str, call: CollectiveCall, dtype: np.dtype[Any], op: str, root: int, tag: int, bad: DeviceFault | None
+    ) -> None:
+        """This rank's part of collective ``tag`` (on its stream's thread): send, collect,
+        compute, write."""
+        with self._lock:
+            if tag not in self._waiting:
+                return  # abandoned by a reset: the peers were told
+            self._waiting.discard(tag)
+        d: Any = call.driver
+        gen, n, me, isz = d.generation, self.nranks, self.rank, dtype.itemsize
+        count = call.count
+        sent, received = {"all_gather": (count, count * n), "reduce_scatter": (count * n, count)}.get(kind, (count, count))
+        mine = b""
+        if bad is None:
+            try:
+                mine = d._bytes(call.send, sent * isz).tobytes()
+            except IndexError:
+                if d.generation == gen:
+                    raise  # an address that was never valid: a fault, as on a GPU
+                bad = DeviceFault(f"device {d.ordinal} (rank {me}) was reset while its part ran")
+        if bad is not None:
+            payloads = [_FAILED + bad.message.encode()] * n
+        elif kind == "reduce_scatter":
+            part = received * isz
+            payloads = [_OK + mine[p * part : (p + 1) * part] for p in range(n)]
+        elif kind == "broadcast" and me != root:
+            payloads = [_OK] * n  # (an empty part still says this rank is here)
+        else:
+            payloads = [_OK + mine] * n
+        timeout = self.channel.timeout
+        failure = bad.message if bad is not None else None
+        try:
+            got, missing = exchange(self.channel, tag, payloads, time.monotonic() + timeout, lambda: d.generation != gen)
+        except Exception as exc:  # the channel failed (a store whose host is gone, say): this result is lost, not the device
+            got, missing = {}, []
+            failure = f"collective {kind}: the launcher's channel failed: {type(exc).__name__}: {exc}"
+        if d.generation != gen:
+            return  # this rank's device was reset: nothing of its memory is left to write
+        if missing:
+            failure = f"collective {kind}: {ranks(missing)} of {n} did not take part within {timeout:g} s"
+        for p in sorted(got):
+            if failure is None and got[p][:1] == _FAILED:
+                failure = f"collective {kind}: rank {p}'s part failed: {got[p][1:].decode(errors='replace')}"
+        if failure is not None:
+            fault = DeviceFault(failure, device=d.ordinal, op=f"collective {kind}")
+            d._poison((call.recv,), fault)
+            # as a failed wait: the stream's later work of this submission is not done,
+            # and the submission's record carries the fault to its await
+            stream: Any = call.stream
+            stream.error = fault
+            return
+        own = payloads[me][1:] if kind == "reduce_scatter" else mine
+        parts = [np.frombuffer(own if p == me else got[p][1:], dtype=dtype) for p in range(n)]
+        if kind == "all_reduce":
+            out = reduce_arrays(op, parts)
+        elif kind == "broadcast":
+            out = parts[root]
+        elif kind == "all_gather":
+            out = np.concatenate(parts)
+        else:
+            out = reduce_arrays(op, parts)
+        try:
+            d._bytes(call.recv, received * isz).view(dtype)[...] = out
+        except IndexError:
+            if d.generation != gen:
+                return
+            raise
+        if d._whole(call.recv, received * isz):
+            a = d._alloc_at(call.recv)
+            if a is not None:
+                a.poison = None  # written whole: an earlier failure's mark is gone
