@@ -29,6 +29,7 @@ MODULES: tuple[str, ...] = (
     "trio_cuda._op",
     "trio_cuda._ops._core",
     "trio_cuda._ops._elementwise",
+    "trio_cuda._ops._layout",
     "trio_cuda._ops._matmul",
     "trio_cuda._ops._reduce",
     "trio_cuda._pending",

@@ -12,6 +12,8 @@ import pytest
 import trio_cuda
 from trio_cuda import api, ops
 
+from ..helpers.arrays import host
+
 A = np.array([[1.0, np.nan, np.inf], [-np.inf, 0.0, -2.5]], np.float32)
 B = np.array([1.0, 2.0, -np.inf], np.float32)
 COMPARE = [
@@ -22,10 +24,6 @@ COMPARE = [
     ("greater", operator.gt, np.greater),
     ("greater_equal", operator.ge, np.greater_equal),
 ]
-
-
-def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
-    return op.to_host().sync()
 
 
 def expect(got: np.ndarray, want: np.ndarray) -> None:

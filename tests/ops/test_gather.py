@@ -7,25 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import trio_cuda
 from trio_cuda import api, ops
+
+from ..helpers.arrays import host, same, up
 
 RNG = np.random.default_rng(35)
 X = RNG.normal(size=(3, 4, 5)).astype(np.float32)
 IDX = np.array([[2, -1], [0, 1], [-3, 2]], np.int64)  # in range of every axis of X
-
-
-def up(a: np.ndarray) -> trio_cuda.Tensor:
-    return api.from_host(a).sync()
-
-
-def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
-    return op.to_host().sync()
-
-
-def same(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("axis", [None, 0, 1, 2, -1])

@@ -9,28 +9,12 @@ import math
 import numpy as np
 import pytest
 
-import trio_cuda
 from trio_cuda import api, ops
+
+from ..helpers.arrays import close, host, up
 
 SPECIAL = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, 1e20, np.inf, -np.inf, np.nan], np.float32)
 INTS = np.array([-7, -1, 0, 1, 2, 5, 100], np.int32)
-
-
-def up(a: np.ndarray) -> trio_cuda.Tensor:
-    return api.from_host(a).sync()
-
-
-def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
-    return op.to_host().sync()
-
-
-def close(got: np.ndarray, want: np.ndarray, tol: float = 2e-6) -> None:
-    want = np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    if got.dtype.kind == "f":
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol, equal_nan=True)
-    else:
-        np.testing.assert_array_equal(got, want)
 
 
 def erf(a: np.ndarray) -> np.ndarray:

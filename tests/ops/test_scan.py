@@ -7,18 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import trio_cuda
 from trio_cuda import api, ops
 
+from ..helpers.arrays import host, up
+
 RNG = np.random.default_rng(5)
-
-
-def up(a: np.ndarray) -> trio_cuda.Tensor:
-    return api.from_host(a).sync()
-
-
-def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
-    return op.to_host().sync()
 
 
 def close(got: np.ndarray, want: np.ndarray, tol: float = 1e-5) -> None:

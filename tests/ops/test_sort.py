@@ -10,22 +10,11 @@ import pytest
 import trio_cuda
 from trio_cuda import api, ops
 
+from ..helpers.arrays import host, same, up
+
 RNG = np.random.default_rng(6)
 A = RNG.integers(-3, 4, size=(3, 5, 7)).astype(np.float32)  # many ties
 A[0, 1, 2] = A[1, 2, 3] = A[1, 2, 5] = np.nan
-
-
-def up(a: np.ndarray) -> trio_cuda.Tensor:
-    return api.from_host(a).sync()
-
-
-def host(op: trio_cuda.DeviceOp[trio_cuda.Tensor]) -> np.ndarray:
-    return op.to_host().sync()
-
-
-def same(got: np.ndarray, want: np.ndarray) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
-    np.testing.assert_array_equal(got, want)
 
 
 def descending(a: np.ndarray) -> np.ndarray:

@@ -27,19 +27,9 @@ from .._direct import note_accesses, order_accesses
 from .._plan import Lane, Plan
 from .._stream import Stream
 from .._tensor import Tensor, c_strides
-from ._core import (
-    TensorOp,
-    alloc,
-    broadcast_view,
-    check_out,
-    device_of,
-    operand,
-    output,
-    prepared_step,
-    replayable_step,
-    view,
-)
+from ._core import TensorOp, alloc, check_out, device_of, operand, output, prepared_step, replayable_step
 from ._elementwise import _plan_elementwise, copy_into, finish
+from ._layout import broadcast_view, view
 
 __all__ = ["Attention", "scaled_dot_product_attention"]
 

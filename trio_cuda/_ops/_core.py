@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _kernel
-from .._checks import BFLOAT16, arg_type, check_dtype, is_scalar, nbytes_of
+from .._checks import arg_type, check_dtype, is_scalar, nbytes_of
 from .._device import Device
 from .._direct import direct_enqueue, direct_ready, lane_step
 from .._forecast import Names
@@ -33,6 +33,7 @@ from .._op import DeviceOp
 from .._pending import EXECUTING
 from .._plan import Lane, Plan
 from .._tensor import Partition, Tensor, c_strides
+from ._layout import half_proxy
 
 if TYPE_CHECKING:
     from .._stream import Event, Stream
@@ -41,16 +42,11 @@ __all__ = [
     "CacheStatistics",
     "TensorOp",
     "alloc",
-    "broadcast_shape",
-    "broadcast_view",
     "cache_statistics",
     "check_out",
-    "coalesce",
     "device_of",
     "launch",
-    "one_stride",
     "operand",
-    "promote",
     "tensor_arg",
 ]
 
@@ -574,107 +570,6 @@ def _recipe(
     return _Recipe(lane.device, uses, allocs, steps, Names(plan.ops[nops:]), res)
 
 
-# -- dtypes ---------------------------------------------------------------------------------
-def _proxy(dt: np.dtype[Any]) -> np.dtype[Any]:
-    return np.dtype(np.float16) if dt == BFLOAT16 else dt
-
-
-def promote(name: str, operands: Sequence[Any], *, kinds: str = "biuf") -> np.dtype[Any]:
-    """numpy's result dtype of ``operands`` (tensors strong, Python scalars weak as in
-    NEP 50, numpy scalars strong); bfloat16 with bfloat16 stays bfloat16, with another
-    float becomes float32 (as in PyTorch)."""
-    parts: list[Any] = []
-    bf16 = fp16 = False
-    for x in operands:
-        if isinstance(x, Tensor):
-            dt = x.dtype
-            if dt.kind not in kinds and dt != BFLOAT16:
-                raise TypeError(f"{name}: tensors of dtype {dt} are not supported (kinds {kinds!r})")
-            bf16 = bf16 or dt == BFLOAT16
-            fp16 = fp16 or dt == np.float16
-            parts.append(_proxy(dt))
-        elif isinstance(x, np.generic):
-            parts.append(x.dtype)
-        else:
-            parts.append(x)  # a Python scalar: weak
-    try:
-        dt = np.result_type(*parts)
-    except (TypeError, ValueError) as err:
-        raise TypeError(f"{name}: no common dtype for these operands ({err})") from None
-    if bf16 and dt == np.float16:
-        return np.dtype(np.float32) if fp16 else BFLOAT16  # type: ignore[return-value]
-    return dt
-
-
-def compute_dtype(dt: np.dtype[Any]) -> np.dtype[Any]:
-    """The dtype arithmetic runs in for results of ``dt`` (half types in float32)."""
-    if dt == np.float16 or dt == BFLOAT16:
-        return np.dtype(np.float32)
-    return dt
-
-
-# -- shapes ---------------------------------------------------------------------------------
-def one_stride(shape: Sequence[int], strides: Sequence[int]) -> int | None:
-    """The one stride that walks ``shape`` in C order (size-1 dims skipped; 0 when no
-    dim is longer than 1), or None if there is none."""
-    st: int | None = None
-    expect = 0
-    for n, s in zip(reversed(shape), reversed(strides), strict=True):
-        if n == 1:
-            continue
-        if st is None:
-            st, expect = s, s * n
-        elif s != expect:
-            return None
-        else:
-            expect = s * n
-    return st if st is not None else 0
-
-
-def broadcast_shape(name: str, *shapes: tuple[int, ...]) -> tuple[int, ...]:
-    try:
-        return tuple(np.broadcast_shapes(*shapes))
-    except ValueError:
-        raise ValueError(f"{name}: shapes {', '.join(str(s) for s in shapes)} cannot be broadcast together") from None
-
-
-def broadcast_view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """``t`` seen with ``shape`` (numpy broadcasting: zero strides, no copy)."""
-    if t.shape == shape:
-        return t
-    lead = len(shape) - t.ndim
-    strides = [0] * lead
-    for n, have, st in zip(shape[lead:], t.shape, t.strides, strict=True):
-        strides.append(0 if have == 1 and n != 1 else st)
-    return Tensor._new(t._buffer, shape, t.dtype, t._offset, tuple(strides), t._tracked)
-
-
-def coalesce(shape: tuple[int, ...], strides: Sequence[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
-    """Merge dimensions that every operand walks as one (numpy's coalescing), dropping
-    dimensions of size 1: the kernels index fewer dimensions. Returns at least one."""
-    dims = [i for i, n in enumerate(shape) if n != 1]
-    if not dims:
-        return (1,), [(0,) for _ in strides]
-    out_shape = [shape[dims[0]]]
-    out_strides = [[s[dims[0]]] for s in strides]
-    for i in dims[1:]:
-        n = shape[i]
-        if all(os[-1] == s[i] * n for os, s in zip(out_strides, strides, strict=True)):
-            out_shape[-1] *= n
-            for os, s in zip(out_strides, strides, strict=True):
-                os[-1] = s[i]
-        else:
-            out_shape.append(n)
-            for os, s in zip(out_strides, strides, strict=True):
-                os.append(s[i])
-    return tuple(out_shape), [tuple(s) for s in out_strides]
-
-
-def view(t: Tensor, shape: tuple[int, ...], strides: tuple[int, ...], dtype: np.dtype[Any] | None = None) -> Tensor:
-    """Another view of ``t``'s memory (same first element)."""
-    return Tensor._new(t._buffer, shape, dtype if dtype is not None else t.dtype, t._offset, strides, t._tracked)
-
-
 # -- devices, outputs, launches ---------------------------------------------------------------
 def device_of(name: str, tensors: Sequence[Tensor], lane: Lane | None = None) -> Device:
     """The one device of ``tensors`` (the lane's when there are none)."""
@@ -710,7 +605,7 @@ def check_out(name: str, out: Any, shape: tuple[int, ...], dtype: np.dtype[Any],
     t = tensor_arg(out, name, "out= tensor")
     if t.shape != shape:
         raise ValueError(f"{name}: out= has shape {t.shape}, the result has shape {shape}")
-    if t.dtype != dtype and not np.can_cast(_proxy(dtype), _proxy(t.dtype), "same_kind"):
+    if t.dtype != dtype and not np.can_cast(half_proxy(dtype), half_proxy(t.dtype), "same_kind"):
         raise TypeError(f"{name}: cannot cast the {dtype} result to out= of dtype {t.dtype} (same_kind rule)")
     if device is not None and t.device is not device:
         raise ValueError(f"{name}: out= is on device {t.device.ordinal}, the inputs on device {device.ordinal}")

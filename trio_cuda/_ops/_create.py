@@ -11,8 +11,9 @@ from .._checks import arg_type, check_dtype, is_int
 from .._op import DeviceOp
 from .._plan import Lane, Plan
 from .._tensor import Partition, Tensor, index_view, normalize_axis
-from ._core import TensorOp, device_of, operand, output, promote, tensor_arg
+from ._core import TensorOp, device_of, operand, output, tensor_arg
 from ._elementwise import copy_into, finish
+from ._layout import promote
 
 __all__ = ["Concatenate", "like"]
 

@@ -18,24 +18,8 @@ from .._checks import BFLOAT16, arg_type
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel, half_view
-from ._core import (
-    Out,
-    TensorOp,
-    alloc,
-    as_dtype,
-    broadcast_shape,
-    broadcast_view,
-    check_out,
-    coalesce,
-    compute_dtype,
-    device_of,
-    launch,
-    operand,
-    out_partition,
-    output,
-    promote,
-    view,
-)
+from ._core import Out, TensorOp, alloc, as_dtype, check_out, device_of, launch, operand, out_partition, output
+from ._layout import broadcast_shape, broadcast_view, coalesce, compute_dtype, promote, view
 
 __all__ = ["UFUNCS", "Elementwise", "astype", "contiguous", "copy_into", "elementwise"]
 

@@ -27,20 +27,9 @@ from .._op import DeviceOp, TensorMath
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis, plan_read_to_host
 from ._codegen import _unravel, cached, elementwise_kernel, make_kernel
-from ._core import (
-    TensorOp,
-    alloc,
-    broadcast_shape,
-    check_out,
-    flat_geometry,
-    launch,
-    one_stride,
-    operand,
-    out_partition,
-    output,
-    view,
-)
+from ._core import TensorOp, alloc, check_out, flat_geometry, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import broadcast_shape, one_stride, view
 
 __all__ = ["Gather", "embedding", "gather_kernel", "index", "take", "take_along_axis"]
 

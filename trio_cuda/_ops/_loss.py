@@ -21,8 +21,9 @@ from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import bf16_to_f32, block_reduce, f32_to_bf16, half_view, load_expr, row_kernel, row_loop, store_expr
-from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output, view
+from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import view
 
 __all__ = ["CrossEntropy", "cross_entropy"]
 

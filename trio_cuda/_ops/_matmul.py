@@ -21,20 +21,9 @@ from .._direct import note_accesses, order_accesses
 from .._plan import Lane, Plan
 from .._stream import Stream
 from .._tensor import Tensor
-from ._core import (
-    TensorOp,
-    alloc,
-    broadcast_shape,
-    check_out,
-    device_of,
-    one_stride,
-    operand,
-    output,
-    prepared_step,
-    replayable_step,
-    view,
-)
+from ._core import TensorOp, alloc, check_out, device_of, operand, output, prepared_step, replayable_step
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import broadcast_shape, one_stride, view
 
 __all__ = ["Linear", "Matmul"]
 

@@ -22,7 +22,8 @@ from .._checks import BFLOAT16, arg_type, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import bf16_to_f32, cached, f32_to_bf16, load_expr, make_kernel, store_expr
-from ._core import THREADS, TensorOp, device_of, launch, operand, out_partition, overlaps, unrolled_geometry, view
+from ._core import THREADS, TensorOp, device_of, launch, operand, out_partition, overlaps, unrolled_geometry
+from ._layout import view
 
 __all__ = ["OptimizerStep", "adamw_step", "sgd_step"]
 

@@ -25,8 +25,9 @@ from .._plan import Lane, Plan
 from .._registry import as_device
 from .._tensor import Tensor
 from ._codegen import bf16_to_f32, cached, f32_to_bf16, half_view, load_expr, make_kernel, store_expr
-from ._core import TensorOp, alloc, check_out, flat_geometry, launch, operand, out_partition, output, view
+from ._core import TensorOp, alloc, check_out, flat_geometry, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import view
 
 __all__ = ["Dropout", "Random", "dropout", "philox"]
 

@@ -20,8 +20,9 @@ from .._checks import BFLOAT16, arg_type, is_int, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import bf16_to_f32, block_reduce, f32_to_bf16, half_view, row_kernel, row_loop, store_expr
-from ._core import TensorOp, alloc, check_out, compute_dtype, launch, one_stride, operand, out_partition, output, view
+from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import compute_dtype, one_stride, view
 
 __all__ = ["Norm", "Reduce", "Softmax"]
 

@@ -18,8 +18,9 @@ from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import row_kernel
-from ._core import TensorOp, alloc, as_dtype, check_out, compute_dtype, launch, operand, out_partition, output, view
+from ._core import TensorOp, alloc, as_dtype, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
+from ._layout import compute_dtype, view
 from ._reduce import _as_rows
 
 __all__ = ["Cumsum", "cumsum"]

@@ -26,9 +26,10 @@ from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import row_kernel
-from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output, view
+from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
 from ._gather import gather_kernel
+from ._layout import view
 from ._reduce import _as_rows
 
 __all__ = ["Sort", "sort", "topk"]

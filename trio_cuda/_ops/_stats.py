@@ -20,8 +20,9 @@ from .._checks import BFLOAT16, is_int, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import block_reduce, half_view, row_kernel, row_loop
-from ._core import alloc, check_out, compute_dtype, launch, operand, out_partition, output, view
+from ._core import alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import copy_into, finish
+from ._layout import compute_dtype, view
 from ._reduce import Reduce, _as_rows, _host_in, _host_out, _ld, _np_name, _st
 
 __all__ = ["Stat", "logsumexp", "stat"]
