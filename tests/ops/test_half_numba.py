@@ -47,6 +47,15 @@ v = fa.astype(np.float64)
 ln = (v - v.mean(1, keepdims=True)) / np.sqrt(v.var(1, keepdims=True) + 1e-5) * fb + fb
 check(ops.layer_norm(x, y, y).to_host().sync(), ln, ulps=8)
 check(ops.rms_norm(x, y).to_host().sync(), v / np.sqrt((v * v).mean(1, keepdims=True) + 1e-6) * fb, ulps=8)
+# past 16 * 256 columns: the bfloat16 row loops' unrolled steps (16 columns per thread
+# per step when reading, 8 when writing) and their tails
+big = rng.uniform(-3, 3, (1, 4200)).astype(np.float32).astype(BF)
+fbig = big.astype(np.float64)
+X = api.from_host(big).sync()
+e = np.exp(fbig - fbig.max())
+check(ops.softmax(X).to_host().sync(), e / e.sum())
+lnb = (fbig - fbig.mean()) / np.sqrt(fbig.var() + 1e-5)
+check(ops.layer_norm(X).to_host().sync(), lnb, ulps=8)
 print("OK")
 """
 
