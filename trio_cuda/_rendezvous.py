@@ -78,15 +78,14 @@ def launch_from_env(env: Mapping[str, str]) -> Launch:
         rank = _int(env, "RANK", 0)
         local = _int(env, "LOCAL_RANK", 0)
         port = _int(env, "MASTER_PORT", 1)
-        if rank >= size or port > 65535 or not env["MASTER_ADDR"]:
-            bad = (
-                f"RANK={rank} is not below WORLD_SIZE={size}"
-                if rank >= size
-                else f"MASTER_PORT={port} is not a port"
-                if port > 65535
-                else "MASTER_ADDR is empty"
-            )
-            raise ValueError(f"ProcessGroup.from_env: {bad}")
+        bad = [
+            f"RANK={rank} is not below WORLD_SIZE={size}" if rank >= size else "",
+            f"LOCAL_RANK={local} is not below WORLD_SIZE={size}" if local >= size else "",
+            f"MASTER_PORT={port} is not a port" if port > 65535 else "",
+            "MASTER_ADDR is empty" if not env["MASTER_ADDR"].strip() else "",
+        ]
+        if any(bad):
+            raise ValueError(f"ProcessGroup.from_env: {'; '.join(b for b in bad if b)}")
         return Launch("torchrun", rank, size, local, (env["MASTER_ADDR"], port))
     mpi = [k for k in MPI if k in env]
     if not mpi:
@@ -102,8 +101,12 @@ def launch_from_env(env: Mapping[str, str]) -> Launch:
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "mpi4py uses another MPI than Open MPI's mpirun"),
         ("SLURM_PROCID", "SLURM_NTASKS", "srun started the tasks without MPI: srun --mpi=pmix (or pmi2)"),
     ):
-        if rk in env and sz in env and (env[rk], env[sz]) != (str(rank), str(size)):
-            raise ValueError(f"ProcessGroup.from_env: {rk}={env[rk]}, {sz}={env[sz]} but MPI says rank {rank} of {size}: {hint}")
+        # each variable the launcher set must agree with MPI (one alone too: a partial
+        # environment would otherwise make every process a group of one)
+        said = {k: env[k] for k in (rk, sz) if k in env}
+        if said and any(env[k] != str(v) for k, v in ((rk, rank), (sz, size)) if k in env):
+            told = ", ".join(f"{k}={v}" for k, v in said.items())
+            raise ValueError(f"ProcessGroup.from_env: {told} but MPI says rank {rank} of {size}: {hint}")
     return Launch("mpi", rank, size)
 
 
@@ -159,6 +162,10 @@ class MpiChannel:
     def done(self, tag: int) -> None:
         """Every peer's payload of ``tag`` has been collected (nothing to release)."""
 
+    def withdraw(self, tag: int) -> None:
+        """An abandoned join's hellos: MPI gives no way to take back a buffered send (a
+        peer's later join of the same number may still meet it; see docs/multi-gpu.md)."""
+
 
 def _mpi() -> Any:
     from mpi4py import MPI as mpi
@@ -172,8 +179,9 @@ class StoreChannel:
     every rank (a Ray actor's, say). Rank ``s``'s payload for rank ``d`` is the key
     ``prefix/tag/s/d``; the last rank to have read all of a tag's payloads deletes them."""
 
-    def __init__(self, store: Any, prefix: str, rank: int, size: int, timeout: float) -> None:
+    def __init__(self, store: Any, prefix: str, rank: int, size: int, timeout: float, joins_key: str = "") -> None:
         self.store, self.prefix, self.rank, self.size, self.timeout = store, prefix, rank, size, timeout
+        self.joins_key = joins_key  # the key counting this rank's joins
 
     def _key(self, tag: int, src: int, dst: int) -> str:
         return f"{self.prefix}/{tag}/{src}/{dst}"
@@ -193,6 +201,15 @@ class StoreChannel:
         for p, k in zip(missing, keys, strict=True):
             if self.store.check([k]):
                 got[p] = bytes(self.store.get(k))
+
+    def withdraw(self, tag: int) -> None:
+        """Take back this rank's payloads of an abandoned join and its number, so that a
+        peer arriving later does not join a group this rank left, and this rank's next
+        join meets the peers' first one."""
+        for p in range(self.size):
+            if p != self.rank:
+                self.store.delete_key(self._key(tag, self.rank, p))
+        self.store.add(self.joins_key, -1)
 
     def done(self, tag: int) -> None:
         if self.size > 1 and int(self.store.add(f"{self.prefix}/{tag}/read", 1)) == self.size:
@@ -217,8 +234,9 @@ def open_channel(launch: Launch, timeout: float) -> tuple[Channel, int]:
     else:
         store, prefix = launch.store, "trio_cuda"
     # the store numbers each rank's joins (ranks of one store may share a process)
-    n = int(store.add(f"{prefix}/joins/{launch.rank}", 1))
-    return StoreChannel(store, f"{prefix}/{n}", launch.rank, launch.size, timeout), n
+    joins = f"{prefix}/joins/{launch.rank}"
+    n = int(store.add(joins, 1))
+    return StoreChannel(store, f"{prefix}/{n}", launch.rank, launch.size, timeout, joins), n
 
 
 def _tcp_store(launch: Launch, timeout: float) -> Any:
@@ -302,6 +320,8 @@ def join(launch: Launch, make_id: Callable[[], bytes], timeout: float, stop: thr
     # collective uses (a hello still unread must not meet a collective's part)
     tag = number if isinstance(channel, MpiChannel) else -1
     got, missing = exchange(channel, tag, [pickle.dumps((uid, host))] * launch.size, deadline, stop.is_set)
+    if missing:  # abandoned (cancelled or timed out) before every peer came
+        channel.withdraw(tag)
     if stop.is_set():
         raise Stopped()
     if missing:

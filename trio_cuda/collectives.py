@@ -333,11 +333,28 @@ class ProcessGroup(_Base):
 
     @classmethod
     async def _launched(cls, launch: _rendezvous.Launch, device: int | Device | None, timeout: float) -> ProcessGroup:
-        stop = threading.Event()
+        stop, ended = threading.Event(), threading.Event()
+
+        def join() -> _rendezvous.Joined:
+            try:
+                return _rendezvous.join(launch, _new_id, timeout, stop)
+            finally:
+                ended.set()
+
         try:
-            joined = await _loop.run_in_thread(_rendezvous.join, launch, _new_id, timeout, stop, abandon_on_cancel=True)
+            joined = await _loop.run_in_thread(join, abandon_on_cancel=True)
         finally:
-            stop.set()  # cancelled: the abandoned join stops at its next poll
+            if not ended.is_set():
+                # Cancelled: the abandoned join stops at its next poll (a few ms) and takes
+                # back its hello; waiting for that (for a second at most: a store that does
+                # not answer is left to the thread) lets a later join of this rank, or a
+                # peer arriving later, never meet it.
+                stop.set()
+
+                async def wait_ended() -> None:
+                    await _loop.run_in_thread(ended.wait, 1.0, abandon_on_cancel=False)
+
+                await _loop.shielded(wait_ended)
         dev = _launched_device(device, joined.local_rank)
         group = cls.__new__(cls)
         # every rank has arrived: NCCL's join is quick now (abandoning it would leak its communicator)

@@ -657,7 +657,9 @@ def adamw_step(
     b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)``. One kernel launch per parameter.
     ``lr`` and ``step`` (the 1-based number of this update) are numbers or 0-d tensors read
     on the device, so a captured step is replayed with new values without re-capturing:
-    increment the step tensor in the step itself (``ops.add(step, 1, out=step)``). States
+    increment the step tensor in the step itself (``ops.add(step, 1, out=step)``), before
+    this op: a step tensor holding 0 (it cannot be checked on the host) divides by zero, and
+    every parameter becomes NaN, as PyTorch's formula does. States
     are zero-initialised tensors of the parameter's dtype or float32. The op's output is the
     tuple of the parameters."""
     return _optim.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, betas, eps, weight_decay)  # type: ignore[return-value]

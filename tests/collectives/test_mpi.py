@@ -196,11 +196,20 @@ def test_a_rank_that_dies_ends_the_job_or_fails_the_others_collective(tmp_path: 
         )
 
 
-def test_srun_without_mpi_is_named() -> None:
-    """srun's variables say rank 1 of 2, but MPI (without srun's PMI) says 0 of 1."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA"))}
-    env.update(SLURM_PROCID="1", SLURM_NTASKS="2")
+@pytest.mark.parametrize(
+    "given,said",
+    [
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "SLURM_PROCID=1, SLURM_NTASKS=2 but MPI says rank 0 of 1: srun started"),
+        ({"SLURM_PROCID": "3"}, "SLURM_PROCID=3 but MPI says rank 0 of 1: srun started"),  # one variable alone too
+        ({"PMI_RANK": "1"}, "PMI_RANK=1 but MPI says rank 0 of 1: mpi4py uses another MPI"),
+    ],
+)
+def test_a_launchers_variables_that_mpi_contradicts_are_named(given: dict[str, str], said: str) -> None:
+    """The launcher's variables say one rank, MPI (without that launcher's PMI) another:
+    each process would otherwise train alone as rank 0 of 1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "PMIX_", "HYDRA", "SLURM_"))}
+    env.update(given)
     code = "import trio; from trio_cuda import collectives; trio.run(collectives.ProcessGroup.from_env)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode != 0
-    assert "SLURM_PROCID=1, SLURM_NTASKS=2 but MPI says rank 0 of 1: srun started the tasks without MPI" in r.stderr, r.stderr
+    assert said in r.stderr, r.stderr

@@ -127,6 +127,23 @@ async def test_the_join_is_cancellable() -> None:
     assert ticks >= 5
 
 
+async def test_a_cancelled_or_timed_out_join_leaves_nothing_a_later_peer_meets() -> None:
+    """Rank 0 gives up before rank 1 comes (cancelled, then timed out): rank 1 must not
+    join a group without it, and both ranks' next joins meet."""
+    store = MemoryStore()
+    with trio.move_on_after(0.2):
+        await collectives.ProcessGroup.from_store(store, 2, 0, device=0, timeout=60)
+    with pytest.raises(TimeoutError, match="rank 1 of 2 did not join"):
+        await collectives.ProcessGroup.from_store(store, 2, 0, device=0, timeout=0.2)
+    with pytest.raises(TimeoutError, match="rank 0 of 2 did not join"):
+        await collectives.ProcessGroup.from_store(store, 2, 1, device=1, timeout=0.3)
+    groups = await joined(store, 2)
+    x = [await api.from_host(np.full(4, r + 1.0, np.float32), device=r) for r in range(2)]
+    out = await every_rank(2, lambda r: groups[r].all_reduce(x[r]))
+    for r in range(2):
+        np.testing.assert_array_equal(await out[r][0].to_host(), np.full(4, 3.0, np.float32))
+
+
 async def test_a_rank_that_never_takes_part_fails_the_others_collective_without_hanging() -> None:
     groups = await joined(store := MemoryStore(), 3, timeout=2.0)
     xs = [await api.from_host(np.full(4, r + 1.0, np.float32), device=r) for r in range(3)]
@@ -236,6 +253,8 @@ LAUNCHERS += ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "SLUR
         ({**TORCHRUN, "WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer >= 1"),
         ({**TORCHRUN, "RANK": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
         ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+        ({**TORCHRUN, "LOCAL_RANK": "5"}, "LOCAL_RANK=5 is not below WORLD_SIZE=2"),
+        ({**TORCHRUN, "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
     ],
 )
 async def test_a_bad_or_partial_environment_names_the_variables(

@@ -164,7 +164,9 @@ class Sort(TensorOp):
         if axis is None:
             return (x.size,), None, x.size
         if x.ndim == 0:
-            raise ValueError(f"{name}: a 0-d tensor has no axis to sort along; use axis=None")
+            raise ValueError(
+                f"{name}: a 0-d tensor has no axis to sort along" + ("; use axis=None" if name != "ops.topk" else "")
+            )
         ax = normalize_axis(axis, x.ndim)
         n = x.shape[ax]
         if count is None:
