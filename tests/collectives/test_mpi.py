@@ -59,7 +59,7 @@ COLLECTIVES = """
         return api.zeros((1,), np.int32).partition((1,))
 
     async def main() -> None:
-        g = await collectives.ProcessGroup.from_env(timeout=10)
+        g = await collectives.ProcessGroup.from_env(timeout=60)  # (a loaded machine's start)
         r, n = g.rank, g.nranks
         assert (g.launcher, g.local_rank, g.devices[0]) == ("mpi", r, trio_cuda.device(0)), g
         arrays = [np.random.default_rng(k).uniform(-2, 2, (2 * n, 3)).astype(np.float32) for k in range(n)]
@@ -103,7 +103,7 @@ COLLECTIVES = """
         except trio_cuda.DeviceFault as err:
             assert r != 1 and "rank 1's part failed: device 0 (rank 1) was reset" in str(err), err
         g.close()
-        g = await collectives.ProcessGroup.from_env(timeout=10)
+        g = await collectives.ProcessGroup.from_env(timeout=60)  # (a loaded machine's start)
         w = await (await g.all_reduce(api.full((4,), r + 1.0)))[0].to_host()
         np.testing.assert_array_equal(w, np.full(4, n * (n + 1) / 2))
         g.close()
@@ -117,7 +117,8 @@ COLLECTIVES = """
 def test_three_processes_collectives_cancellation_and_a_reset(tmp_path: pathlib.Path) -> None:
     r = mpiexec(3, [sys.executable, program(tmp_path, COLLECTIVES)])
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
-    assert sorted(line for line in r.stdout.splitlines() if line.endswith(" ok")) == ["rank 0 ok", "rank 1 ok", "rank 2 ok"]
+    # (mpiexec forwards the ranks' output as it comes: two ranks' lines may run together)
+    assert sorted(re.findall(r"rank (\d) ok", r.stdout)) == ["0", "1", "2"], r.stdout
 
 
 FAILURES = """
