@@ -29,7 +29,6 @@ import asyncio
 import contextvars
 import functools
 import sys
-import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
@@ -89,46 +88,61 @@ def current_task() -> Any:
         return None
 
 
-@types.coroutine
-def checkpoint() -> Generator[Any, Any, None]:
-    """A schedule point and a cancellation point."""
-    if _sniffed.name == "trio":
-        yield from trio.lowlevel.checkpoint().__await__()
-    else:
-        running_asyncio_loop()
+class _Yield:
+    """asyncio's schedule point: one bare yield (what ``asyncio.sleep(0)`` does)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
         yield
 
 
-@types.coroutine
-def checkpoint_if_cancelled() -> Generator[Any, Any, None]:
-    """Raise the cancellation if the calling task is cancelled (under trio, and under
-    asyncio when a cancel is pending); otherwise return at once."""
+_YIELD = _Yield()
+
+# The three schedule points below return an awaitable rather than being coroutines
+# themselves: under trio the caller awaits trio's own checkpoint directly, with no frame
+# of ours in between (every await of an op passes through two of them). In a generator,
+# ``yield from checkpoint().__await__()``.
+
+
+def checkpoint() -> Awaitable[None]:
+    """A schedule point and a cancellation point (an awaitable)."""
     if _sniffed.name == "trio":
-        yield from trio.lowlevel.checkpoint_if_cancelled().__await__()
-        return
+        return trio.lowlevel.checkpoint()
     running_asyncio_loop()
+    return _YIELD
+
+
+def checkpoint_if_cancelled() -> Awaitable[None]:
+    """Raise the cancellation if the calling task is cancelled (under trio, and under
+    asyncio when a cancel is pending); otherwise return at once (an awaitable)."""
+    if _sniffed.name == "trio":
+        return trio.lowlevel.checkpoint_if_cancelled()
+    running_asyncio_loop()
+    return _asyncio_checkpoint_if_cancelled()
+
+
+async def _asyncio_checkpoint_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is None:
         return
     if task.cancelling():
-        yield  # (a pending cancel is thrown in here; one already handled is not)
+        await _YIELD  # (a pending cancel is thrown in here; one already handled is not)
         return
     anyio = sys.modules.get("anyio")
     if anyio is not None:
         # An anyio cancel scope cancelled by its own task cancels it only at its next
         # yield: anyio itself knows (a no-op for a task outside anyio's scopes).
-        yield from anyio.lowlevel.checkpoint_if_cancelled().__await__()
+        await anyio.lowlevel.checkpoint_if_cancelled()
 
 
-@types.coroutine
-def cancel_shielded_checkpoint() -> Generator[Any, Any, None]:
+def cancel_shielded_checkpoint() -> Awaitable[None]:
     """A schedule point that trio does not cancel (after work that has completed).
-    Under asyncio, which has no such point, an ordinary one."""
+    Under asyncio, which has no such point, an ordinary one (an awaitable)."""
     if _sniffed.name == "trio":
-        yield from trio.lowlevel.cancel_shielded_checkpoint().__await__()
-    else:
-        running_asyncio_loop()
-        yield
+        return trio.lowlevel.cancel_shielded_checkpoint()
+    running_asyncio_loop()
+    return _YIELD
 
 
 async def wait_readable(fd: int) -> None:

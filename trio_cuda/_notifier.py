@@ -377,13 +377,13 @@ def wait_steps(event: Event, kind: Any = None) -> Generator[Any, Any, None]:
         # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
             event_waits[0] += 1
-            yield from _loop.cancel_shielded_checkpoint()
+            yield from _loop.cancel_shielded_checkpoint().__await__()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        yield from _loop.checkpoint()
+        yield from _loop.checkpoint().__await__()
         # (if the scheduler came back at once, few tasks are running: spin for a moment,
         # unless the work is known to be long)
         if dev.poll(event) or (

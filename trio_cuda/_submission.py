@@ -262,7 +262,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     device's policy) and wait in the task's loop (trio or asyncio, through their public
     checkpoints). A generator rather than a coroutine: the common await is then one frame
     of its own."""
-    yield from _loop.checkpoint_if_cancelled()
+    yield from _loop.checkpoint_if_cancelled().__await__()
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
@@ -273,7 +273,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         return (yield from _run_planned(op, stream).__await__())
     value, ev, names = done
     if ev is None:
-        yield from _loop.cancel_shielded_checkpoint()
+        yield from _loop.cancel_shielded_checkpoint().__await__()
         return value
     try:
         yield from wait_steps(ev, names)  # (names: one Names per launch geometry or recipe, the kind)
