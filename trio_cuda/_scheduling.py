@@ -13,7 +13,7 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-from . import _loop
+from ._loop import current_task
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
 from ._errors import DeviceError
@@ -151,7 +151,7 @@ class PoolStatistics:
 def _owner() -> int:
     """Who submits: the current trio or asyncio task, or else the calling thread (an id:
     a policy must not keep tasks alive; a reused id only costs a less good choice)."""
-    task = _loop.current_task()
+    task = current_task()
     return id(task) if task is not None else threading.get_ident()
 
 
