@@ -179,6 +179,7 @@ class Notifier:
         self._waker = backend().new_waker()
         self._lock = threading.Lock()  # a leaf lock: guards _waiters, _thread, _subscribed
         self._waiters: list[_Waiter] = []
+        self._in_pass = 0  # waiters the helper's pass has taken out of _waiters (still parked)
         self._thread: threading.Thread | None = None
         self._subscribed: set[int] = set()
         self.wakeups = 0  # helper-thread wake-ups, for tests and docs
@@ -187,12 +188,12 @@ class Notifier:
 
     def parked(self) -> int:
         """How many waits are parked on the helper thread now."""
-        return len(self._waiters)
+        return len(self._waiters) + self._in_pass
 
     def statistics(self) -> NotifierStatistics:
         """A frozen snapshot of the wake-up counters."""
         return NotifierStatistics(
-            event_waits[0], event_waits[1], len(self._waiters), self.wakeups, self.batches, _forecast.statistics()
+            event_waits[0], event_waits[1], self.parked(), self.wakeups, self.batches, _forecast.statistics()
         )
 
     async def wait(self, event: Event, deadline: int = 0, arm: bool = True) -> bool:
@@ -290,6 +291,7 @@ class Notifier:
         with self._lock:
             waiters = self._waiters
             self._waiters = []
+            self._in_pass = len(waiters)
         keep: list[_Waiter] = []
         batches: dict[Any, list[_Wake]] = {}  # per trio token or asyncio loop
         now = time.perf_counter_ns()
@@ -311,9 +313,9 @@ class Notifier:
                 w.timer.fire()  # the task polls (and meets the error, if any)
                 continue
             batches.setdefault(w.token, []).append((w, exc, done))
-        if keep:
-            with self._lock:
-                self._waiters.extend(keep)
+        with self._lock:
+            self._waiters.extend(keep)
+            self._in_pass = 0
         for token, batch in batches.items():
             self.batches += 1
             try:

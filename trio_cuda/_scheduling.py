@@ -13,11 +13,11 @@ import itertools
 import threading
 from dataclasses import dataclass
 
-from ._loop import current_task
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
 from ._errors import DeviceError
 from ._guard import LOCK, check_not_forked
+from ._loop import current_task
 from ._registry import as_device
 from ._stream import Stream
 

@@ -67,3 +67,18 @@ def test_sim_device_count_is_configurable() -> None:
 
 def test_backend_name_in_statistics() -> None:
     assert trio_cuda.device(0).statistics().backend == trio_cuda.backend_name()
+
+
+def test_a_waker_wakes_once_for_posts_that_piled_up() -> None:
+    # The notifier's helper re-examines every parked wait after each wake-up: posts that
+    # arrived while it was busy (each armed completion posts) must not each cost a pass.
+    from trio_cuda._backends import backend
+
+    w = backend().new_waker()
+    assert not w.wait(0.001)
+    for _ in range(1000):
+        w.post()
+    assert w.wait(0.001)
+    assert not w.wait(0.001), "the piled-up posts should all be consumed by one wake-up"
+    w.post()
+    assert w.wait(None)

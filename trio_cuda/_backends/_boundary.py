@@ -280,7 +280,10 @@ class Waker(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, timeout: float | None) -> bool:
-        """Block until posted at least once or ``timeout`` seconds pass; True if posted."""
+        """Block until posted at least once or ``timeout`` seconds pass; True if posted.
+        Every post made before it returns is consumed: the waiter re-examines everything
+        after each wake-up, so posts that piled up while it was busy are one wake-up,
+        not one each."""
 
     @abc.abstractmethod
     def post(self) -> None:

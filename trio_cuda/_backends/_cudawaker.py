@@ -23,6 +23,7 @@ class _Timespec(ctypes.Structure):
 _libc.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
 _libc.sem_post.argtypes = [ctypes.c_void_p]
 _libc.sem_wait.argtypes = [ctypes.c_void_p]
+_libc.sem_trywait.argtypes = [ctypes.c_void_p]
 _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
 SEM_POST_ADDR = ctypes.cast(_libc.sem_post, ctypes.c_void_p).value
 
@@ -44,10 +45,14 @@ class SemWaker(Waker):
         if timeout is None:
             while _libc.sem_wait(self.addr) != 0:
                 pass  # EINTR
-            return True
-        deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        return bool(_libc.sem_timedwait(self.addr, ctypes.byref(ts)) == 0)
+        else:
+            deadline = time.time() + timeout
+            ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+            if _libc.sem_timedwait(self.addr, ctypes.byref(ts)) != 0:
+                return False
+        while _libc.sem_trywait(self.addr) == 0:
+            pass  # (the posts that piled up: this one wake-up serves them)
+        return True
 
     def post(self) -> None:
         _libc.sem_post(self.addr)

@@ -45,7 +45,11 @@ class SimWaker(Waker):
         self._sem = threading.Semaphore(0)
 
     def wait(self, timeout: float | None) -> bool:
-        return self._sem.acquire(timeout=timeout)
+        if not self._sem.acquire(timeout=timeout):
+            return False
+        while self._sem.acquire(blocking=False):
+            pass  # (the posts that piled up: this one wake-up serves them)
+        return True
 
     def post(self) -> None:
         self._sem.release()
