@@ -8,7 +8,7 @@ steps back to back after a warm-up, timed from the first submission to the end o
 last (GPU throughput with the host's work queued ahead):
 
 * ``trio eager``: ``ops.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr=lr, step=step)``
-  with ``lr`` and ``step`` 0-d tensors, one kernel launch per parameter, submitted per step;
+  with ``lr`` and ``step`` 0-d tensors, multi-tensor launches (8 parameters each), submitted per step;
 * ``trio graph``: the same step and the step count's increment (``ops.add(step, 1,
   out=step)``) captured once, the graph launched per step (lr and step are read from
   their tensors at each replay);

@@ -633,8 +633,8 @@ def sgd_step(
     """One SGD step on every parameter, in place, as ``torch.optim.SGD``: ``g = grad +
     weight_decay * p``; with momentum ``buf = momentum * buf + (1 - dampening) * g`` and
     ``g = buf`` (``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. One kernel
-    launch per parameter. ``lr`` is a number (baked into a captured graph) or a 0-d tensor
-    (read at each run). The buffers start at zero (PyTorch's first step copies the
+    launch per 8 parameters of a dtype signature (see docs/ops.md). ``lr`` is a number
+    (baked into a captured graph) or a 0-d tensor (read at each run). The buffers start at zero (PyTorch's first step copies the
     gradient instead: the same unless ``dampening`` is set). The op's output is the tuple
     of the parameters."""
     return _optim.sgd_step(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov)  # type: ignore[return-value]
@@ -654,14 +654,14 @@ def adamw_step(
 ) -> DeviceOp[tuple[Tensor, ...]]:
     """One AdamW step on every parameter, in place, with PyTorch's formula: ``p *= 1 - lr *
     weight_decay``; ``m = b1 m + (1 - b1) g``; ``v = b2 v + (1 - b2) g^2``; ``p -= lr / (1 -
-    b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)``. One kernel launch per parameter.
-    ``lr`` and ``step`` (the 1-based number of this update) are numbers or 0-d tensors read
-    on the device, so a captured step is replayed with new values without re-capturing:
-    increment the step tensor in the step itself (``ops.add(step, 1, out=step)``), before
-    this op: a step tensor holding 0 (it cannot be checked on the host) divides by zero, and
-    every parameter becomes NaN, as PyTorch's formula does. States
-    are zero-initialised tensors of the parameter's dtype or float32. The op's output is the
-    tuple of the parameters."""
+    b1^step) * m / (sqrt(v) / sqrt(1 - b2^step) + eps)``. One kernel launch per 8
+    parameters of a dtype signature (see docs/ops.md). ``lr`` and ``step`` (the 1-based
+    number of this update) are numbers or 0-d tensors read on the device, so a captured
+    step is replayed with new values without re-capturing: increment the step tensor in
+    the step itself (``ops.add(step, 1, out=step)``), before this op: a step tensor holding
+    0 (it cannot be checked on the host) divides by zero, and every parameter becomes NaN,
+    as PyTorch's formula does. States are zero-initialised tensors of the parameter's dtype
+    or float32. The op's output is the tuple of the parameters."""
     return _optim.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, betas, eps, weight_decay)  # type: ignore[return-value]
 
 

@@ -1,11 +1,15 @@
 """benchmarks/bench_optim.py runs end to end in its smoke mode (on the simulated device): the
-fused AdamW step is checked against PyTorch's formula, eagerly and as a replayed graph."""
+fused AdamW step is checked against PyTorch's formula, eagerly and as a replayed graph; so
+does its probe of launch variants."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import subprocess
+import sys
 
-from ..helpers.benchmarks import run_smoke
+from ..helpers.benchmarks import BENCHMARKS, run_smoke
 
 
 def test_bench_optim_smoke(tmp_path: pathlib.Path) -> None:
@@ -15,3 +19,19 @@ def test_bench_optim_smoke(tmp_path: pathlib.Path) -> None:
     assert record["params"] > 0 and record["tensors"] > 1
     for case in ("trio eager", "trio graph"):
         assert record["cases"][case]["GB_per_s"] > 0
+
+
+def test_probe_optim_smoke() -> None:
+    """benchmarks/probes/probe_optim.py (the launch variants for the lead to pick from):
+    every variant checked against numpy's formula, its launches counted."""
+    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
+    script = BENCHMARKS / "probes" / "probe_optim.py"
+    r = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert "every variant right" in r.stdout and "PROBLEM" not in r.stdout
+    rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if line.startswith("| ")}
+    # bench_optim's smoke shapes: 27 tensors; one launch per tensor, or per 8 (K=8), 4 or 12 of them
+    assert rows["per-tensor"][6].strip() == "27"
+    assert rows["default"][6].strip() == "4"
+    assert rows["K4"][6].strip() == "7"
+    assert rows["K12"][6].strip() == "3"

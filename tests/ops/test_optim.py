@@ -13,27 +13,12 @@ import pytest
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api, ops
 
+from ..helpers.optim import adamw_ref, sgd_ref
+
 RNG = np.random.default_rng(35)
 SHAPES = [(7, 5), (1300,), (3,), (2, 2, 4)]  # past 1024 elements: the unrolled path and its tail
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOL = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 2e-5, np.dtype(np.float16): 2e-3, BF16: 1e-2}
-
-
-def adamw_ref(p: Any, g: Any, m: Any, v: Any, lr: float, step: int, b1: float, b2: float, eps: float, wd: float) -> Any:
-    """torch.optim.AdamW's update (decoupled weight decay, bias correction), in float64."""
-    p = p * (1 - lr * wd)
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    p = p - lr / (1 - b1**step) * m / (np.sqrt(v) / np.sqrt(1 - b2**step) + eps)
-    return p, m, v
-
-
-def sgd_ref(p: Any, g: Any, buf: Any, lr: float, momentum: float, dampening: float, wd: float, nesterov: bool) -> Any:
-    g = g + wd * p
-    if momentum:
-        buf = momentum * buf + (1 - dampening) * g
-        g = g + momentum * buf if nesterov else buf
-    return p - lr * g, buf
 
 
 def close(got: np.ndarray, want: np.ndarray, dt: np.dtype[Any]) -> None:

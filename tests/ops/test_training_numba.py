@@ -81,3 +81,60 @@ print("OK")
 @pytest.mark.sim_only
 def test_training_kernels_in_numbas_simulator() -> None:
     child_ok(child(PROGRAM, TRIO_CUDA_SIM_OPS_NUMBA="1"))
+
+
+MULTI = """
+import numpy as np
+import ml_dtypes
+import trio_cuda
+from trio_cuda import api, ops
+from trio_cuda._ops import _optim
+
+# small blocks and launches: several tensors a launch, several blocks and passes a tensor,
+# unrolled passes, partial passes and whole passes past the end (the simulator is slow)
+_optim.BLOCK, _optim.UNROLL, _optim.CHUNKS, _optim.TENSORS_PER_LAUNCH = 8, 2, 2, 3
+BF = ml_dtypes.bfloat16
+rng = np.random.default_rng(6)
+sizes = [0, 1, 31, 32, 33, 100, 5]
+dts = [(np.float32, np.float32), (BF, np.float32), (np.float32, np.float32)] * 3
+
+
+def adamw_ref(p, g, lr, step, b1=0.9, b2=0.999, eps=1e-8, wd=0.01):
+    m, v = (1 - b1) * g, (1 - b2) * g * g
+    return p * (1 - lr * wd) - lr / (1 - b1**step) * m / (np.sqrt(v) / np.sqrt(1 - b2**step) + eps), m, v
+
+
+P = [rng.standard_normal(n).astype(dts[i][0]) for i, n in enumerate(sizes)]
+G = [rng.standard_normal(n).astype(dts[i][0]) for i, n in enumerate(sizes)]
+ps = [api.from_host(a).sync() for a in P]
+gs = [api.from_host(g).sync() for g in G]
+ms = [api.zeros((n,), dts[i][1]).sync() for i, n in enumerate(sizes)]
+vs = [api.zeros((n,), dts[i][1]).sync() for i, n in enumerate(sizes)]
+lr = api.from_host(np.array(0.01, np.float32)).sync()
+step = api.from_host(np.array(3, np.int64)).sync()
+ops.adamw_step(ps, gs, ms, vs, lr=lr, step=step).sync()
+for i in range(len(sizes)):
+    tol = 1e-2 if dts[i][0] is BF else 2e-5
+    want, wm, wv = adamw_ref(P[i].astype(np.float64), G[i].astype(np.float64), float(np.float32(0.01)), 3)
+    np.testing.assert_allclose(ps[i].to_host().sync().astype(np.float64), want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(ms[i].to_host().sync(), wm, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(vs[i].to_host().sync(), wv, rtol=1e-4, atol=1e-8)
+
+f = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+h = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+qs = [api.from_host(a).sync() for a in f]
+hs = [api.from_host(a).sync() for a in h]
+bufs = [api.zeros((n,)).sync() for n in sizes]
+ops.sgd_step(qs, hs, bufs, lr=0.1, momentum=0.9, weight_decay=0.1, nesterov=True).sync()
+for a, g, q, b in zip(f, h, qs, bufs):
+    gg = g.astype(np.float64) + 0.1 * a
+    np.testing.assert_allclose(q.to_host().sync(), a - 0.1 * (gg + 0.9 * gg), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(b.to_host().sync(), gg, rtol=1e-5, atol=1e-6)
+assert trio_cuda.device(0)._driver._kernels, "the generated kernels did not run their numba code"
+print("OK")
+"""
+
+
+@pytest.mark.sim_only
+def test_multi_tensor_optimizer_launches_in_numbas_simulator() -> None:
+    child_ok(child(MULTI, TRIO_CUDA_SIM_OPS_NUMBA="1"))

@@ -1,18 +1,20 @@
 """Fused optimizer steps over lists of tensors: ``sgd_step`` and ``adamw_step``.
 
-Each step is one op: one kernel launch per parameter, each reading the parameter, its
-gradient and its state once and writing the parameter and the state in place (PyTorch's
-fused kernels do the same work, in fewer launches). The learning rate and the step count
-may be 0-d tensors, read by the kernels on the device: a captured training step replays
-with the values the tensors hold at each replay (a Python number is baked into the
-kernel's arguments, and so into a captured graph). Arithmetic runs in float32 (float64
-for float64 parameters); half-precision parameters and states are rounded once when stored.
-"""
+Each step is one op: multi-tensor kernel launches (as PyTorch's fused optimizers), each
+over up to ``TENSORS_PER_LAUNCH`` parameters of one dtype signature, reading each
+parameter, its gradient and its state once and writing the parameter and the state in
+place: a step over ``n`` tensors of one signature is ``ceil(n / TENSORS_PER_LAUNCH)``
+launches (empty tensors take none). The learning rate and the step count may be 0-d
+tensors, read by the kernels on the device: a captured training step replays with the
+values the tensors hold at each replay (a Python number is baked into the kernel's
+arguments, and so into a captured graph). Arithmetic runs in float32 (float64 for float64
+parameters); half-precision parameters and states are rounded once when stored."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +24,11 @@ from .._checks import BFLOAT16, arg_type, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import bf16_to_f32, cached, f32_to_bf16, load_expr, make_kernel, store_expr
-from ._core import THREADS, TensorOp, device_of, launch, operand, out_partition, overlaps, unrolled_geometry
+from ._core import TensorOp, device_of, launch, operand, out_partition, overlaps
 from ._layout import view
 
 __all__ = ["OptimizerStep", "adamw_step", "sgd_step"]
 
-UNROLL = 4  # elements per thread (their loads issue together), as the elementwise kernels
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -52,6 +53,40 @@ def _host_out(dst: np.ndarray, r: Any, dt: np.dtype[Any]) -> None:
 
 
 # -- the kernels ------------------------------------------------------------------------------
+# A launch updates up to TENSORS_PER_LAUNCH tensors of one dtype signature: block b of the
+# grid works on the tensor whose first block offset (o<k>, a scalar argument: captured
+# graphs bake it like any other) is the last one <= b, each block on BLOCK * UNROLL * CHUNKS
+# consecutive elements of its tensor (CHUNKS passes of BLOCK threads, UNROLL elements each,
+# their loads issued together). The bias corrections and the hoisted constants are computed
+# once per thread, for its UNROLL * CHUNKS elements. benchmarks/probes/probe_optim.py times
+# the choices of these constants.
+TENSORS_PER_LAUNCH = 8
+BLOCK = 256  # threads per block
+UNROLL = 4  # elements per thread per pass
+CHUNKS = 4  # passes per block
+# CUDA refuses a launch of more than 4096 bytes of parameters; numba passes a 1-D array as
+# 7 eight-byte words (meminfo, parent, nitems, itemsize, data, shape, stride) and a scalar
+# as one. A launch takes fewer tensors than TENSORS_PER_LAUNCH where they would pass this.
+MAX_PARAM_BYTES = 3072
+_ARRAY_BYTES = 56
+
+
+def param_bytes(width: int, count: int, scalar_arrays: int, scalars: int) -> int:
+    """The kernel parameter bytes of a launch over ``count`` tensors of ``width`` arrays
+    each, with ``scalars`` scalar arguments of which ``scalar_arrays`` are 0-d tensors (and
+    the ``count`` block offsets: ``count - 1`` first blocks and the grid's size)."""
+    return _ARRAY_BYTES * (width * count + scalar_arrays) + 8 * (scalars - scalar_arrays + count)
+
+
+def tensors_per_launch(width: int, scalar_arrays: int, scalars: int) -> int:
+    """How many tensors one launch takes: TENSORS_PER_LAUNCH, fewer where their parameters
+    would pass MAX_PARAM_BYTES."""
+    k = max(1, TENSORS_PER_LAUNCH)
+    while k > 1 and param_bytes(width, k, scalar_arrays, scalars) > MAX_PARAM_BYTES:
+        k -= 1
+    return k
+
+
 def _kernel(
     kind: str,
     flags: tuple[Any, ...],
@@ -60,85 +95,141 @@ def _kernel(
     compute: np.dtype[Any],
     setup: list[str],
     update: list[str],
-    host: Callable[..., None],
+    one: Callable[..., None],
+    count: int,
 ) -> Any:
-    """A kernel ``(written tensors..., read tensors..., scalars..., n)`` running ``update``
-    on each element (``UNROLL`` per thread): ``tensors`` are (name, dtype) of the written
-    then the read operands (each loaded as ``<name>_`` and, if written, stored from it),
-    ``scalars`` (name, dtype of a one-element tensor, or None for a plain number), loaded
-    once per thread as ``<name>_``; ``setup`` runs once per thread after them."""
-    key = ("optim", kind, flags, tuple((n, d.str) for n, d in tensors), tuple((n, d and d.str) for n, d in scalars), compute.str)
+    """A kernel ``(tensors of slot 0..., tensors of slot 1..., ..., scalars..., o1, ...,
+    o<count-1>, blocks)`` running ``update`` on each element of ``count`` tensors (see
+    above): ``tensors`` are (name, dtype) of one slot's written then read operands (each
+    loaded as ``<name>_<j>`` and, if written, stored from it), ``scalars`` (name, dtype of a
+    one-element tensor, or None for a number of the compute type), loaded once per thread
+    as ``<name>_``; ``setup`` runs once per thread after them. ``one(*slot, *scalars)`` is
+    the numpy twin of one slot's update."""
+    threads, unroll, chunks = BLOCK, UNROLL, CHUNKS
+    key = (
+        "optim",
+        kind,
+        flags,
+        tuple((n, d.str) for n, d in tensors),
+        tuple((n, d and d.str) for n, d in scalars),
+        compute.str,
+        count,
+        threads,
+        unroll,
+        chunks,
+    )
+    width = len(tensors)
+
+    def host(*args: Any) -> None:
+        consts = args[width * count : width * count + len(scalars)]
+        for k in range(count):
+            one(*args[k * width : (k + 1) * width], *consts)
+
+    def geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (max(1, int(args[-1])),), (threads,)
 
     def build() -> Any:
         fname = f"{kind}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
-        written = [n for n, _ in tensors if n in _WRITTEN]
-        params = [n for n, _ in tensors] + [n for n, _ in scalars] + ["n"]
-        body = [f"base = cuda.blockIdx.x * {THREADS * UNROLL} + cuda.threadIdx.x"]
+        names = [n for n, _ in tensors]
+        offsets = [f"o{k}" for k in range(1, count)]
+        params = [f"{n}{k}" for k in range(count) for n in names] + [n for n, _ in scalars] + offsets + ["blocks"]
+        # unsigned indices (every constant too: numba makes floats of int64 and uint64
+        # mixed): a signed one costs each array access a select for negative indices
+        body = ["blk = U(cuda.blockIdx.x)", "tid = U(cuda.threadIdx.x)"]
         for name, dt in scalars:
-            body.append(f"{name}_ = " + (load_expr(f"{name}[0]", dt, "C") if dt is not None else f"C({name})"))
+            body.append(f"{name}_ = " + (load_expr(f"{name}[0]", dt, "C") if dt is not None else name))
         body += setup
-
-        def element(j: str) -> tuple[list[str], list[str]]:
-            loads = [f"{n}_{j} = {load_expr(f'{n}[i{j}]', dt, 'C')}" for n, dt in tensors]
-            ren = {n: f"{n}_{j}" for n, _ in tensors}
-            work = [_rename(line, ren) for line in update]
-            stores = [f"{n}[i{j}] = {store_expr(f'{n}_{j}', dt, 'T_' + n)}" for n, dt in tensors if n in written]
-            return loads, work + stores
-
-        parts = [element(str(j)) for j in range(UNROLL)]
-        body.append(f"if base + {THREADS * (UNROLL - 1)} < n:")
-        for j in range(UNROLL):
-            body.append(f"    i{j} = base + {THREADS * j}")
-            body += [f"    {line}" for line in parts[j][0]]
-        for j in range(UNROLL):
-            body += [f"    {line}" for line in parts[j][1]]
-        body += ["else:", f"    for q_ in range({UNROLL}):", f"        i0 = base + q_ * {THREADS}", "        if i0 < n:"]
-        body += [f"            {line}" for line in (*parts[0][0], *parts[0][1])]
+        for k in range(count):
+            if count == 1:
+                head, first = None, "blk"
+            elif k == 0:
+                head, first = "if blk < o1:", "blk"
+            else:
+                head, first = (f"elif blk < o{k + 1}:" if k < count - 1 else "else:"), f"(blk - o{k})"
+            lines = _slot(k, tensors, update, first, threads, unroll, chunks)
+            body += [head, *(f"    {line}" for line in lines)] if head else lines
         src = f"def {fname}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in body)
-        g: dict[str, Any] = {"C": compute.type}
+        g: dict[str, Any] = {"C": compute.type, "U": np.uint64}
         for n, dt in tensors:
             g[f"T_{n}"] = _np_type(dt)
-        return make_kernel(fname, src, g, host, unrolled_geometry)
+        return make_kernel(fname, src, g, host, geometry)
 
     return cached(key, build)
+
+
+def _slot(
+    k: int,
+    tensors: tuple[tuple[str, np.dtype[Any]], ...],
+    update: list[str],
+    first: str,
+    threads: int,
+    unroll: int,
+    chunks: int,
+) -> list[str]:
+    """The statements of a block of slot ``k``'s tensors (its block number ``first``)."""
+    ren = {n: f"{n}{k}" for n, _ in tensors}
+
+    def element(j: int) -> tuple[list[str], list[str]]:
+        loads = [f"{n}_{j} = {load_expr(f'{n}{k}[i{j}]', dt, 'C')}" for n, dt in tensors]
+        work = [_rename(line, {n: f"{n}_{j}" for n, _ in tensors}) for line in update]
+        stores = [f"{n}{k}[i{j}] = {store_expr(f'{n}_{j}', dt, 'T_' + n)}" for n, dt in tensors if n in _WRITTEN]
+        return loads, work + stores
+
+    parts = [element(j) for j in range(unroll)]
+    lines = [f"n_ = U({ren[tensors[0][0]]}.shape[0])", f"base = {first} * U({threads * unroll * chunks}) + tid"]
+    lines += [f"for _ in range({chunks}):", f"    if base + U({threads * (unroll - 1)}) < n_:"]
+    for j in range(unroll):
+        lines.append(f"        i{j} = base + U({threads * j})")
+        lines += [f"        {line}" for line in parts[j][0]]
+    for j in range(unroll):
+        lines += [f"        {line}" for line in parts[j][1]]
+    lines += ["    elif base < n_:", "        i0 = base", f"        for _ in range({unroll}):", "            if i0 < n_:"]
+    lines += [f"                {line}" for line in (*parts[0][0], *parts[0][1])]
+    lines += [f"            i0 += U({threads})", f"    base += U({threads * unroll})"]
+    return lines
 
 
 _WRITTEN = ("p", "m", "v", "buf")
 
 
 def _rename(line: str, names: dict[str, str]) -> str:
-    import re
-
     return re.sub(r"\b(" + "|".join(names) + r")\b", lambda mt: names[mt.group(1)], line)
 
 
+def _scalar_in(v: Any, dt: np.dtype[Any] | None, c: Any) -> Any:
+    """A scalar argument's value in compute type ``c`` (numpy twin of its load)."""
+    return c(v) if dt is None else _host_in(v, dt, c)[0]
+
+
 def _adamw_kernel(
-    dts: tuple[np.dtype[Any], ...], lr_dt: np.dtype[Any] | None, step_dt: np.dtype[Any] | None, compute: np.dtype[Any]
+    dts: tuple[np.dtype[Any], ...],
+    lr_dt: np.dtype[Any] | None,
+    step_dt: np.dtype[Any] | None,
+    compute: np.dtype[Any],
+    count: int,
 ) -> Any:
     p_dt, m_dt, v_dt, g_dt = dts
     c = compute.type
-    # (the bias corrections in the compute type, as PyTorch's fused kernel: per thread, a
-    # float64 pow would cost a few percent of a memory-bound step)
+    # (the bias corrections in the compute type, as PyTorch's fused kernel, once per thread;
+    # the numbers arrive in the compute type: no float64 for float32 parameters)
     setup = [
-        "bc1 = C(1) - math.pow(C(beta1), step_)",
-        "bc2s = math.sqrt(C(1) - math.pow(C(beta2), step_))",
+        "bc1 = C(1) - math.pow(beta1_, step_)",
+        "bc2s = math.sqrt(C(1) - math.pow(beta2_, step_))",
         "size_ = lr_ / bc1",
         "decay_ = C(1) - lr_ * wd_",
-        "b1_ = C(beta1)",
-        "b2_ = C(beta2)",
-        "eps2_ = C(eps)",
+        "omb1_ = C(1) - beta1_",
+        "omb2_ = C(1) - beta2_",
     ]
     # PyTorch's AdamW: decoupled weight decay, then the moments, then the bias-corrected step
     update = [
         "p = p * decay_",
-        "m = b1_ * m + (C(1) - b1_) * g",
-        "v = b2_ * v + (C(1) - b2_) * g * g",
-        "p = p - size_ * m / (math.sqrt(v) / bc2s + eps2_)",
+        "m = beta1_ * m + omb1_ * g",
+        "v = beta2_ * v + omb2_ * g * g",
+        "p = p - size_ * m / (math.sqrt(v) / bc2s + eps_)",
     ]
 
-    def host(p: Any, m: Any, v: Any, g: Any, lr: Any, step: Any, beta1: Any, beta2: Any, eps: Any, wd: Any, n: int) -> None:
-        lr_ = c(np.asarray(lr, np.float64).reshape(-1)[0] if lr_dt is None else _host_in(lr, lr_dt, c)[0])
-        t_ = c(step if step_dt is None else _host_in(step, step_dt, c)[0])
+    def one(p: Any, m: Any, v: Any, g: Any, lr: Any, step: Any, beta1: Any, beta2: Any, eps: Any, wd: Any) -> None:
+        lr_, t_ = _scalar_in(lr, lr_dt, c), _scalar_in(step, step_dt, c)
         with np.errstate(all="ignore"):
             bc1 = c(1) - np.power(c(beta1), t_)
             bc2s = np.sqrt(c(1) - np.power(c(beta2), t_))
@@ -160,7 +251,8 @@ def _adamw_kernel(
         compute,
         setup,
         update,
-        host,
+        one,
+        count,
     )
 
 
@@ -171,19 +263,20 @@ def _sgd_kernel(
     momentum: bool,
     decay: bool,
     nesterov: bool,
+    count: int,
 ) -> Any:
     c = compute.type
     update = ["g = g + wd_ * p"] if decay else []
     if momentum:
-        update.append("buf = mom_ * buf + (C(1) - damp_) * g")
+        update.append("buf = mom_ * buf + omd_ * g")
         update.append("g = g + mom_ * buf" if nesterov else "g = buf")
     update.append("p = p - lr_ * g")
     names = ("p", "buf", "g") if momentum else ("p", "g")
 
-    def host(*args: Any) -> None:
+    def one(*args: Any) -> None:
         arrays = args[: len(names)]
-        lr, mom, damp, wd = args[len(names) : len(names) + 4]
-        lr_ = c(np.asarray(lr, np.float64).reshape(-1)[0] if lr_dt is None else _host_in(lr, lr_dt, c)[0])
+        lr, mom, damp, wd = args[len(names) :]
+        lr_ = _scalar_in(lr, lr_dt, c)
         vals = dict(zip(names, (_host_in(a, dt, c) for a, dt in zip(arrays, dts, strict=True)), strict=True))
         with np.errstate(all="ignore"):
             g = vals["g"]
@@ -203,9 +296,10 @@ def _sgd_kernel(
         tuple(zip(names, dts, strict=True)),
         (("lr", lr_dt), ("mom", None), ("damp", None), ("wd", None)),
         compute,
-        [],
+        ["omd_ = C(1) - damp_"] if momentum else [],
         update,
-        host,
+        one,
+        count,
     )
 
 
@@ -295,42 +389,54 @@ class OptimizerStep(TensorOp):
         groups = self._groups(args)
         if not groups:
             return ()
-        dev = groups[0][0].device
-        ln = lane.on(dev)
-        extra: list[Any] = []
+        ln = lane.on(groups[0][0].device)
+        scalar_args: list[Any] = []  # as the kernels take them: 0-d tensors as 1-element views
         scalar_dts: list[np.dtype[Any] | None] = []
         for t in (lr, step) if self._kind == "adamw" else (lr,):
             if isinstance(t, Tensor):
                 plan.use(t._buffer, t)
-                extra.append(view(t, (1,), (t.dtype.itemsize,)))
+                scalar_args.append(_bits(view(t, (1,), (t.dtype.itemsize,))))
                 scalar_dts.append(t.dtype)
             else:
-                extra.append(float(t))
+                scalar_args.append(float(t))
                 scalar_dts.append(None)
+        # the tensors by dtype signature (one kernel source each), in the parameters' order
+        by_sig: dict[tuple[np.dtype[Any], ...], list[tuple[Tensor, ...]]] = {}
         out: list[Tensor] = []
         for group in groups:
             for t in group:
                 plan.use(t._buffer, t)
-            p = group[0]
-            out.append(p)
-            n = p.size
-            if n == 0:
-                continue
-            flat = [view(t, (n,), (t.dtype.itemsize,)) for t in group]
-            compute = np.dtype(np.float64) if p.dtype == np.float64 else np.dtype(np.float32)
-            dts = tuple(t.dtype for t in group)
-            kargs: list[Any] = [out_partition(_bits(t)) for t in flat[:-1]] + [_bits(flat[-1])]
+            out.append(group[0])
+            if group[0].size:
+                by_sig.setdefault(tuple(t.dtype for t in group), []).append(group)
+        nscalars = len(scalar_args) + len(self._hyper) - (self._kind == "sgd")
+        k_max = tensors_per_launch(self._width, sum(d is not None for d in scalar_dts), nscalars)
+        for dts, members in by_sig.items():
+            compute = np.dtype(np.float64) if dts[0] == np.float64 else np.dtype(np.float32)
+            c = compute.type
+            consts = [e if isinstance(e, Tensor) else c(e) for e in scalar_args]
             if self._kind == "adamw":
-                k = _adamw_kernel(dts, scalar_dts[0], scalar_dts[1], compute)
-                kargs += [_bits(e) if isinstance(e, Tensor) else e for e in extra]
+                consts += [c(h) for h in self._hyper]
             else:
-                momentum, dampening, wd, nesterov = self._hyper
-                k = _sgd_kernel(dts, scalar_dts[0], compute, momentum != 0, wd != 0, nesterov)
-                kargs += [_bits(extra[0]) if isinstance(extra[0], Tensor) else extra[0], momentum, dampening, wd]
-            if self._kind == "adamw":
-                kargs += list(self._hyper)
-            kargs.append(n)
-            launch(plan, ln, k, tuple(kargs))
+                consts += [c(h) for h in self._hyper[:3]]
+            for first in range(0, len(members), k_max):
+                chunk = members[first : first + k_max]
+                if self._kind == "adamw":
+                    k = _adamw_kernel(dts, scalar_dts[0], scalar_dts[1], compute, len(chunk))
+                else:
+                    momentum, _, wd, nesterov = self._hyper
+                    k = _sgd_kernel(dts, scalar_dts[0], compute, momentum != 0, wd != 0, nesterov, len(chunk))
+                per_block = BLOCK * UNROLL * CHUNKS
+                kargs: list[Any] = []
+                offsets: list[int] = []
+                blocks = 0
+                for group in chunk:
+                    n = group[0].size
+                    flat = [_bits(view(t, (n,), (t.dtype.itemsize,))) for t in group]
+                    kargs += [out_partition(t) for t in flat[:-1]] + [flat[-1]]
+                    offsets.append(blocks)
+                    blocks += -(-n // per_block)
+                launch(plan, ln, k, (*kargs, *consts, *(np.uint64(o) for o in offsets[1:]), np.uint64(blocks)))
         return tuple(out)
 
 
