@@ -5,7 +5,12 @@ Each service is ``examples/serve_fastapi.py``'s app (the same batcher: up to
 layers, float32) in a uvicorn process of its own, on 127.0.0.1; only the model's forward
 differs:
 
-* ``trio-cuda``: the batch's DAG (upload, layers, read-back) awaited on the asyncio loop.
+* ``trio-cuda``: the batch padded up to its bucket (1, 2, 4, ... rows) and awaited on the
+  asyncio loop as one upload, one replay of the forward captured as a CUDA graph for that
+  bucket, and one read-back (the PyTorch peers below run eagerly, op by op: a graph is an
+  advantage they do not take here).
+* ``trio-cuda eager`` (A/B): the batch's DAG of the MLP's ops (upload, 3 ops a layer,
+  read-back) built and planned for every batch, awaited once.
 * ``torch sync``: PyTorch on the GPU called in the handler, then ``torch.cuda.synchronize()``
   and the read-back: the loop is blocked while the GPU works (the common first version).
 * ``torch thread``: the same PyTorch call through ``anyio.to_thread.run_sync`` (the common
@@ -49,7 +54,7 @@ from serve_fastapi import Connection, Model, load_test, make_app  # noqa: E402
 
 from benchmarks import _results  # noqa: E402
 
-SERVICES = ["trio-cuda", "torch sync", "torch thread"]
+SERVICES = ["trio-cuda", "torch sync", "torch thread", "trio-cuda eager"]
 SMOKE = {"rounds": 1, "requests": 60, "connections": 6, "features": 16, "hidden": 32, "outputs": 4, "depth": 1}
 FIGURES = [
     ("requests_per_s", "requests/s"),
@@ -105,16 +110,16 @@ def torch_missing() -> str | None:
     return None
 
 
-def model_of(args: argparse.Namespace) -> Model:
-    return Model(args.features, args.hidden, args.outputs, args.depth)
+def model_of(args: argparse.Namespace, graphs: bool = True) -> Model:
+    return Model(args.features, args.hidden, args.outputs, args.depth, graphs=graphs, max_batch=args.max_batch)
 
 
 def serve(args: argparse.Namespace) -> None:
     """The child: one service on ``--port`` until it is terminated."""
     import uvicorn
 
-    model: Any = model_of(args)
-    if args.serve != "trio-cuda":
+    model: Any = model_of(args, graphs=args.serve == "trio-cuda")
+    if args.serve.startswith("torch"):
         model = TorchModel(model, args.serve.split()[1])
     app = make_app(model, args.max_batch, args.window_ms)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
@@ -152,7 +157,7 @@ def child_args(args: argparse.Namespace, name: str, port: int) -> list[str]:
 
 
 async def bench(args: argparse.Namespace, names: list[str]) -> tuple[dict[str, list[dict[str, float]]], list[str]]:
-    model = model_of(args)
+    model = model_of(args, graphs=False)  # (for its reference only)
     rng = np.random.default_rng(1)
     problems: list[str] = []
     children: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
@@ -228,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--services: a comma-separated list of {', '.join(SERVICES)}, trio-cuda first")
     notes = []
     missing = torch_missing()
-    if missing and len(names) > 1:
+    if missing and any(n.startswith("torch") for n in names):
         notes.append(f"- {missing}: the PyTorch services are not measured")
-        names = names[:1]
+        names = [n for n in names if not n.startswith("torch")]
     started = time.perf_counter()
     rounds, problems = asyncio.run(bench(args, names))
 
@@ -249,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *table(rounds),
             "",
+            "- trio-cuda replays the forward captured as a CUDA graph per batch bucket (1, 2, 4, ... rows, the "
+            "batch padded up to it); the PyTorch services run eagerly, op by op"
+            + ("; trio-cuda eager builds and plans each batch's DAG" if "trio-cuda eager" in names else ""),
             *notes,
             *(f"- PROBLEM: {p}" for p in problems),
             "- every answer checked against numpy" if not problems else "",
