@@ -28,6 +28,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,7 +167,8 @@ class Model:
         for w, b in self.host[:-1]:
             x = np.maximum(x @ w + b, 0)
         w, b = self.host[-1]
-        return x @ w + b
+        y: np.ndarray = x @ w + b
+        return y
 
 
 @dataclass
@@ -376,36 +378,46 @@ async def load_test(url: str, xs: np.ndarray, want: np.ndarray, connections: int
     return Load(elapsed, request_ms, health_ms, bad)
 
 
-async def self_check(model: Model, args: argparse.Namespace) -> int:
-    """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
-    ``--connections`` connections (and /health probes meanwhile), check every answer."""
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[str]:
+    """Serve ``app`` under uvicorn on a free port of 127.0.0.1 while the block runs; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = make_app(model, args.max_batch, args.window_ms)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    serving = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve())
     while not server.started:
+        if task.done():  # (it failed to start: its error)
+            await task
+            raise RuntimeError("uvicorn stopped before it started serving")
         await asyncio.sleep(0.01)
-    url = f"http://127.0.0.1:{port}"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def self_check(model: Model, args: argparse.Namespace) -> int:
+    """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
+    ``--connections`` connections (and /health probes meanwhile), check every answer."""
     xs = np.random.default_rng(1).standard_normal((args.requests, model.features), np.float32)
     want = model.reference(xs)
-    load = await load_test(url, xs, want, args.connections)
-    bad = load.bad
-    conn = await Connection.open(url)
-    try:
-        # A deadline that cannot be met answers 504; the service goes on answering.
-        status, _ = await conn.request("POST", "/infer", json.dumps({"x": xs[0].tolist(), "deadline_ms": 0}).encode())
-        if status != 504:
-            bad.append(f"a passed deadline answered HTTP {status}, not 504")
-        status, body = await conn.request("POST", "/infer", json.dumps({"x": xs[1].tolist()}).encode())
-        if status != 200 or not np.allclose(json.loads(body)["y"], want[1], rtol=1e-3, atol=1e-3):
-            bad.append("the request after a deadline failed")
-        stats = json.loads((await conn.request("GET", "/health"))[1])
-    finally:
-        await conn.close()
-    server.should_exit = True
-    await serving
+    async with serving(make_app(model, args.max_batch, args.window_ms)) as url:
+        load = await load_test(url, xs, want, args.connections)
+        bad = load.bad
+        conn = await Connection.open(url)
+        try:
+            # A deadline that cannot be met answers 504; the service goes on answering.
+            status, _ = await conn.request("POST", "/infer", json.dumps({"x": xs[0].tolist(), "deadline_ms": 0}).encode())
+            if status != 504:
+                bad.append(f"a passed deadline answered HTTP {status}, not 504")
+            status, body = await conn.request("POST", "/infer", json.dumps({"x": xs[1].tolist()}).encode())
+            if status != 200 or not np.allclose(json.loads(body)["y"], want[1], rtol=1e-3, atol=1e-3):
+                bad.append("the request after a deadline failed")
+            stats = json.loads((await conn.request("GET", "/health"))[1])
+        finally:
+            await conn.close()
     f = load.summary()
     print(
         f"{args.requests} requests over {args.connections} connections in {load.elapsed_s:.2f} s "
