@@ -2,8 +2,11 @@
 
 Concurrent requests are batched dynamically: a batcher task gathers up to ``--max-batch``
 requests, or what arrived within ``--window-ms`` of the first, and runs the whole batch
-as one awaited DAG (upload, the MLP's layers, read-back). The event loop keeps serving
-other requests and ``/health`` while the GPU works. Each request may carry a deadline:
+as one await. The MLP's forward is captured once as a CUDA graph per batch-size bucket
+(1, 2, 4, 8, 16, 32 rows): a batch is padded up to its bucket and costs one upload, one
+graph replay and one read-back (``--eager``: build and plan the batch's DAG of the MLP's
+ops every time instead). The event loop keeps serving other requests and ``/health``
+while the GPU works. Each request may carry a deadline:
 when it passes, that request answers 504 and stops waiting; a request still queued is
 dropped before its batch is submitted, and a batch already on the GPU finishes for the
 other requests in it.
@@ -25,6 +28,7 @@ import json
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,11 +44,58 @@ except ImportError:  # pragma: no cover - the [serve] extra is missing
     sys.exit('serve_fastapi.py needs FastAPI and uvicorn: pip install "trio-cuda[serve]"')
 
 
+def bucket(n: int) -> int:
+    """The rows of the captured forward that serves a batch of ``n`` requests: the
+    power of two at or above ``n`` (1, 2, 4, 8, 16, 32, ...)."""
+    if n < 1:
+        raise ValueError(f"a batch needs at least one request, got {n}")
+    return 1 << (n - 1).bit_length()
+
+
+class Replay:
+    """The forward captured as a CUDA graph for batches of up to ``rows`` requests, with
+    buffers of its own: the input ``x`` (rows, features), the hidden layers' two
+    ping-pong buffers and the output ``y`` (rows, outputs). A batch of ``n <= rows``
+    requests is one await of three steps: an upload into ``x[:n]``, one replay of the
+    graph, the read-back of ``y[:n]`` (the rows past ``n`` hold an older batch's values:
+    each row of an MLP depends on its own input row only, and they are not read back)."""
+
+    def __init__(self, rows: int, x: trio_cuda.Tensor, y: trio_cuda.Tensor, graph: trio_cuda.CudaGraph[Any]) -> None:
+        self.rows = rows
+        self.x = x
+        self.y = y
+        self.graph = graph
+
+    def run(self, x: np.ndarray) -> trio_cuda.DeviceOp[np.ndarray]:
+        n = len(x)
+        if not 0 < n <= self.rows:
+            raise ValueError(f"a replay for up to {self.rows} rows got a batch of {n}")
+        return api.memcpy(self.x[:n], x).then(lambda _: self.graph.launch()).then(lambda _: self.y[:n].to_host())
+
+
 class Model:
     """An MLP: ``relu(x @ w1 + b1)``, then ``depth`` hidden layers ``relu(h @ w + b)``,
-    then ``h @ w2 + b2``; the weights resident on the device."""
+    then ``h @ w2 + b2``; the weights resident on the device.
 
-    def __init__(self, features: int, hidden: int, outputs: int, depth: int = 0, seed: int = 0) -> None:
+    With ``graphs`` (the default) each batch is padded up to its :func:`bucket` and runs
+    as a replay of the forward captured for that bucket (:class:`Replay`): one upload,
+    one graph launch and one read-back, instead of building and planning some 3 ops a
+    layer. ``load()`` captures the buckets up to ``max_batch``; a larger batch, or a
+    second batch of a bucket while the first is in flight, captures another replay at
+    first need (so concurrent batches never share buffers). Without ``graphs`` each
+    batch builds its DAG (:meth:`eager`)."""
+
+    def __init__(
+        self,
+        features: int,
+        hidden: int,
+        outputs: int,
+        depth: int = 0,
+        seed: int = 0,
+        *,
+        graphs: bool = True,
+        max_batch: int = 32,
+    ) -> None:
         rng = np.random.default_rng(seed)
         shapes = [(features, hidden)] + [(hidden, hidden)] * depth + [(hidden, outputs)]
         self.host = [
@@ -52,24 +103,72 @@ class Model:
             for io in shapes
         ]
         self.features = features
+        self.hidden = hidden
+        self.outputs = outputs
+        self.graphs = graphs
+        self.max_batch = max_batch
         self.dev: list[tuple[trio_cuda.Tensor, trio_cuda.Tensor]] = []
+        self.idle: dict[int, list[Replay]] = {}  # bucket -> its replays not in use
+        self.captured = 0  # replays captured
+        self.replayed = 0  # batches answered by a replay
 
     async def load(self) -> None:
         self.dev = [(await api.from_host(w), await api.from_host(b)) for w, b in self.host]
+        if self.graphs:
+            for rows in sorted({bucket(n) for n in range(1, self.max_batch + 1)}):
+                self.idle.setdefault(rows, []).append(await self.capture(rows))
 
-    def forward(self, x: np.ndarray) -> trio_cuda.DeviceOp[np.ndarray]:
-        """The batch's whole DAG, awaited once: upload, the layers, read-back."""
-        h: trio_cuda.DeviceOp[Any] = api.from_host(x)
-        for w, b in self.dev[:-1]:
-            h = ops.relu(ops.matmul(h, w) + b)
-        w, b = self.dev[-1]
-        return (ops.matmul(h, w) + b).to_host()
+    def layers(self, h: Any, bufs: tuple[trio_cuda.Tensor, ...] | None = None) -> trio_cuda.DeviceOp[trio_cuda.Tensor]:
+        """The layers over ``h`` (a tensor or an op); with ``bufs`` (two hidden buffers
+        and the output) every op writes into them (``out=``), as a capture needs."""
+        last = len(self.dev) - 1
+        for i, (w, b) in enumerate(self.dev):
+            out = None if bufs is None else bufs[2 if i == last else i % 2]
+            h = ops.add(ops.matmul(h, w, out=out), b, out=out)
+            if i < last:
+                h = ops.relu(h, out=out)
+        return h  # type: ignore[no-any-return]
+
+    def eager(self, x: np.ndarray) -> trio_cuda.DeviceOp[np.ndarray]:
+        """The batch's whole DAG, built and planned now, awaited once: upload, the
+        layers, read-back."""
+        return self.layers(api.from_host(x)).to_host()
+
+    async def capture(self, rows: int) -> Replay:
+        """A new :class:`Replay` for batches of up to ``rows`` requests."""
+        x = await api.zeros((rows, self.features))
+        bufs = (await api.zeros((rows, self.hidden)), await api.zeros((rows, self.hidden)), await api.zeros((rows, self.outputs)))
+        # Run the same ops once first: a capture runs nothing, and must find every kernel
+        # compiled (and every GEMM planned) for these shapes, or it would compile them
+        # in this thread, the loop's.
+        await self.layers(x, bufs)
+        graph = self.layers(x, bufs).graph()
+        self.captured += 1
+        return Replay(rows, x, bufs[2], graph)
+
+    async def forward(self, x: np.ndarray) -> np.ndarray:
+        """The answers to a batch (one row a request)."""
+        if not self.graphs:
+            return await self.eager(x)
+        idle = self.idle.setdefault(bucket(len(x)), [])
+        replay = idle.pop() if idle else await self.capture(bucket(len(x)))
+        try:
+            y = await replay.run(x)
+        finally:
+            # Back in the pool also when the await was cancelled with the replay still
+            # on the GPU: the runtime orders the next batch's upload into x after this
+            # replay's read of it, and its replay after this read-back of y, so the
+            # buffers are not reused early (docs/runtime.md: cancelled after submission).
+            idle.append(replay)
+        self.replayed += 1
+        return y
 
     def reference(self, x: np.ndarray) -> np.ndarray:
         for w, b in self.host[:-1]:
             x = np.maximum(x @ w + b, 0)
         w, b = self.host[-1]
-        return x @ w + b
+        y: np.ndarray = x @ w + b
+        return y
 
 
 @dataclass
@@ -279,42 +378,56 @@ async def load_test(url: str, xs: np.ndarray, want: np.ndarray, connections: int
     return Load(elapsed, request_ms, health_ms, bad)
 
 
-async def self_check(model: Model, args: argparse.Namespace) -> int:
-    """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
-    ``--connections`` connections (and /health probes meanwhile), check every answer."""
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[str]:
+    """Serve ``app`` under uvicorn on a free port of 127.0.0.1 while the block runs; its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = make_app(model, args.max_batch, args.window_ms)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    serving = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve())
     while not server.started:
+        if task.done():  # (it failed to start: its error)
+            await task
+            raise RuntimeError("uvicorn stopped before it started serving")
         await asyncio.sleep(0.01)
-    url = f"http://127.0.0.1:{port}"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def self_check(model: Model, args: argparse.Namespace) -> int:
+    """Serve on a free port of 127.0.0.1, send ``--requests`` requests over
+    ``--connections`` connections (and /health probes meanwhile), check every answer."""
     xs = np.random.default_rng(1).standard_normal((args.requests, model.features), np.float32)
     want = model.reference(xs)
-    load = await load_test(url, xs, want, args.connections)
-    bad = load.bad
-    conn = await Connection.open(url)
-    try:
-        # A deadline that cannot be met answers 504; the service goes on answering.
-        status, _ = await conn.request("POST", "/infer", json.dumps({"x": xs[0].tolist(), "deadline_ms": 0}).encode())
-        if status != 504:
-            bad.append(f"a passed deadline answered HTTP {status}, not 504")
-        status, body = await conn.request("POST", "/infer", json.dumps({"x": xs[1].tolist()}).encode())
-        if status != 200 or not np.allclose(json.loads(body)["y"], want[1], rtol=1e-3, atol=1e-3):
-            bad.append("the request after a deadline failed")
-        stats = json.loads((await conn.request("GET", "/health"))[1])
-    finally:
-        await conn.close()
-    server.should_exit = True
-    await serving
+    async with serving(make_app(model, args.max_batch, args.window_ms)) as url:
+        load = await load_test(url, xs, want, args.connections)
+        bad = load.bad
+        conn = await Connection.open(url)
+        try:
+            # A deadline that cannot be met answers 504; the service goes on answering.
+            status, _ = await conn.request("POST", "/infer", json.dumps({"x": xs[0].tolist(), "deadline_ms": 0}).encode())
+            if status != 504:
+                bad.append(f"a passed deadline answered HTTP {status}, not 504")
+            status, body = await conn.request("POST", "/infer", json.dumps({"x": xs[1].tolist()}).encode())
+            if status != 200 or not np.allclose(json.loads(body)["y"], want[1], rtol=1e-3, atol=1e-3):
+                bad.append("the request after a deadline failed")
+            stats = json.loads((await conn.request("GET", "/health"))[1])
+        finally:
+            await conn.close()
     f = load.summary()
     print(
         f"{args.requests} requests over {args.connections} connections in {load.elapsed_s:.2f} s "
         f"({f['requests_per_s']:.0f} req/s), {stats['batches']} batches (largest {stats['largest_batch']}); "
         f"/health p50 {f['health_p50_ms']:.2f} ms, p99 {f['health_p99_ms']:.2f} ms"
     )
+    if model.graphs:
+        print(f"{model.replayed} batches by graph replay, {model.captured} graphs captured")
+        if model.replayed != stats["batches"]:
+            bad.append(f"{stats['batches']} batches, but {model.replayed} graph replays")
     if bad:
         print("FAILED:", *bad[:10], sep="\n  ")
         return 1
@@ -332,11 +445,12 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=0, help="hidden-to-hidden layers between the first and the last")
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--window-ms", type=float, default=2.0)
+    p.add_argument("--eager", action="store_true", help="build and plan each batch's DAG instead of replaying a captured graph")
     p.add_argument("--self-check", action="store_true", help="serve, load-test on 127.0.0.1, check every answer, exit")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--connections", type=int, default=20)
     args = p.parse_args()
-    model = Model(args.features, args.hidden, args.outputs, args.depth)
+    model = Model(args.features, args.hidden, args.outputs, args.depth, graphs=not args.eager, max_batch=args.max_batch)
     if args.self_check:
         sys.exit(asyncio.run(self_check(model, args)))
     uvicorn.run(make_app(model, args.max_batch, args.window_ms), host=args.host, port=args.port)

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 __all__ = ["Buffer", "ForeignBuffer"]
 
 
+def _name(what: object) -> str:
+    return what if isinstance(what, str) else repr(what)
+
+
 class Buffer:
     """One device allocation and its pending accesses. Internal.
 
@@ -86,25 +90,28 @@ class Buffer:
             acc.insert(0, self.writer)
         return acc
 
-    def check(self, plan: Any, what: str) -> None:
+    def check(self, plan: Any, what: object) -> None:
         """Raise if the buffer cannot be used by ``plan`` (stale, abandoned, being captured).
 
         A buffer another unfinished plan will allocate makes ``plan`` wait for that plan.
+        ``what`` names the buffer in errors: a string, or an object whose repr is taken
+        only then (most calls are for a buffer the plan itself allocates, and raise
+        nothing: a repr a call would cost a planned op about a tenth of its planning).
         """
         if self.generation != self.device.generation:
-            raise ValueError(f"{what} was allocated before device {self.device.ordinal} was reset; its memory is gone")
+            raise ValueError(f"{_name(what)} was allocated before device {self.device.ordinal} was reset; its memory is gone")
         if self.ptr is None:
             owner = self.owner
             if owner is None:
                 raise ValueError(
-                    f"{what} belongs to a submission that was cancelled or failed before it ran (or to an op of it that did not run); it has no memory"
+                    f"{_name(what)} belongs to a submission that was cancelled or failed before it ran (or to an op of it that did not run); it has no memory"
                 )
             if owner is not plan:
                 plan.wait_for_plan(owner)
         cap = self.capture
         if cap is not None and cap is not plan.capture:
             raise GraphCaptureError(
-                f"{what} is being recorded into a graph capture that is still open; finish the capture first",
+                f"{_name(what)} is being recorded into a graph capture that is still open; finish the capture first",
                 device=self.device.ordinal,
             )
 

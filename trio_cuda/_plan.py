@@ -301,7 +301,7 @@ class Plan:
         """Check that this submission may use ``buf`` (see Buffer.check); ``what`` names it
         in errors (its repr is taken only then)."""
         if buf.ptr is None or buf.capture is not None or buf.generation != buf.device.generation:
-            buf.check(self, what if isinstance(what, str) else repr(what))
+            buf.check(self, what)
             if buf.owner is not None and buf.owner is not self:
                 if not self.foreign:
                     self.foreign = []
