@@ -56,7 +56,7 @@ class NormTuning:
 
     threads: int = 256
     pack: int = 4
-    cache_words: int = 8
+    cache_words: int = 0
 
     def __post_init__(self) -> None:
         if self.threads % 32 or not 64 <= self.threads <= 1024:
