@@ -723,6 +723,7 @@ _op.extensions.update(
         "subtract": subtract,
         "multiply": multiply,
         "divide": divide,
+        "pow": _math.pow_operator,
         "matmul": matmul,
         "negative": negative,
         "abs": abs,
