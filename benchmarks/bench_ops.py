@@ -8,7 +8,8 @@ GB/s for memory-bound ops (bytes read + written once). Targets (ratio trio / tor
 
 * matmul fp16, bf16 at 4096^3 and 8192^3: >= 0.95; fp32 (exact, no TF32 on both sides): >= 0.95
 * add of two 64M-element float32 tensors: >= 0.90
-* softmax, layer_norm over the last axis of 4096 x 8192 float32: >= 0.80; bfloat16: >= 0.90
+* softmax, layer_norm over the last axis of 4096 x 8192 float32: >= 0.80; softmax, layer_norm,
+  rms_norm in bfloat16 and float16: >= 0.90
 * sum over the last axis of 4096 x 8192 float32: >= 0.80
 * the library's matvec (8192 x 8192 float32 times a vector): >= 0.90 of torch.mv
 
@@ -78,8 +79,12 @@ async def to_trio(x: Any) -> trio_cuda.Tensor:
     return await api.from_host(np.ascontiguousarray(host))
 
 
-async def run(reps: int, quick: bool) -> list[dict[str, Any]]:
+async def run(reps: int, quick: bool, only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     torch = _torch()
+
+    def wanted(name: str) -> bool:
+        return not only or any(o in name for o in only)
+
     dev = trio_cuda.device(0)
     stream = dev.create_stream()
     ts = torch.cuda.Stream()
@@ -96,6 +101,8 @@ async def run(reps: int, quick: bool) -> list[dict[str, Any]]:
         sizes = [1024] if quick else [4096, 8192]
         for dtype, tname, target in (("float16", "float16", 0.95), ("bfloat16", "bfloat16", 0.95), ("float32", "float32", 0.95)):
             for n in sizes:
+                if not wanted(f"matmul {dtype} {n}^3"):
+                    continue
                 tdt = getattr(torch, tname)
                 with torch.cuda.stream(ts):
                     a = torch.randn(n, n, device="cuda", dtype=tdt)
@@ -108,6 +115,8 @@ async def run(reps: int, quick: bool) -> list[dict[str, Any]]:
                 row(f"matmul {dtype} {n}^3", "TFLOP/s", 2 * n**3 / 1e12, t_trio, t_torch, target)
 
     async def elementwise_add() -> None:
+        if not wanted("add 64M float32"):
+            return
         n = (1 << 20) if quick else (64 << 20)
         with torch.cuda.stream(ts):
             a = torch.randn(n, device="cuda")
@@ -120,65 +129,82 @@ async def run(reps: int, quick: bool) -> list[dict[str, Any]]:
 
     async def row_ops() -> None:
         m, k = (256, 1024) if quick else (4096, 8192)
+
+        async def case(name: str, work: float, make: Callable[[], Any], t_torch: Callable[[], float], target: float) -> None:
+            if wanted(name):
+                row(name, "GB/s", work, await time_trio(make, reps, stream), t_torch(), target)
+
         with torch.cuda.stream(ts):
             a = torch.randn(m, k, device="cuda")
             w = torch.randn(k, device="cuda")
             bias = torch.randn(k, device="cuda")
             s = torch.empty(m, device="cuda")
-            t_sm = time_torch(lambda: torch.softmax(a, dim=-1), reps)  # PyTorch's allocator: no out=
-            t_ln = time_torch(lambda: torch.nn.functional.layer_norm(a, (k,), w, bias), reps)
-            t_sum = time_torch(lambda: torch.sum(a, dim=-1, out=s), reps)
+        torch.cuda.synchronize()  # made on ts: done before the copies to trio-cuda read them
         x, z = await to_trio(a), await api.empty((m, k))
         wt, bt, st = await to_trio(w), await to_trio(bias), await api.empty((m,))
-        row(
+
+        def on_ts(fn: Callable[[], Any]) -> Callable[[], float]:
+            def timed() -> float:
+                with torch.cuda.stream(ts):
+                    return time_torch(fn, reps)
+
+            return timed
+
+        # PyTorch's softmax and norms allocate their results (no out=)
+        await case(
             "softmax 4096x8192 float32",
-            "GB/s",
             2 * 4 * m * k / 1e9,
-            await time_trio(lambda: ops.softmax(x, out=z), reps, stream),
-            t_sm,
+            lambda: ops.softmax(x, out=z),
+            on_ts(lambda: torch.softmax(a, dim=-1)),
             0.80,
         )
-        row(
+        await case(
             "layer_norm 4096x8192 float32",
-            "GB/s",
             2 * 4 * m * k / 1e9,
-            await time_trio(lambda: ops.layer_norm(x, wt, bt, out=z), reps, stream),
-            t_ln,
+            lambda: ops.layer_norm(x, wt, bt, out=z),
+            on_ts(lambda: torch.nn.functional.layer_norm(a, (k,), w, bias)),
             0.80,
         )
-        with torch.cuda.stream(ts):
-            h = a.to(torch.bfloat16)
-            wh, bh = w.to(torch.bfloat16), bias.to(torch.bfloat16)
-            t_sm16 = time_torch(lambda: torch.softmax(h, dim=-1), reps)
-            t_ln16 = time_torch(lambda: torch.nn.functional.layer_norm(h, (k,), wh, bh), reps)
-        x16, z16 = await to_trio(h), await api.empty((m, k), trio_cuda._checks.check_dtype("bfloat16"))
-        w16, b16 = await to_trio(wh), await to_trio(bh)
-        row(
-            "softmax 4096x8192 bfloat16",
-            "GB/s",
-            2 * 2 * m * k / 1e9,
-            await time_trio(lambda: ops.softmax(x16, out=z16), reps, stream),
-            t_sm16,
-            0.90,
-        )
-        row(
-            "layer_norm 4096x8192 bfloat16",
-            "GB/s",
-            2 * 2 * m * k / 1e9,
-            await time_trio(lambda: ops.layer_norm(x16, w16, b16, out=z16), reps, stream),
-            t_ln16,
-            0.90,
-        )
-        row(
+        for dtype in ("bfloat16", "float16"):
+            tdt = getattr(torch, dtype)
+            with torch.cuda.stream(ts):
+                h, wh, bh = a.to(tdt), w.to(tdt), bias.to(tdt)
+            torch.cuda.synchronize()
+            x16, z16 = await to_trio(h), await api.empty((m, k), trio_cuda._checks.check_dtype(dtype))
+            w16, b16 = await to_trio(wh), await to_trio(bh)
+            work = 2 * 2 * m * k / 1e9
+            await case(
+                f"softmax 4096x8192 {dtype}",
+                work,
+                lambda x16=x16, z16=z16: ops.softmax(x16, out=z16),
+                on_ts(lambda h=h: torch.softmax(h, dim=-1)),
+                0.90,
+            )
+            await case(
+                f"layer_norm 4096x8192 {dtype}",
+                work,
+                lambda x16=x16, w16=w16, b16=b16, z16=z16: ops.layer_norm(x16, w16, b16, out=z16),
+                on_ts(lambda h=h, wh=wh, bh=bh: torch.nn.functional.layer_norm(h, (k,), wh, bh)),
+                0.90,
+            )
+            await case(
+                f"rms_norm 4096x8192 {dtype}",
+                work,
+                lambda x16=x16, w16=w16, z16=z16: ops.rms_norm(x16, w16, out=z16),
+                on_ts(lambda h=h, wh=wh: torch.nn.functional.rms_norm(h, (k,), wh, 1e-6)),
+                0.90,
+            )
+        await case(
             "sum last axis 4096x8192 float32",
-            "GB/s",
             4 * m * k / 1e9,
-            await time_trio(lambda: ops.sum(x, -1, out=st), reps, stream),
-            t_sum,
+            lambda: ops.sum(x, -1, out=st),
+            on_ts(lambda: torch.sum(a, dim=-1, out=s)),
             0.80,
         )
 
     async def matvecs() -> None:
+        if not wanted("matvec 8192^2 float32"):
+            return
         n = 1024 if quick else 8192
         with torch.cuda.stream(ts):
             wm = torch.randn(n, n, device="cuda")
@@ -205,10 +231,16 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke test)")
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated parts of case names: run only the cases naming one (e.g. 'norm' or 'layer_norm,rms_norm')",
+    )
     args = p.parse_args()
+    only = tuple(o.strip() for o in args.only.split(",") if o.strip())
     if trio_cuda.backend_name() != "cuda":
         raise SystemExit("bench_ops.py needs a CUDA device")
-    rows = trio.run(run, args.reps, args.quick)
+    rows = trio.run(run, args.reps, args.quick, only)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         day = dt.date.today().isoformat()

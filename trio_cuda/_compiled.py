@@ -31,6 +31,7 @@ MODULES: tuple[str, ...] = (
     "trio_cuda._ops._elementwise",
     "trio_cuda._ops._layout",
     "trio_cuda._ops._matmul",
+    "trio_cuda._ops._norm",
     "trio_cuda._ops._reduce",
     "trio_cuda._pending",
     "trio_cuda._plan",

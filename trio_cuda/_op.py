@@ -226,7 +226,7 @@ class TensorMath:
         raise TypeError(_SCALAR_HINT.format("int"))
 
     def __pow__(self, other: Any) -> DeviceOp[Any]:
-        return _ext("power")(self, other)  # type: ignore[no-any-return]
+        return _ext("pow")(self, other)  # type: ignore[no-any-return]
 
     def __rpow__(self, other: Any) -> DeviceOp[Any]:
         return _ext("power")(other, self)  # type: ignore[no-any-return]

@@ -30,6 +30,7 @@ from ._ops import (
     _loss,
     _math,
     _matmul,
+    _norm,
     _optim,
     _random,
     _reduce,
@@ -490,12 +491,12 @@ def layer_norm(
 ) -> Op:
     """``(x - mean) / sqrt(var + eps) * weight + bias`` over the last ``weight.ndim``
     axes (the last axis without a weight), as ``torch.nn.functional.layer_norm``."""
-    return _reduce.norm(False, x, weight, bias, eps, out)
+    return _norm.norm(False, x, weight, bias, eps, out)
 
 
 def rms_norm(x: TensorLike, weight: TensorLike = None, eps: float = 1e-6, *, out: TensorLike = None) -> Op:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last ``weight.ndim`` axes."""
-    return _reduce.norm(True, x, weight, None, eps, out)
+    return _norm.norm(True, x, weight, None, eps, out)
 
 
 # -- matrices -----------------------------------------------------------------------------------------
@@ -722,6 +723,7 @@ _op.extensions.update(
         "subtract": subtract,
         "multiply": multiply,
         "divide": divide,
+        "pow": _math.pow_operator,
         "matmul": matmul,
         "negative": negative,
         "abs": abs,

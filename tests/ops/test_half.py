@@ -211,3 +211,42 @@ async def test_out_of_another_dtype_rounds_once_where_numpy_does() -> None:
     await ops.multiply(x, x, out=o32)  # a bfloat16 product widened: rounded to bfloat16 first
     np.testing.assert_array_equal(await o32.to_host(), (f32(a) * f32(a)).astype(BF16).astype(np.float32))
     assert isinstance(trio_cuda.ops.exp(x), trio_cuda.DeviceOp)
+
+
+@pytest.mark.parametrize("dt", HALVES, ids=str)
+async def test_cumsum_sort_argsort_topk(dt: np.dtype[Any]) -> None:
+    """cumsum in float32, each partial sum rounded once; sort, argsort and topk compare
+    the values exactly (float32 holds them), ties by index, NaN last (topk: first), and
+    keep the dtype (indices int64)."""
+    a = data((4, 300), dt)
+    a[0, 5] = a[0, 17] = a[2, 0] = np.nan
+    a[1, 3:9] = a[1, 2]  # ties
+    a[3, 10], a[3, 11] = -0.0, 0.0
+    x = await api.from_host(a)
+    v = f32(a).astype(np.float64)
+    for axis in (1, 0, None):
+        got = await ops.cumsum(x, axis).to_host()
+        want = np.cumsum(np.nan_to_num(v, nan=0.0) if axis is not None else v, axis=axis)
+        if axis is not None:
+            want = np.where(np.cumsum(np.isnan(v), axis=axis) > 0, np.nan, want)
+        scale = np.cumsum(np.abs(np.nan_to_num(v)), axis=axis)  # a scan's error: relative to the magnitudes
+        close(got, want, dt, atol=float(np.max(scale)) * 2.0**-20 + ULP[dt] * 4)
+    wide = await ops.cumsum(x, 1, dtype=np.float32).to_host()
+    assert wide.dtype == np.float32
+    np.testing.assert_allclose(wide[1:2], np.cumsum(f32(a[1:2]), axis=1), rtol=1e-5, atol=1e-4)
+    for axis in (-1, 0, None):
+        got = await ops.sort(x, axis).to_host()
+        assert got.dtype == dt
+        np.testing.assert_array_equal(f32(got), np.sort(f32(a), axis=axis, kind="stable"))
+        idx = await ops.argsort(x, axis).to_host()
+        assert idx.dtype == np.int64
+        np.testing.assert_array_equal(idx, np.argsort(f32(a), axis=axis, kind="stable"))
+    vals, ind = await ops.topk(x, 7).then(lambda r: trio_cuda.zip(r[0].to_host(), r[1].to_host()))
+    # largest first, NaN as the largest, ties by index: numpy's stable order of -v
+    order = np.argsort(np.where(np.isnan(v), -np.inf, -v), axis=-1, kind="stable")[:, :7]
+    assert vals.dtype == dt and ind.dtype == np.int64
+    np.testing.assert_array_equal(ind, order)
+    np.testing.assert_array_equal(f32(vals), np.take_along_axis(f32(a), order, -1))
+    small, small_i = await ops.topk(x, 3, largest=False).then(lambda r: trio_cuda.zip(r[0].to_host(), r[1].to_host()))
+    np.testing.assert_array_equal(small_i, np.argsort(f32(a), axis=-1, kind="stable")[:, :3])
+    np.testing.assert_array_equal(f32(small), np.sort(f32(a), axis=-1)[:, :3])

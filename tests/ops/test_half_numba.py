@@ -1,6 +1,6 @@
 """The generated kernels on bfloat16 (their bits: BF16_IN and BF16_OUT) run in numba's CUDA
 simulator: elementwise ops, comparisons and where, reductions, softmax and the norms,
-against numpy through ml_dtypes. Small shapes: the simulator is slow."""
+cumsum, sort, argsort and topk, against numpy through ml_dtypes. Small shapes: the simulator is slow."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..helpers.faults import child, child_ok
 PROGRAM = """
 import numpy as np
 import ml_dtypes
+import trio_cuda
 from trio_cuda import api, ops
 import trio_cuda._ops._core as core
 
@@ -56,6 +57,18 @@ e = np.exp(fbig - fbig.max())
 check(ops.softmax(X).to_host().sync(), e / e.sum())
 lnb = (fbig - fbig.mean()) / np.sqrt(fbig.var() + 1e-5)
 check(ops.layer_norm(X).to_host().sync(), lnb, ulps=8)
+# scans and sorts: bfloat16 decoded when loaded (cumsum rounds each sum once; sorts move bits)
+ties = a.copy()
+ties[0, 3], ties[1, 5:9] = np.nan, ties[1, 4]
+T = api.from_host(ties).sync()
+ft = ties.astype(np.float32)
+check(ops.cumsum(x, axis=1).to_host().sync(), np.cumsum(fa.astype(np.float64), 1), ulps=8)
+np.testing.assert_array_equal(ops.sort(T).to_host().sync().astype(np.float32), np.sort(ft, -1))
+np.testing.assert_array_equal(ops.argsort(T).to_host().sync(), np.argsort(ft, -1, kind="stable"))
+tv, ti = ops.topk(T, 5).then(lambda r: trio_cuda.zip(r[0].to_host(), r[1].to_host())).sync()
+order = np.argsort(np.where(np.isnan(ft), -np.inf, -ft), -1, kind="stable")[:, :5]
+np.testing.assert_array_equal(ti, order)
+np.testing.assert_array_equal(tv.astype(np.float32), np.take_along_axis(ft, order, -1))
 print("OK")
 """
 

@@ -102,6 +102,35 @@ async def test_the_gradient_and_per_row_losses_capture_into_out() -> None:
         ops.cross_entropy(X, L, out=loss).graph()  # the mean's temporary: allocation in a capture
 
 
+async def test_a_capture_error_names_the_users_operands_not_a_temporary() -> None:
+    """Inside a graph capture the reductions' scratch memory, and the contiguous copies
+    of non-contiguous logits and labels, are refused naming the op, its reduction, the
+    user's operands and what captures instead (also when the op's recipe was recorded
+    by an earlier eager call)."""
+    X = await api.from_host(RNG.standard_normal((4, 6)).astype(np.float32))
+    L = await api.from_host(np.array([0, 3, 5, 2]))
+    loss = await api.zeros(())
+    for reduction in ("mean", "sum"):
+        op = ops.cross_entropy(X, L, reduction=reduction, out=loss)
+        await op  # records the op's recipe
+        with pytest.raises(trio_cuda.GraphCaptureError) as info:
+            ops.cross_entropy(X, L, reduction=reduction, out=loss).graph()
+        msg = str(info.value)
+        assert msg.startswith(f"ops.cross_entropy(reduction={reduction!r}) of logits (4, 6): its per-row losses"), msg
+        assert "reduction='none' into an out= of shape (4,)" in msg, msg
+    each = await api.zeros((4,))
+    wide = await api.from_host(RNG.standard_normal((4, 12)).astype(np.float32))
+    with pytest.raises(trio_cuda.GraphCaptureError, match=r"ops\.cross_entropy: a contiguous copy of the logits \(4, 6\)"):
+        ops.cross_entropy(wide[:, ::2], L, reduction="none", out=each).graph()
+    labels2 = await api.from_host(np.array([[0, 1], [3, 1], [5, 1], [2, 1]]))
+    with pytest.raises(trio_cuda.GraphCaptureError, match=r"ops\.cross_entropy: a contiguous copy of the labels \(4,\)"):
+        ops.cross_entropy(X, labels2[:, 0], reduction="none", out=each).graph()
+    # the same calls with contiguous operands and reduction="none" capture
+    graph = ops.cross_entropy(X, L, reduction="none", out=each).graph()
+    await graph.launch()
+    assert (await each.to_host() > 0).all()
+
+
 async def test_bad_input_is_refused() -> None:
     X = await api.zeros((4, 6))
     L = await api.from_host(np.zeros(4, np.int64))

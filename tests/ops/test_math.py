@@ -99,3 +99,35 @@ async def test_out_and_errors() -> None:
         ops.power(x, "2")
     with pytest.raises(TypeError, match="needs at least one tensor"):
         ops.sin(1.0)
+
+
+NUMERIC = [np.bool_, np.int8, np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64]
+
+
+@pytest.mark.parametrize("dtype", NUMERIC, ids=lambda d: np.dtype(d).name)
+def test_power_and_round_dtypes_of_bools_as_numpy(dtype: type) -> None:
+    """numpy 2's result dtypes with bool operands: ``power`` of bools is int8 (int64 with a
+    Python int), the ``**`` operator squares for an exponent of 2 (bool ** 2 is int8, its
+    np.square), ``round`` of bools is rint's float16 (and refused with other decimals,
+    where numpy raises)."""
+    flags = np.array([True, False, True])
+    a = np.array([1, 0, 3], dtype)
+    for got, want in (
+        (host(ops.power(up(flags), up(a))), np.power(flags, a)),
+        (host(ops.power(up(a), up(flags))), np.power(a, flags)),
+        (host(up(a) ** 2), a**2),
+        (host(ops.power(up(a), 2)), np.power(a, 2)),
+        (host(up(a) ** True), a**True),
+        (host(2 ** up(a)), 2**a),
+        (host(ops.add(up(a), 0) ** 2), (a + 0) ** 2),  # the operator on an op
+    ):
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        np.testing.assert_array_equal(got, want)
+    got = host(ops.round(up(flags)))
+    assert got.dtype == np.round(flags).dtype == np.float16
+    np.testing.assert_array_equal(got, np.round(flags))
+    for decimals in (1, -1):
+        with pytest.raises(TypeError):
+            np.round(flags, decimals)
+        with pytest.raises(TypeError, match=rf"ops\.round: bool tensors round only to 0 decimals.*decimals={decimals}"):
+            ops.round(up(flags), decimals)

@@ -60,6 +60,13 @@ N = api.from_host(n).sync()
 check((N ** 3).to_host().sync(), n ** 3)
 check((N ** api.from_host(np.array([1, -3, 2, -2, 0, 2], np.int32)).sync()).to_host().sync(), np.array([-3, -1, 0, 1, 1, 25], np.int32))
 check(ops.floor(N).to_host().sync(), n)
+flags = np.array([True, False, True])
+F = api.from_host(flags).sync()
+sq, rb = (F ** 2).to_host().sync(), ops.round(F).to_host().sync()
+assert sq.dtype == np.int8 and rb.dtype == np.float16, (sq.dtype, rb.dtype)  # numpy's square and rint of bools
+np.testing.assert_array_equal(sq, flags ** 2)
+np.testing.assert_array_equal(rb, np.round(flags))
+check((N ** 2).to_host().sync(), n ** 2)
 check(ops.clip(x, -1, 1.5).to_host().sync(), np.clip(a, -1, 1.5))
 check(ops.clip(S, None, 0.5).to_host().sync(), np.clip(s, None, 0.5))
 # reductions

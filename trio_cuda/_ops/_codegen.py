@@ -27,6 +27,7 @@ import numpy as np
 from .._checks import BFLOAT16
 from .._kernel import Kernel
 from .._tensor import Tensor
+from . import _core
 from ._core import flat_geometry, rows_geometry, unrolled_geometry
 
 __all__ = ["Load", "elementwise_kernel", "make_kernel", "row_loop"]
@@ -97,10 +98,32 @@ def BF16_IN(u):
     return libdevice.int_as_float(np.int32(np.uint32(u) << np.uint32(16)))
 
 def BF16_OUT(f):
+    # 32-bit arithmetic (the sum wraps only for NaNs) and a select, no branch
     u = np.uint32(libdevice.float_as_int(np.float32(f)))
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
-    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    rounded = np.uint32(u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    quiet = (u >> np.uint32(16)) | np.uint32(0x40)
+    return np.uint16(quiet if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+
+# two half values per 32-bit word (the first in the low half): decoded to float32, and
+# two float32 rounded once and packed
+def BF16_LO(u):
+    return libdevice.int_as_float(np.int32(np.uint32(u) << np.uint32(16)))
+
+def BF16_HI(u):
+    return libdevice.int_as_float(np.int32(np.uint32(u) & np.uint32(0xFFFF0000)))
+
+def BF16_PACK(a, b):
+    return np.uint32(BF16_OUT(a)) | (np.uint32(BF16_OUT(b)) << np.uint32(16))
+
+def F16_LO(u):
+    return libdevice.half2float(np.int16(np.uint32(u) & np.uint32(0xFFFF)))
+
+def F16_HI(u):
+    return libdevice.half2float(np.int16(np.uint32(u) >> np.uint32(16)))
+
+def F16_PACK(a, b):
+    lo = np.uint32(np.uint16(libdevice.float2half_rn(np.float32(a))))
+    return lo | (np.uint32(np.uint16(libdevice.float2half_rn(np.float32(b)))) << np.uint32(16))
 """
 _BF16_SIMULATOR = """
 def BF16_IN(u):
@@ -115,12 +138,33 @@ def BF16_OUT(f):
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
         return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
     return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+def BF16_LO(u):
+    return np.uint32(np.uint32(u) << np.uint32(16)).view(np.float32)
+
+def BF16_HI(u):
+    return np.uint32(np.uint32(u) & np.uint32(0xFFFF0000)).view(np.float32)
+
+def BF16_PACK(a, b):
+    return np.uint32(BF16_OUT(a)) | (np.uint32(BF16_OUT(b)) << np.uint32(16))
+
+def F16_LO(u):
+    return np.float32(np.uint16(np.uint32(u) & np.uint32(0xFFFF)).view(np.float16))
+
+def F16_HI(u):
+    return np.float32(np.uint16(np.uint32(u) >> np.uint32(16)).view(np.float16))
+
+def F16_PACK(a, b):
+    return np.uint32(np.float16(a).view(np.uint16)) | (np.uint32(np.float16(b).view(np.uint16)) << np.uint32(16))
 """
 _half: dict[str, Any] = {}
 
 
+_HALF_NAMES = ("BF16_IN", "BF16_OUT", "BF16_LO", "BF16_HI", "BF16_PACK", "F16_LO", "F16_HI", "F16_PACK")
+
+
 def half_globals() -> dict[str, Any]:
-    """``BF16_IN`` and ``BF16_OUT``, numba device functions (see above)."""
+    """``BF16_IN``, ``BF16_OUT`` and the packed forms, numba device functions (see above)."""
     if not _half:
         from numba import config, cuda
         from numba.cuda import libdevice
@@ -130,10 +174,11 @@ def half_globals() -> dict[str, Any]:
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         g: dict[str, Any] = {"cuda": cuda, "np": np, "libdevice": libdevice, "__name__": _MODULE}
         exec(compile(src, filename, "exec"), g)
-        # (called under _lock, by make_kernel: setdefault keeps the first of racing threads)
-        for name in ("BF16_IN", "BF16_OUT"):
+        # (called under _lock, by make_kernel: setdefault keeps the first of racing threads);
+        # the jitted function replaces the plain one in g, where the others call it
+        for name in _HALF_NAMES:
             g[name].__module__ = _MODULE
-            _half.setdefault(name, cuda.jit(device=True)(g[name]))
+            g[name] = _half.setdefault(name, cuda.jit(device=True)(g[name]))
     return _half
 
 
@@ -322,43 +367,59 @@ def bf16_to_f32_kernel(rank: int) -> Kernel:
 
 
 # -- row kernels: one block of 256 threads per row of a (rows, cols) view --------------------------
-def block_reduce(var: str, combine: str, sm: str = "sm") -> list[str]:
+def block_reduce(
+    var: str, combine: str, sm: str = "sm", threads: int = 256, more: tuple[tuple[str, str, str], ...] = ()
+) -> list[str]:
     """Statements reducing ``var`` over the block into ``var`` of every thread (through
-    shared array ``sm``); ``combine`` is an expression over ``{p}`` and ``{q}``."""
-    step = combine.format(p=f"{sm}[t_]", q=f"{sm}[t_ + s_]")
-    return [
-        f"{sm}[t_] = {var}",
-        "cuda.syncthreads()",
-        "s_ = 128",
-        "while s_ > 0:",
-        "    if t_ < s_:",
-        f"        {sm}[t_] = {step}",
-        "    cuda.syncthreads()",
-        "    s_ //= 2",
-        f"{var} = {sm}[0]",
-        "cuda.syncthreads()",
-    ]
+    shared array ``sm`` of ``threads`` elements); ``combine`` is an expression over
+    ``{p}`` and ``{q}``. ``more``: further ``(var, combine, sm)`` reduced in the same
+    barriers.
+
+    Two levels, three barriers (a halving tree takes one per step, nine for 256
+    threads): each of ``threads / 16`` threads combines a group of 16 partials into the
+    group's first slot, then every thread combines those (the same address across a
+    warp is one broadcast read)."""
+    items = ((var, combine, sm), *more)
+    groups = threads // 16
+    lines = [f"{s}[t_] = {v}" for v, _, s in items]
+    lines += ["cuda.syncthreads()", f"if t_ < {groups}:", "    g_ = t_ * 16"]
+    for _v, comb, s in items:
+        lines.append(f"    p_ = {s}[g_]")
+        lines += [f"    p_ = {comb.format(p='p_', q=f'{s}[g_ + {i}]')}" for i in range(1, 16)]
+        lines.append(f"    {s}[g_] = p_")
+    lines.append("cuda.syncthreads()")
+    for v, comb, s in items:
+        lines.append(f"{v} = {s}[0]")
+        lines += [f"{v} = {comb.format(p=v, q=f'{s}[{16 * i}]')}" for i in range(1, groups)]
+    lines.append("cuda.syncthreads()")
+    return lines
 
 
 UNROLL = 4  # columns per thread per iteration of a row loop (their loads issue together)
 
 
-def row_loop(load: Callable[[str, str], list[str]], use: Callable[[str, str], list[str]], unroll: int = UNROLL) -> list[str]:
-    """Statements running over the columns ``c = t_, t_ + 256, ... < k`` of a row,
+def row_loop(
+    load: Callable[[str, str], list[str]],
+    use: Callable[[str, str], list[str]],
+    unroll: int = UNROLL,
+    threads: int = 256,
+    k: str = "k",
+) -> list[str]:
+    """Statements running over the columns ``c = t_, t_ + threads, ... < k`` of a row,
     ``unroll`` columns per iteration: their loads (``load(c, j)``, defining names suffixed
     ``j``) come before their uses (``use(c, j)``), so each thread keeps that many memory
     reads in flight (one read at a time leaves HBM idle); then the remaining columns one
     by one. Read-only passes take 8, passes that also write 4."""
-    step = 256 * unroll
-    cols = [f"c + {256 * j}" if j else "c" for j in range(unroll)]
-    lines = ["c = t_", f"while c + {step - 256} < k:"]
+    step = threads * unroll
+    cols = [f"c + {threads * j}" if j else "c" for j in range(unroll)]
+    lines = ["c = t_", f"while c + {step - threads} < {k}:"]
     for j, col in enumerate(cols):
         lines += [f"    {line}" for line in load(col, str(j))]
     for j, col in enumerate(cols):
         lines += [f"    {line}" for line in use(col, str(j))]
-    lines += [f"    c += {step}", "while c < k:"]
+    lines += [f"    c += {step}", f"while c < {k}:"]
     lines += [f"    {line}" for line in (*load("c", "0"), *use("c", "0"))]
-    lines.append("    c += 256")
+    lines.append(f"    c += {threads}")
     return lines
 
 
@@ -369,9 +430,10 @@ def row_kernel(
     globals_: dict[str, Any],
     sim: Callable[..., Any],
     key: Any,
+    threads: int = 256,
 ) -> Kernel:
-    """A kernel run with one block of 256 threads per row; ``params`` end with ``m`` (the
-    number of rows), the body sees ``row`` and ``t_`` (the thread)."""
+    """A kernel run with one block of ``threads`` threads per row; ``params`` end with
+    ``m`` (the number of rows), the body sees ``row`` and ``t_`` (the thread)."""
 
     def build() -> Kernel:
         fname = f"{op}__{hashlib.sha256(repr(key).encode()).hexdigest()[:12]}"
@@ -380,6 +442,15 @@ def row_kernel(
         src = f"def {fname}({', '.join(params)}):\n    row = cuda.blockIdx.x\n    t_ = cuda.threadIdx.x\n    while row < m:\n"
         src += "".join(f"        {line}\n" for line in body)
         src += "        cuda.syncthreads()\n        row += cuda.gridDim.x\n"
-        return make_kernel(fname, src, globals_, sim, rows_geometry)
+        return make_kernel(fname, src, globals_, sim, rows_geometry if threads == 256 else _rows_geometry(threads))
 
-    return cached(("row", key), build)
+    return cached(("row", key, threads), build)
+
+
+def _rows_geometry(threads: int) -> Callable[..., tuple[tuple[int, ...], tuple[int, ...]]]:
+    """rows_geometry with blocks of ``threads``."""
+
+    def geometry(*args: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return (min(max(1, int(args[-1])), _core.MAX_ROW_BLOCKS),), (threads,)
+
+    return geometry

@@ -364,13 +364,14 @@ def _copy_bf16(plan: Plan, lane: Lane, dst: Tensor, src: Tensor, name: str) -> N
     launch(plan, lane, kernel_for(len(new_shape)), (out_partition(o), a, math.prod(new_shape)))
 
 
-def contiguous(plan: Plan, lane: Lane, t: Tensor) -> Tensor:
-    """``t`` itself if C-contiguous, else a contiguous copy planned on its device."""
+def contiguous(plan: Plan, lane: Lane, t: Tensor, what: str = "a contiguous copy") -> Tensor:
+    """``t`` itself if C-contiguous, else a contiguous copy planned on its device
+    (``what`` names it in errors, e.g. inside a graph capture, which cannot allocate)."""
     if t.is_contiguous:
         return t
     ln = lane.on(t.device)
     plan.use(t._buffer, t)
-    dst = alloc(plan, ln, t.shape, t.dtype, "a contiguous copy")
+    dst = alloc(plan, ln, t.shape, t.dtype, what)
     copy_into(plan, ln, dst, t, "copy")
     return dst
 

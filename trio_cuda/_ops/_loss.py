@@ -257,18 +257,28 @@ class CrossEntropy(TensorOp):
         acc = _acc(x.dtype)
         has_ignore = ignore is not None
         ign = int(ignore) if has_ignore else 0
+        # what the scratch memory of a reduction is, in errors (a graph capture cannot
+        # allocate it; the user's operands are what they can change)
+        scratch = (
+            f"{self.name}(reduction={reduction!r}) of logits {x.shape}: its per-row losses (scratch memory; "
+            f"in a capture, use reduction='none' into an out= of shape {labels.shape}, then ops.sum or ops.mean "
+            "with out=)"
+        )
         if m == 0:
             if self._grad or reduction == "none":
                 return finish(plan, ln, result, self.name)
             # no rows: NaN for the mean (as PyTorch's), 0 for the sum
-            parts = alloc(plan, ln, (0, 2), acc, self.name)
+            parts = alloc(plan, ln, (0, 2), acc, scratch)
             o = view(half_view(dst), (1,), (res.itemsize,))
             launch(plan, ln, _total_kernel(acc, res, reduction == "mean"), (out_partition(o), parts, 0, 1))
             return finish(plan, ln, result, self.name)
         isz = x.dtype.itemsize
-        rows = view(half_view(contiguous(plan, ln, x)), (m, k), (k * isz, isz))
-        lab = view(contiguous(plan, ln, labels), (m,), (labels.dtype.itemsize,))
-        flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, self.name)
+        xc = contiguous(plan, ln, x, f"{self.name}: a contiguous copy of the logits {x.shape} (pass contiguous logits)")
+        rows = view(half_view(xc), (m, k), (k * isz, isz))
+        lc = contiguous(plan, ln, labels, f"{self.name}: a contiguous copy of the labels {labels.shape} (pass contiguous labels)")
+        lab = view(lc, (m,), (labels.dtype.itemsize,))
+        where = "out=" if out is not None else "the result"
+        flat = dst if dst.is_contiguous else alloc(plan, ln, shape, res, f"{self.name}: a contiguous stand-in for {where}")
         if self._grad:
             mean = reduction == "mean"
             scale = 1.0 if not mean or has_ignore else 1.0 / m
@@ -280,7 +290,7 @@ class CrossEntropy(TensorOp):
             o = view(half_view(flat), (m, 1), (res.itemsize, res.itemsize))
             launch(plan, ln, kern, (out_partition(o), rows, lab, ign, k, m))
         else:
-            parts = alloc(plan, ln, (m, 2), acc, self.name)
+            parts = alloc(plan, ln, (m, 2), acc, scratch)
             launch(
                 plan,
                 ln,

@@ -8,6 +8,7 @@ integer is the integer; ``power`` of integers goes through float64).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from .._tensor import Tensor
 from ._core import operand
 from ._elementwise import Elementwise, Ufunc, _erf, _plan_elementwise, _resolve
 
-__all__ = ["MATH", "clip", "math_op", "power", "round_"]
+__all__ = ["MATH", "clip", "math_op", "pow_operator", "power", "round_"]
 
 # Floats at least this large in magnitude are integers already (float64's 2**52; float32's
 # and float16's are smaller): floor/ceil/round leave them (and inf, NaN) as they are, and
@@ -41,12 +42,17 @@ def _rint(e: str) -> str:
 
 class _Unary:
     """Dtype rules of a one-operand ufunc for an op that takes extra scalar operands
-    (``round``'s scale): the extra operands take the loop dtype."""
+    (``round``'s scale): the extra operands take the loop dtype. ``bool_to``: the loop
+    and result dtype for a bool operand instead (numpy's round of bools is ``rint``'s:
+    float16)."""
 
-    def __init__(self, uf: Any) -> None:
+    def __init__(self, uf: Any, bool_to: Any = None) -> None:
         self._uf = uf
+        self._bool_to = None if bool_to is None else np.dtype(bool_to)
 
     def resolve_dtypes(self, key: tuple[Any, ...]) -> tuple[np.dtype[Any], ...]:
+        if self._bool_to is not None and key[0] == np.bool_:
+            return (self._bool_to,) * len(key)
         r = self._uf.resolve_dtypes((key[0], None))
         return (r[0],) * (len(key) - 1) + (r[-1],)
 
@@ -102,7 +108,7 @@ MATH: dict[str, MathUfunc] = {
     "floor": MathUfunc("floor", 1, _integral("x0", "C(math.floor(x0))"), np.floor, np.floor, "biuf", int_expr="x0"),
     "ceil": MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
     # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
-    "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor), "biuf", int_expr="x0"),
+    "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor, np.float16), "biuf", int_expr="x0"),
     # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
     "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
     "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
@@ -117,6 +123,8 @@ MATH: dict[str, MathUfunc] = {
         "biuf",
         int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
     ),
+    # x ** 2 as numpy's operator computes it: square (bool ** 2 is int8, where power gives int64)
+    "square": MathUfunc("power", 1, "x0 * x0", np.square, np.square, "biuf"),
     "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
     "clip_min": MathUfunc("clip", 2, _MAX, np.maximum, np.maximum, "biuf"),
     "clip_max": MathUfunc("clip", 2, "(x0 if (x0 <= x1 or x0 != x0) else x1)", np.minimum, np.minimum, "biuf"),
@@ -137,10 +145,16 @@ class MathOp(Elementwise):
         return args
 
     def _check(self, *args: Any) -> None:
+        u = self._u
+        x = args[0]
+        if u.name == "round" and isinstance(x, Tensor) and x.dtype == np.bool_ and args[1] != 1:
+            d = round(math.log10(args[1])) * (-1 if isinstance(self, _RoundDown) else 1)
+            raise TypeError(
+                f"ops.round: bool tensors round only to 0 decimals, as numpy's (decimals={d}); convert with astype first"
+            )
         args = self._integers(args)
         super()._check(*args)
-        u = self._u
-        if u.name == "power":
+        if u.name == "power" and u.nin == 2:
             loop, _ = _resolve(u, args[:-1])
             y = args[1]
             if loop.kind in "biu" and not isinstance(y, Tensor) and y < 0:
@@ -163,16 +177,30 @@ class _RoundDown(MathOp):
     __slots__ = ()
 
 
+class _Square(MathOp):
+    """``x ** 2``: an op class of its own (its recipes never serve power's)."""
+
+    __slots__ = ()
+
+
 def math_op(name: str, *args: Any, out: Any = None) -> MathOp:
     u = MATH[name]
     n = u.opname
     operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
-    cls = _RoundDown if name == "round_down" else MathOp
+    cls = _RoundDown if name == "round_down" else (_Square if name == "square" else MathOp)
     return cls(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
 
 
 def power(x: Any, y: Any, *, out: Any = None) -> MathOp:
     return math_op("power", x, y, out=out)
+
+
+def pow_operator(x: Any, y: Any) -> MathOp:
+    """``x ** y``: numpy's operator, which squares for an exponent of the int 2 (the
+    dtypes of ``np.square``: bool gives int8) and is ``power`` otherwise."""
+    if type(y) is int and y == 2:
+        return math_op("square", x)
+    return math_op("power", x, y)
 
 
 def clip(x: Any, a_min: Any, a_max: Any, *, out: Any = None) -> MathOp:

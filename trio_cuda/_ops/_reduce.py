@@ -1,4 +1,5 @@
-"""Reductions (sum, mean, prod, max, min, argmax, argmin, any, all), softmax / log_softmax, layer_norm, rms_norm.
+"""Reductions (sum, mean, prod, max, min, argmax, argmin, any, all), softmax / log_softmax
+(layer_norm and rms_norm are in :mod:`._norm`).
 
 All of them run one block of 256 threads per *row* of a ``(rows, cols)`` view: the
 reduced axes are moved last (a view when the memory allows, else a contiguous copy),
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import BFLOAT16, arg_type, is_int, is_scalar
+from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import bf16_to_f32, block_reduce, f32_to_bf16, half_view, row_kernel, row_loop, store_expr
@@ -24,7 +25,7 @@ from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, o
 from ._elementwise import contiguous, copy_into, finish
 from ._layout import compute_dtype, one_stride, view
 
-__all__ = ["Norm", "Reduce", "Softmax"]
+__all__ = ["Reduce", "Softmax"]
 
 _MAX = "({p} if ({p} >= {q} or {p} != {p}) else {q})"
 _MIN = "({p} if ({p} <= {q} or {p} != {p}) else {q})"
@@ -406,186 +407,3 @@ def softmax(x: Any, axis: Any = -1, *, log: bool = False, out: Any = None) -> So
     if not is_int(axis):
         raise TypeError(f"{name}: axis must be an int, not {axis!r}")
     return Softmax(log, (operand(x, name), int(axis), None if out is None else operand(out, name)))
-
-
-# -- layer_norm, rms_norm ---------------------------------------------------------------------------
-@functools.cache  # the kernel source is built once per key
-def _norm_kernel(
-    rms: bool, has_w: bool, has_b: bool, acc: np.dtype[Any], res: np.dtype[Any], w_bf16: bool = False, b_bf16: bool = False
-) -> Any:
-    a_t, o_t = getattr(np, _np_name(acc)), getattr(np, _np_name(res))
-    bf16 = res == BFLOAT16  # the input's dtype too; w_bf16, b_bf16: the weight's, the bias's
-    reads, writes = _unrolls(bf16)
-
-    def weights(c: str, j: str) -> list[str]:
-        return [f"w{j} = {_ld(f'w[{c}]', w_bf16)}"] * has_w + [f"b{j} = {_ld(f'b[{c}]', b_bf16)}"] * has_b
-
-    scale = " * w{j}" if has_w else ""
-    shift = " + b{j}" if has_b else ""
-    if rms:
-        body = [
-            "sm = cuda.shared.array(256, A)",
-            "s = A(0)",
-            *row_loop(lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}"], lambda c, j: [f"s += v{j} * v{j}"], reads),
-            *block_reduce("s", "{p} + {q}"),
-            "r = A(1) / math.sqrt(s / A(k) + eps)",
-            *row_loop(
-                lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}", *weights(c, j)],
-                lambda c, j: [f"out[row, {c}] = {_st(f'v{j} * r{scale.format(j=j)}', res)}"],
-                writes,
-            ),
-        ]
-    else:
-        # one pass for both moments, of x shifted by its row's first element (shifting
-        # keeps E[d**2] - E[d]**2 from cancelling when the mean is large against the spread)
-        body = [
-            "sm = cuda.shared.array(256, A)",
-            "sq = cuda.shared.array(256, A)",
-            "x0 = A(0)",
-            "if k > 0:",
-            f"    x0 = {_ld('x[row, 0]', bf16)}",
-            "s = A(0)",
-            "q2 = A(0)",
-            *row_loop(
-                lambda c, j: [f"d{j} = {_ld(f'x[row, {c}]', bf16)} - x0"],
-                lambda c, j: [f"s += d{j}", f"q2 += d{j} * d{j}"],
-                reads,
-            ),
-            *block_reduce("s", "{p} + {q}"),
-            *block_reduce("q2", "{p} + {q}", "sq"),
-            "md = s / A(k)",
-            "var = q2 / A(k) - md * md",
-            "if var < A(0):",
-            "    var = A(0)",
-            "mean = x0 + md",
-            "r = A(1) / math.sqrt(var + eps)",
-            *row_loop(
-                lambda c, j: [f"v{j} = {_ld(f'x[row, {c}]', bf16)}", *weights(c, j)],
-                lambda c, j: [f"out[row, {c}] = {_st(f'(v{j} - mean) * r{scale.format(j=j)}{shift.format(j=j)}', res)}"],
-                writes,
-            ),
-        ]
-    params = ["out", "x", *(["w"] if has_w else []), *(["b"] if has_b else []), "eps", "k", "m"]
-
-    def sim(out: np.ndarray, x: np.ndarray, *rest: Any) -> None:
-        it = iter(rest)
-        w = next(it) if has_w else None
-        b = next(it) if has_b else None
-        eps = next(it)
-        with np.errstate(all="ignore"):
-            v = _host_in(x, bf16, a_t)
-            if rms:
-                r = v / np.sqrt(np.mean(v * v, axis=1, keepdims=True) + a_t(eps))
-            else:
-                mean = np.mean(v, axis=1, keepdims=True)
-                d = v - mean
-                r = d / np.sqrt(np.mean(d * d, axis=1, keepdims=True) + a_t(eps))
-            if w is not None:
-                r = r * _host_in(w, w_bf16, a_t)
-            if b is not None:
-                r = r + _host_in(b, b_bf16, a_t)
-        _host_out(out, r, res)
-
-    op = "rms_norm" if rms else "layer_norm"
-    key = ("norm", rms, has_w, has_b, acc.str, res.str, w_bf16, b_bf16)
-    return row_kernel(op, params, body, {"A": a_t, "O": o_t}, sim, key)
-
-
-class Norm(TensorOp):
-    """layer_norm / rms_norm over the last ``weight.ndim`` axes (the last axis without a weight)."""
-
-    __slots__ = ("_rms", "name")
-    _cacheable = True
-
-    def __init__(self, rms: bool, args: tuple[Any, ...]) -> None:
-        self._rms = rms
-        self.name = "ops.rms_norm" if rms else "ops.layer_norm"
-        super().__init__(args)
-
-    def _check(self, *args: Any) -> None:
-        x, w, b, _eps, out = args
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{self.name}: needs a tensor, got {arg_type(x)}")
-        _check_float(self.name, x)
-        if x.ndim == 0:
-            raise ValueError(f"{self.name}: needs at least one dimension")
-        nd = 1
-        for what, p in (("weight", w), ("bias", b)):
-            if p is None:
-                continue
-            if not isinstance(p, Tensor):
-                raise TypeError(f"{self.name}: the {what} must be a tensor, not {arg_type(p)}")
-            if p.dtype.kind != "f" and p.dtype != BFLOAT16:
-                raise TypeError(f"{self.name}: the {what} must be floating, not {p.dtype}")
-            if p.device is not x.device:
-                raise ValueError(f"{self.name}: the {what} is on device {p.device.ordinal}, x on {x.device.ordinal}")
-            nd = p.ndim
-            if p.ndim == 0 or p.shape != x.shape[x.ndim - p.ndim :]:
-                raise ValueError(f"{self.name}: the {what} of shape {p.shape} does not match the last axes of x {x.shape}")
-        if w is not None and b is not None and w.shape != b.shape:
-            raise ValueError(f"{self.name}: weight {w.shape} and bias {b.shape} differ in shape")
-        del nd
-        if out is not None:
-            check_out(self.name, out, x.shape, x.dtype, x.device)
-
-    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
-        x, w, b, eps, out = args
-        nd = w.ndim if w is not None else (b.ndim if b is not None else 1)
-        ln = lane.on(x.device)
-        for t in (x, w, b):
-            if t is not None:
-                plan.use(t._buffer, t)
-        result = output(plan, ln, self.name, out, x.shape, x.dtype, x.device, (x, w, b), inplace_ok=True)
-        dst = result.t
-        if x.size == 0:
-            return finish(plan, ln, result, self.name)
-        axes = tuple(range(x.ndim - nd, x.ndim))
-        rows, m, k = _as_rows(plan, ln, x, axes)
-        flat = dst if dst.is_contiguous else alloc(plan, ln, x.shape, x.dtype, self.name)
-        isz = x.dtype.itemsize
-        o = half_view(view(flat, (m, k), (k * isz, isz)))
-        params: list[Any] = [out_partition(o), half_view(rows)]
-        for p in (w, b):
-            if p is not None:
-                pc = contiguous(plan, ln, p)
-                params.append(half_view(view(pc, (k,), (p.dtype.itemsize,))))
-        acc = compute_dtype(x.dtype)
-        params += [acc.type(eps), k, m]
-        halves = (w is not None and w.dtype == BFLOAT16, b is not None and b.dtype == BFLOAT16)
-        kernel = _norm_kernel(self._rms, w is not None, b is not None, acc, x.dtype, *halves)
-        launch(plan, ln, kernel, tuple(params))
-        if flat is not dst:
-            copy_into(plan, ln, dst, flat, self.name)
-        return finish(plan, ln, result, self.name)
-
-
-def _eps(name: str, eps: Any) -> float:
-    if type(eps) is float and 0 <= eps < math.inf:  # the common case, first
-        return eps
-    if not is_scalar(eps) or isinstance(eps, (bool, np.bool_, complex, np.complexfloating)):
-        raise TypeError(f"{name}: eps must be a real number, not {eps!r}")
-    e = float(eps)
-    if not math.isfinite(e) or e < 0:
-        raise ValueError(f"{name}: eps must be finite and non-negative, not {eps!r}")
-    return e
-
-
-def _norm_param(name: str, what: str, p: Any) -> Any:
-    if p is None or type(p) is Tensor:  # the common cases, without the checks' calls
-        return p
-    p = operand(p, name, what)
-    if is_scalar(p):
-        raise TypeError(f"{name}: the {what} must be a tensor, not a scalar")
-    return p
-
-
-def norm(rms: bool, x: Any, weight: Any, bias: Any, eps: Any, out: Any) -> Norm:
-    name = "ops.rms_norm" if rms else "ops.layer_norm"
-    w = _norm_param(name, "weight", weight)
-    b = _norm_param(name, "bias", bias)
-    if type(x) is not Tensor:
-        x = operand(x, name)
-    e = _eps(name, eps)
-    if out is not None and type(out) is not Tensor:
-        out = operand(out, name)
-    return Norm(rms, (x, w, b, e, out))

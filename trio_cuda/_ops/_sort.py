@@ -10,7 +10,8 @@ the first ``k`` values.
 
 The order is total and stable: by value, ties by index (numpy's ``kind="stable"``),
 NaN after every number; ``topk`` orders largest first (NaN first, as the largest, ties
-by index). ``sort`` and ``argsort`` with ``out=`` along the last axis allocate nothing,
+by index). bfloat16 and float16 values are compared as float32 (exactly their values)
+and moved as they are. ``sort`` and ``argsort`` with ``out=`` along the last axis allocate nothing,
 so they can be captured into a graph.
 """
 
@@ -25,7 +26,7 @@ import numpy as np
 from .._checks import BFLOAT16, arg_type, is_int
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
-from ._codegen import row_kernel
+from ._codegen import bf16_to_f32, half_view, row_kernel
 from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
 from ._gather import gather_kernel
@@ -55,22 +56,25 @@ def _before(r: str, va: str, ia: str | None, vb: str, ib: str | None, desc: bool
     ]
 
 
-def _exchange(indices: bool, desc: bool) -> list[str]:
-    """The compare-exchange of positions ``pa < pb`` of the row (``pb < k``)."""
+def _exchange(indices: bool, desc: bool, bf16: bool) -> list[str]:
+    """The compare-exchange of positions ``pa < pb`` of the row (``pb < k``); ``bf16``:
+    the values are bfloat16 bits, compared decoded and moved as they are."""
     if not indices:
         return [
-            "va = buf[row, pa]",
-            "vb = buf[row, pb]",
+            "ua = buf[row, pa]",
+            "ub = buf[row, pb]",
+            f"va = {_value('ua', bf16)}",
+            f"vb = {_value('ub', bf16)}",
             *_before("ba", "vb", None, "va", None, desc),
             "if ba:",
-            "    buf[row, pa] = vb",
-            "    buf[row, pb] = va",
+            "    buf[row, pa] = ub",
+            "    buf[row, pb] = ua",
         ]
     return [
         "ja = buf[row, pa]",
         "jb = buf[row, pb]",
-        "va = x[row, ja]",
-        "vb = x[row, jb]",
+        f"va = {_value('x[row, ja]', bf16)}",
+        f"vb = {_value('x[row, jb]', bf16)}",
         *_before("ba", "vb", "jb", "va", "ja", desc),
         "if ba:",
         "    buf[row, pa] = jb",
@@ -78,12 +82,18 @@ def _exchange(indices: bool, desc: bool) -> list[str]:
     ]
 
 
+def _value(src: str, bf16: bool) -> str:
+    return f"BF16_IN({src})" if bf16 else src
+
+
 @functools.cache  # the kernel source is built once per key
 def _sort_kernel(dtype: np.dtype[Any], indices: bool, desc: bool) -> Any:
     """Sort each row of ``buf`` (m, k) in place: the values of ``x`` (``indices``
     False), or the indices 0..k-1 by the values of ``x`` they point at. ``hp`` is half
-    the power of two >= k: the pairs of one step of the network."""
-    exchange = _exchange(indices, desc)
+    the power of two >= k: the pairs of one step of the network. bfloat16 values come
+    as their bits (see half_view)."""
+    bf16 = dtype == BFLOAT16
+    exchange = _exchange(indices, desc, bf16)
     body = [
         "c = t_",
         "while c < k:",
@@ -118,10 +128,11 @@ def _sort_kernel(dtype: np.dtype[Any], indices: bool, desc: bool) -> Any:
     ]
 
     def sim(buf: np.ndarray, x: np.ndarray, k: int, hp: int, m: int) -> None:
+        v = bf16_to_f32(x) if bf16 else x
         if desc:  # stable descending: the stable ascending order of the reversed row, reversed
-            order = (k - 1 - np.argsort(x[:, ::-1], axis=1, kind="stable"))[:, ::-1]
+            order = (k - 1 - np.argsort(v[:, ::-1], axis=1, kind="stable"))[:, ::-1]
         else:
-            order = np.argsort(x, axis=1, kind="stable")
+            order = np.argsort(v, axis=1, kind="stable")
         np.copyto(buf, order if indices else np.take_along_axis(x, order, 1))
 
     key = ("sort", dtype.str, indices, desc)
@@ -159,7 +170,7 @@ class Sort(TensorOp):
         name = self.name
         if not isinstance(x, Tensor):
             raise TypeError(f"{name}: needs a tensor, got {arg_type(x)}")
-        if x.dtype == BFLOAT16 or x.dtype.kind not in "biuf":
+        if x.dtype != BFLOAT16 and x.dtype.kind not in "biuf":
             raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported (convert with astype)")
         if axis is None:
             return (x.size,), None, x.size
@@ -211,11 +222,12 @@ class Sort(TensorOp):
                 rows, m, k = _as_rows(plan, ln, x, (ax,))
                 perm = [d for d in range(x.ndim) if d != ax] + [ax]
             hp = 1 << max(0, (k - 1).bit_length() - 1)  # half the power of two >= k
+            rows = half_view(rows)
             lead = tuple(shape[d] for d in perm[:-1])
             if kind == "sort":
                 assert vres is not None
                 buf, tmp = _rows_out(plan, ln, vres.t, perm, m, k, name)
-                launch(plan, ln, _sort_kernel(x.dtype, False, False), (out_partition(buf), rows, k, hp, m))
+                launch(plan, ln, _sort_kernel(x.dtype, False, False), (out_partition(half_view(buf)), rows, k, hp, m))
                 if tmp is not None:
                     copy_into(plan, ln, vres.t.transpose(perm), tmp.reshape(*lead, k), name)
             elif kind == "argsort":
@@ -230,7 +242,8 @@ class Sort(TensorOp):
                 launch(plan, ln, _sort_kernel(x.dtype, True, self._desc), (out_partition(order), rows, k, hp, m))
                 first = view(order, (m, kout), (k * 8, 8))
                 vals, tmp = _rows_out(plan, ln, vres.t, perm, m, kout, name)
-                launch(plan, ln, gather_kernel(2, 1, x.dtype, _I64, False), (out_partition(vals), rows, first, m * kout))
+                gather = gather_kernel(2, 1, rows.dtype, _I64, False)  # (bfloat16: its bits)
+                launch(plan, ln, gather, (out_partition(half_view(vals)), rows, first, m * kout))
                 if tmp is not None:
                     copy_into(plan, ln, vres.t.transpose(perm), tmp.reshape(*lead, kout), name)
                 steps, acc = [], k * 8
