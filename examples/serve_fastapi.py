@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import socket
 import sys
 import time
@@ -238,14 +239,24 @@ def make_app(model: Model, max_batch: int = 32, window_ms: float = 2.0) -> FastA
 
     @app.post("/infer")
     async def infer(body: dict[str, Any]) -> dict[str, Any]:
-        x = np.asarray(body.get("x"), np.float32)
-        if x.shape != (model.features,):
+        # Bad input answers 422 before the request is queued (no GPU work for an answer
+        # nobody reads); a deadline must be finite (a NaN timer would break the loop's
+        # ordering of timers).
+        try:
+            x = np.asarray(body.get("x"), np.float32)
+        except (TypeError, ValueError):  # (not numbers, or ragged)
+            x = None
+        if x is None or x.shape != (model.features,):
             raise HTTPException(422, f"x must be a list of {model.features} numbers")
+        deadline = body.get("deadline_ms")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline)
+        ):
+            raise HTTPException(422, f"deadline_ms must be a finite number of milliseconds, not {deadline!r}")
         req = Request(x)
         batcher.queue.put_nowait(req)
-        deadline = body.get("deadline_ms")
         try:
-            async with asyncio.timeout(None if deadline is None else float(deadline) / 1e3):
+            async with asyncio.timeout(None if deadline is None else deadline / 1e3):
                 y = await asyncio.shield(req.answer)
         except TimeoutError:
             req.answer.cancel()  # a queued request is dropped; its batch, if running, goes on

@@ -179,3 +179,43 @@ def test_a_deadline_passing_while_its_replay_is_in_flight() -> None:
         await pending.wait()
 
     run(body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"x": "abc"},
+        {"x": [1.0] * (FEATURES - 1) + ["a"]},
+        {"x": [[1.0], [2.0, 3.0]]},
+        {"x": [1.0] * FEATURES, "deadline_ms": "soon"},
+        {"x": [1.0] * FEATURES, "deadline_ms": [1]},
+        {"x": [1.0] * FEATURES, "deadline_ms": True},
+        {"x": [1.0] * FEATURES, "deadline_ms": float("nan")},
+    ],
+    ids=["x-a-string", "x-not-numbers", "x-ragged", "deadline-a-string", "deadline-a-list", "deadline-a-bool", "deadline-nan"],
+)
+def test_bad_input_answers_422_before_it_is_queued(body: dict[str, Any]) -> None:
+    """A request the service cannot read answers 422 naming the field, and is not queued:
+    no batch runs for it (found by an adversarial review: these answered 500, the bad
+    deadlines after their request had been queued and run; a NaN deadline was accepted)."""
+
+    async def body_() -> None:
+        model = serve.Model(FEATURES, HIDDEN, OUTPUTS, DEPTH, max_batch=2)
+        async with serve.serving(serve.make_app(model, max_batch=2, window_ms=1)) as url:
+            conn = await serve.Connection.open(url)
+            try:
+                status, answer = await conn.request("POST", "/infer", json.dumps(body).encode())
+                assert status == 422, (status, answer)
+                field = "deadline_ms" if "deadline_ms" in body else "x"
+                assert field in json.loads(answer)["detail"]
+                health = json.loads((await conn.request("GET", "/health"))[1])
+                assert (health["batches"], health["served"], health["queued"]) == (0, 0, 0)
+                # the service goes on answering
+                x = rows(1, 3)
+                status, answer = await conn.request("POST", "/infer", json.dumps({"x": x[0].tolist()}).encode())
+                assert status == 200 and close(np.array([json.loads(answer)["y"]], np.float32), model.reference(x))
+            finally:
+                await conn.close()
+        assert model.replayed == 1
+
+    run(body_)
