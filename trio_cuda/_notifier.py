@@ -188,7 +188,8 @@ class Notifier:
 
     def parked(self) -> int:
         """How many waits are parked on the helper thread now."""
-        return len(self._waiters) + self._in_pass
+        with self._lock:  # (the pass moves waiters between the two in two steps)
+            return len(self._waiters) + self._in_pass
 
     def statistics(self) -> NotifierStatistics:
         """A frozen snapshot of the wake-up counters."""
