@@ -101,7 +101,9 @@ async def trio_side(sh: list[tuple[int, ...]], reps: int, host: list[np.ndarray]
     return {"first": first, "trio eager": eager, "trio graph": replay, "steps after": await step.item()}
 
 
-def torch_side(sh: list[tuple[int, ...]], reps: int, host: list[np.ndarray], grads: list[np.ndarray]) -> dict[str, Any]:
+def torch_setup(host: list[np.ndarray], grads: list[np.ndarray]) -> tuple[list[np.ndarray], Any]:
+    """PyTorch's first step from the data (the check of every variant) and a timer of its
+    fused steps."""
     import torch
 
     params = [torch.nn.Parameter(torch.from_numpy(a).cuda()) for a in host]
@@ -110,14 +112,23 @@ def torch_side(sh: list[tuple[int, ...]], reps: int, host: list[np.ndarray], gra
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     opt.step()
     first = [p.detach().cpu().numpy() for p in params[:3]]
-    for _ in range(2):
-        opt.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        opt.step()
-    torch.cuda.synchronize()
-    return {"first": first, "torch fused": (time.perf_counter() - t0) / reps}
+
+    def timer(reps: int) -> float:
+        for _ in range(2):
+            opt.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            opt.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps
+
+    return first, timer
+
+
+def torch_side(sh: list[tuple[int, ...]], reps: int, host: list[np.ndarray], grads: list[np.ndarray]) -> dict[str, Any]:
+    first, timer = torch_setup(host, grads)
+    return {"first": first, "torch fused": timer(reps)}
 
 
 def main(argv: list[str] | None = None) -> int:

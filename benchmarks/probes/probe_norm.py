@@ -30,7 +30,8 @@ import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import trio_cuda
-from trio_cuda import api, lowlevel, ops
+from benchmarks.bench_ops import time_trio
+from trio_cuda import api, ops
 from trio_cuda._ops import _norm
 
 VARIANTS: dict[str, _norm.NormTuning] = {
@@ -49,18 +50,6 @@ def reference(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float) ->
     if b is None:
         return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * wf
     return (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + eps) * wf + b.astype(np.float64)
-
-
-async def time_op(make: Any, reps: int, stream: trio_cuda.Stream) -> float:
-    for _ in range(3):
-        await (await lowlevel.submit(make(), stream)).wait()
-    t0 = time.perf_counter()
-    last = None
-    for _ in range(reps):
-        last = await lowlevel.submit(make(), stream)
-    assert last is not None
-    await last.wait()
-    return (time.perf_counter() - t0) / reps
 
 
 def torch_case(
@@ -99,7 +88,7 @@ async def trio_case(
         return ops.rms_norm(x, wt, eps, out=z)
 
     got = (await make().to_host()).astype(np.float64)
-    return got, await time_op(make, reps, stream)
+    return got, await time_trio(make, reps, stream)
 
 
 async def run(reps: int, names: list[str], smoke: bool) -> None:

@@ -32,7 +32,7 @@ import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import trio_cuda
-from benchmarks.bench_optim import BETAS, EPS, LR, SMOKE, TARGET, WD, adamw_ref, shapes
+from benchmarks.bench_optim import BETAS, EPS, LR, SMOKE, TARGET, WD, adamw_ref, shapes, torch_setup
 from trio_cuda import api, lowlevel, ops
 from trio_cuda._ops import _optim
 
@@ -120,31 +120,6 @@ async def trio_side(
         for name in names if r % 2 == 0 else names[::-1]:
             info[name]["times"].append(await timed(graphs[name].launch))
     return info
-
-
-def torch_setup(host: list[np.ndarray], grads: list[np.ndarray]) -> tuple[list[np.ndarray], Any]:
-    """PyTorch's first step from the data (the check of every variant) and a timer of its
-    fused steps."""
-    import torch
-
-    params = [torch.nn.Parameter(torch.from_numpy(a).cuda()) for a in host]
-    for p, g in zip(params, grads, strict=True):
-        p.grad = torch.from_numpy(g).cuda()
-    opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    opt.step()
-    first = [p.detach().cpu().numpy() for p in params[:3]]
-
-    def timer(reps: int) -> float:
-        for _ in range(2):
-            opt.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            opt.step()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / reps
-
-    return first, timer
 
 
 def main(argv: list[str] | None = None) -> int:
