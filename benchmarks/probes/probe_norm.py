@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ import trio
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import trio_cuda
-from benchmarks.bench_ops import time_trio
+from benchmarks.bench_ops import time_torch, time_trio
 from trio_cuda import api, ops
 from trio_cuda._ops import _norm
 
@@ -66,14 +65,7 @@ def torch_case(
         return torch.nn.functional.rms_norm(ta, (k,), tw, eps)
 
     want = fn().float().cpu().numpy()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return want, (time.perf_counter() - t0) / reps
+    return want, time_torch(fn, reps)
 
 
 async def trio_case(
