@@ -4,12 +4,9 @@ does its probe of launch variants."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
-from ..helpers.benchmarks import BENCHMARKS, run_smoke
+from ..helpers.benchmarks import run_probe_smoke, run_smoke
 
 
 def test_bench_optim_smoke(tmp_path: pathlib.Path) -> None:
@@ -24,12 +21,9 @@ def test_bench_optim_smoke(tmp_path: pathlib.Path) -> None:
 def test_probe_optim_smoke() -> None:
     """benchmarks/probes/probe_optim.py (the launch variants for the lead to pick from):
     every variant checked against numpy's formula, its launches counted."""
-    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
-    script = BENCHMARKS / "probes" / "probe_optim.py"
-    r = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    assert "every variant right" in r.stdout and "PROBLEM" not in r.stdout
-    rows = {line.split("|")[1].strip(): line.split("|") for line in r.stdout.splitlines() if line.startswith("| ")}
+    stdout = run_probe_smoke("optim")
+    assert "every variant right" in stdout and "PROBLEM" not in stdout
+    rows = {line.split("|")[1].strip(): line.split("|") for line in stdout.splitlines() if line.startswith("| ")}
     # bench_optim's smoke shapes: 27 tensors; one launch per tensor, or per 8 (K=8), 4 or 12 of them
     assert rows["per-tensor"][6].strip() == "27"
     assert rows["default"][6].strip() == "4"

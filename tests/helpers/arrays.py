@@ -8,6 +8,16 @@ import numpy as np
 import trio_cuda
 from trio_cuda import api
 
+#: The binary elementwise ops and their numpy twins.
+BINARY = [
+    ("add", np.add),
+    ("subtract", np.subtract),
+    ("multiply", np.multiply),
+    ("divide", np.true_divide),
+    ("maximum", np.maximum),
+    ("minimum", np.minimum),
+]
+
 
 def up(a: np.ndarray) -> trio_cuda.Tensor:
     """``a`` uploaded to the current device."""

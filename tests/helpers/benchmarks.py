@@ -1,4 +1,4 @@
-"""Running a benchmark in its smoke mode on the simulated device."""
+"""Running a benchmark or a probe in its smoke mode on the simulated device."""
 
 from __future__ import annotations
 
@@ -28,3 +28,13 @@ def run_smoke(name: str, out: pathlib.Path, *args: str) -> tuple[str, dict[str, 
     (md,) = out.glob(f"{name}-*.md")
     (js,) = out.glob(f"{name}-*.json")
     return md.read_text(), json.loads(js.read_text())
+
+
+def run_probe_smoke(name: str) -> str:
+    """Run ``benchmarks/probes/probe_<name>.py --smoke`` on the simulated device; it must
+    succeed. Its output."""
+    env = dict(os.environ, TRIO_CUDA_BACKEND="sim")
+    script = BENCHMARKS / "probes" / f"probe_{name}.py"
+    r = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout

@@ -18,6 +18,8 @@ import pytest
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api, ops
 
+from ..helpers.arrays import BINARY
+
 RNG = np.random.default_rng(55)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -75,16 +77,6 @@ async def test_unary_ops_and_activations(dt: np.dtype[Any], name: str, op: Any, 
         else:
             want = ref(f32(a))
     close(got, want.astype(np.float32), dt, atol=ULP[dt] * 4)
-
-
-BINARY = [
-    ("add", np.add),
-    ("subtract", np.subtract),
-    ("multiply", np.multiply),
-    ("divide", np.true_divide),
-    ("maximum", np.maximum),
-    ("minimum", np.minimum),
-]
 
 
 @pytest.mark.parametrize("dt", HALVES, ids=str)

@@ -15,6 +15,8 @@ import trio
 import trio_cuda  # before numba.cuda: it chooses the backend
 from trio_cuda import api, ops
 
+from ..helpers.arrays import BINARY
+
 RNG = np.random.default_rng(7)
 FLOATS = [np.float16, np.float32, np.float64]
 TOL = {np.dtype(np.float16): 2e-3, np.dtype(np.float32): 2e-6, np.dtype(np.float64): 1e-12}
@@ -47,16 +49,6 @@ async def up(a: np.ndarray) -> trio_cuda.Tensor:
 
 
 # -- elementwise ------------------------------------------------------------------------------------
-BINARY = [
-    ("add", np.add),
-    ("subtract", np.subtract),
-    ("multiply", np.multiply),
-    ("divide", np.true_divide),
-    ("maximum", np.maximum),
-    ("minimum", np.minimum),
-]
-
-
 @pytest.mark.parametrize("name,fn", BINARY)
 @pytest.mark.parametrize(
     "dtypes",
