@@ -244,6 +244,16 @@ async def replicas_identical(group: Groups, replicas: list[Replica]) -> bool:
     return True
 
 
+def verdict(same: bool, first: float, final: float) -> str | None:
+    """What is wrong with a data-parallel run, or None: the replicas must end identical
+    and the loss at most half its first value."""
+    if not same:
+        return "the replicas' weights differ"
+    if not final <= first / 2:
+        return "the loss did not fall to half"
+    return None
+
+
 async def main() -> int:
     sim = trio_cuda.backend_name() == "sim"
     ap = argparse.ArgumentParser(description="data-parallel MLP training over NCCL")
@@ -287,11 +297,9 @@ async def main() -> int:
 
     same = await replicas_identical(group, replicas)
     group.close()
-    if not same:
-        print("WRONG: the replicas' weights differ")
-        return 1
-    if not final <= first / 2:
-        print("WRONG: the loss did not fall to half")
+    wrong = verdict(same, first, final)
+    if wrong is not None:
+        print(f"WRONG: {wrong}")
         return 1
     say("correct")
     return 0
