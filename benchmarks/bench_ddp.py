@@ -59,14 +59,19 @@ async def trio_run(ndev: int, per_device: int, f: int, h: int, o: int, steps: in
     devices = trio_cuda.devices()[:ndev]
     batch = per_device * ndev
     group, replicas = await build(devices, batch, f, h, o)
+    rate, loss = await _timed(group, replicas, batch, o, steps, lr)
+    group.close()
+    return rate, loss
+
+
+async def _timed(group: Any, replicas: Any, batch: int, o: int, steps: int, lr: float) -> tuple[float, float]:
+    """``steps`` training steps after the warm-up: steps/s, and the loss after them."""
     for _ in range(WARMUP):
         await train_step(group, replicas, batch, lr)
     t0 = time.perf_counter()
     await train(group, replicas, batch, lr, steps)
     rate = steps / (time.perf_counter() - t0)
-    loss = await global_loss(group, replicas, batch, o)
-    group.close()
-    return rate, loss
+    return rate, await global_loss(group, replicas, batch, o)
 
 
 async def trio_rank(
@@ -76,12 +81,7 @@ async def trio_rank(
     loss, and whether the replicas ended identical."""
     batch = per_device * group.nranks
     replicas = await build_process(group, batch, f, h, o)
-    for _ in range(WARMUP):
-        await train_step(group, replicas, batch, lr)
-    t0 = time.perf_counter()
-    await train(group, replicas, batch, lr, steps)
-    rate = steps / (time.perf_counter() - t0)
-    loss = await global_loss(group, replicas, batch, o)
+    rate, loss = await _timed(group, replicas, batch, o, steps, lr)
     rates = await (await group.all_gather(api.from_host(np.array([rate]))))[0].to_host()
     same = await replicas_identical(group, replicas)
     return [float(r) for r in rates], loss, same
