@@ -230,9 +230,11 @@ async def test_a_prediction_too_long_is_corrected(monkeypatch: pytest.MonkeyPatc
     assert s1.early > s0.early
     await _await_n(c, 2_000_000, 6)  # learned: woken by the timer, before the end
     s2 = lowlevel.notifier_statistics().sleeping
-    # (mostly: the simulated device's kernel times jitter with the host's load)
-    assert s2.early - s1.early <= 2, "the estimate did not come down to the work's new length"
-    assert s2.timer_wakes - s1.timer_wakes >= 3
+    # An estimate left near 20 ms (or shrunk only in steps) never fires its timer before
+    # a 2 ms kernel ends; half the waits woken by their timer shows it came down to about
+    # 2 ms. (How many of the rest end early depends on how the simulated device's kernel
+    # times jitter with the host's load: a kernel that ran long raises the estimate.)
+    assert s2.timer_wakes - s1.timer_wakes >= 3, "the estimate did not come down to the work's new length"
     np.testing.assert_array_equal(await c.tensor.to_host(), [12])
 
 
