@@ -54,6 +54,11 @@ __all__ = [
 CANCELLED = (trio.Cancelled, asyncio.CancelledError)
 
 _sniffed = sniffio.thread_local  # (trio sets .name = "trio" while it runs a task)
+# (bound once: each await calls three of them)
+_trio_current_task = trio.lowlevel.current_task
+_trio_checkpoint = trio.lowlevel.checkpoint
+_trio_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_trio_cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 
 
 def loop_name() -> str | None:
@@ -81,7 +86,7 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop:
 def current_task() -> Any:
     """The calling trio or asyncio task (None outside both)."""
     if _sniffed.name == "trio":
-        return trio.lowlevel.current_task()
+        return _trio_current_task()
     try:
         return asyncio.current_task()
     except RuntimeError:
@@ -108,7 +113,7 @@ _YIELD = _Yield()
 def checkpoint() -> Awaitable[None]:
     """A schedule point and a cancellation point (an awaitable)."""
     if _sniffed.name == "trio":
-        return trio.lowlevel.checkpoint()
+        return _trio_checkpoint()
     running_asyncio_loop()
     return _YIELD
 
@@ -117,7 +122,7 @@ def checkpoint_if_cancelled() -> Awaitable[None]:
     """Raise the cancellation if the calling task is cancelled (under trio, and under
     asyncio when a cancel is pending); otherwise return at once (an awaitable)."""
     if _sniffed.name == "trio":
-        return trio.lowlevel.checkpoint_if_cancelled()
+        return _trio_checkpoint_if_cancelled()
     running_asyncio_loop()
     return _asyncio_checkpoint_if_cancelled()
 
@@ -140,7 +145,7 @@ def cancel_shielded_checkpoint() -> Awaitable[None]:
     """A schedule point that trio does not cancel (after work that has completed).
     Under asyncio, which has no such point, an ordinary one (an awaitable)."""
     if _sniffed.name == "trio":
-        return trio.lowlevel.cancel_shielded_checkpoint()
+        return _trio_cancel_shielded_checkpoint()
     running_asyncio_loop()
     return _YIELD
 

@@ -43,6 +43,7 @@ from ._backends import backend
 from ._config import env_float
 from ._errors import DeviceError
 from ._forecast import SLEEP_MIN_NS, WaitStatistics, forecast
+from ._loop import cancel_shielded_checkpoint, checkpoint
 from ._stream import event_waits
 from ._timer import Timer
 from ._timer import available as _timers
@@ -380,13 +381,13 @@ def wait_steps(event: Event, kind: Any = None) -> Generator[Any, Any, None]:
         # Known complete: the first poll, right away (it raises the work's error, if any).
         if dev.poll(event):
             event_waits[0] += 1
-            yield from _loop.cancel_shielded_checkpoint().__await__()
+            yield from cancel_shielded_checkpoint().__await__()
             return
     else:
         # Just submitted, device work is almost never done yet (a driver query right
         # away costs ~2 us and finds it pending): the first poll comes after one pass of
         # the scheduler, which covers a tiny op's latency (~5 us on an H200).
-        yield from _loop.checkpoint().__await__()
+        yield from checkpoint().__await__()
         # (if the scheduler came back at once, few tasks are running: spin for a moment,
         # unless the work is known to be long)
         if dev.poll(event) or (
@@ -416,7 +417,7 @@ async def wait_pending(event: Event, started: int, kind: Any = None) -> None:
         deadline = started + window  # a budget of 0 parks what the first poll found pending
         while clock() < deadline:
             before = clock()
-            await _loop.checkpoint()
+            await checkpoint()
             # (if the scheduler came back at once, few tasks are running: spin for a moment
             # instead of another pass of the loop)
             if dev.poll(event) or (spin and spin_poll(event, before, deadline)):
@@ -511,7 +512,7 @@ async def _sleep_steps(event: Event, kind: Any, est: int, stream: int, base: int
         first = True
         while True:
             before = clock()
-            await _loop.checkpoint()
+            await checkpoint()
             if dev.poll(event) or (spin and spin_poll(event, before, end)):
                 event_waits[0] += 1
                 seen = clock()

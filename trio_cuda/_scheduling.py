@@ -188,55 +188,101 @@ class StreamPoolByLoad(SchedulingPolicy):
         if cap < n:
             raise ValueError(f"max_streams ({cap}) must be at least num_streams ({n})")
         self.device = as_device(device)
-        self._cap = cap
-        self._streams: list[Stream] = [self.device.create_stream() for _ in range(n)]
-        self._owners: list[int] = [0] * n  # who submitted last to each stream
+        self._pool = _Pool(self.device, n, cap)
+
+    def submission_stream(self) -> Stream:
+        return self._pool.submission_stream()
+
+    def next_stream(self) -> Stream:
+        return self._pool.next_stream()
+
+    def statistics(self) -> PoolStatistics:
+        """A frozen snapshot of how streams were chosen."""
+        pool = self._pool
+        with LOCK:
+            return PoolStatistics(len(pool.streams), pool.kept, pool.idle, pool.grown, pool.shared)
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        with LOCK:
+            return tuple(self._pool.streams)
+
+    def __repr__(self) -> str:
+        return f"StreamPoolByLoad(device={self.device.ordinal}, streams={len(self._pool.streams)}, max_streams={self._pool.cap})"
+
+
+class _Pool:
+    """What :class:`StreamPoolByLoad` knows of its streams, and its choices (a class of
+    its own, so that compiled its fields are typed: the choice runs on every await)."""
+
+    __slots__ = (
+        "cap",
+        "choices",
+        "cursor",
+        "device",
+        "grown",
+        "handed",
+        "handed_at",
+        "idle",
+        "kept",
+        "of",
+        "owners",
+        "shared",
+        "streams",
+    )
+
+    def __init__(self, device: Device, n: int, cap: int) -> None:
+        self.device = device
+        self.cap = cap
+        self.streams: list[Stream] = [device.create_stream() for _ in range(n)]
+        self.owners: list[int] = [0] * n  # who submitted last to each stream
         # Each stream's seq when it was last handed out: a stream handed out and not yet
         # given work (a submission being planned, a zip's other branches) is not idle.
-        self._handed: list[int] = [-1] * n
-        self._choices = 0  # choices made (a hand-out lapses after _HANDED_FOR of them)
-        self._handed_at: list[int] = [0] * n
-        self._of: dict[int, int] = {}  # owner -> index of its last stream
-        self._cursor = 0
-        self._counts = [0, 0, 0, 0]  # kept, idle, grown, shared
+        self.handed: list[int] = [-1] * n
+        self.choices = 0  # choices made (a hand-out lapses after _HANDED_FOR of them)
+        self.handed_at: list[int] = [0] * n
+        self.of: dict[int, int] = {}  # owner -> index of its last stream
+        self.cursor = 0
+        self.kept = 0
+        self.idle = 0
+        self.grown = 0
+        self.shared = 0
 
     def submission_stream(self) -> Stream:
         me = _owner()
         LOCK.acquire()  # (re-entrant: callers may hold it)
         try:
-            i = self._of.get(me, -1)
+            i = self.of.get(me, -1)
             if i >= 0:
-                s = self._streams[i]
+                s = self.streams[i]
                 if s.seq <= s.done_seq:  # its last stream, idle: stay (no cross-stream wait)
-                    self._hand_out(i, me)
-                    self._counts[0] += 1
+                    self.hand_out(i, me)
+                    self.kept += 1
                     return s
-            return self._choose(me, i)
+            return self.choose(me, i)
         finally:
             LOCK.release()
 
     def next_stream(self) -> Stream:
         me = _owner()
         with LOCK:
-            return self._choose(me, -1)
+            return self.choose(me, -1)
 
-    def _choose(self, me: int, own: int) -> Stream:
+    def choose(self, me: int, own: int) -> Stream:
         """An idle stream (rotating from the cursor); else a new stream; else ``own``
         (the index of the task's last stream, -1: none) while its pending work is the
         task's alone; else the least loaded (under LOCK)."""
-        streams = self._streams
+        streams = self.streams
         n = len(streams)
-        start = self._cursor
-        counts = self._counts
-        self._choices += 1
-        reserved = self._reserved
+        start = self.cursor
+        self.choices += 1
         pick = -1
         for k in range(n):
             i = (start + k) % n
             s = streams[i]
-            if s.seq <= s.done_seq and not reserved(i):
+            if s.seq <= s.done_seq and not self.reserved(i):
                 pick = i
-                counts[1] += 1
+                self.idle += 1
                 break
         if pick < 0:
             # None known idle: ask the driver about a few streams' newest work (work that
@@ -246,7 +292,7 @@ class StreamPoolByLoad(SchedulingPolicy):
             for k in range(n):
                 i = (start + k) % n
                 s = streams[i]
-                if reserved(i) or s.capture is not None or s.handle is None:
+                if self.reserved(i) or s.capture is not None or s.handle is None:
                     continue
                 dev = s.device
                 if s.generation != dev.generation or dev._resetting:
@@ -257,60 +303,46 @@ class StreamPoolByLoad(SchedulingPolicy):
                     idle = False
                 if idle:
                     pick = i
-                    counts[1] += 1
+                    self.idle += 1
                     break
                 asked += 1
                 if asked == _ASK:
                     break
-        if pick < 0 and n < self._cap:
+        if pick < 0 and n < self.cap:
             streams.append(self.device.create_stream())
-            self._owners.append(0)
-            self._handed.append(-1)
-            self._handed_at.append(0)
+            self.owners.append(0)
+            self.handed.append(-1)
+            self.handed_at.append(0)
             pick = n
-            counts[2] += 1
-        if pick < 0 and own >= 0 and self._owners[own] == me:
+            self.grown += 1
+        if pick < 0 and own >= 0 and self.owners[own] == me:
             pick = own
-            counts[0] += 1
+            self.kept += 1
         if pick < 0:
             best = None
             for i in range(n):
                 s = streams[i]
-                load = s.seq - s.done_seq + reserved(i)  # (handed out: work is coming)
-                if best is None or load < best or (load == best and self._owners[i] == me):
+                load = s.seq - s.done_seq + self.reserved(i)  # (handed out: work is coming)
+                if best is None or load < best or (load == best and self.owners[i] == me):
                     best, pick = load, i
-            counts[3] += 1
-        self._cursor = pick + 1
-        self._hand_out(pick, me)
-        if len(self._of) > 4096:  # owners come and go: forget the old ones
-            self._of.clear()
-        self._of[me] = pick
+            self.shared += 1
+        self.cursor = pick + 1
+        self.hand_out(pick, me)
+        if len(self.of) > 4096:  # owners come and go: forget the old ones
+            self.of.clear()
+        self.of[me] = pick
         return streams[pick]
 
-    def _reserved(self, i: int) -> bool:
+    def reserved(self, i: int) -> bool:
         """Stream ``i`` was handed out and has been given no work since, within the last
         _HANDED_FOR choices (later, a submission that enqueued nothing or was cancelled)."""
-        return self._handed[i] == self._streams[i].seq and self._handed_at[i] >= self._choices - _HANDED_FOR
+        return self.handed[i] == self.streams[i].seq and self.handed_at[i] >= self.choices - _HANDED_FOR
 
-    def _hand_out(self, i: int, me: int) -> None:
+    def hand_out(self, i: int, me: int) -> None:
         """Note that stream ``i`` goes to ``me`` now."""
-        self._owners[i] = me
-        self._handed[i] = self._streams[i].seq
-        self._handed_at[i] = self._choices
-
-    def statistics(self) -> PoolStatistics:
-        """A frozen snapshot of how streams were chosen."""
-        with LOCK:
-            kept, idle, grown, shared = self._counts
-            return PoolStatistics(len(self._streams), kept, idle, grown, shared)
-
-    @property
-    def streams(self) -> tuple[Stream, ...]:
-        with LOCK:
-            return tuple(self._streams)
-
-    def __repr__(self) -> str:
-        return f"StreamPoolByLoad(device={self.device.ordinal}, streams={len(self._streams)}, max_streams={self._cap})"
+        self.owners[i] = me
+        self.handed[i] = self.streams[i].seq
+        self.handed_at[i] = self.choices
 
 
 set_default_policy_factory(StreamPoolByLoad)

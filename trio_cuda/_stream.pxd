@@ -2,6 +2,9 @@
 # Event and Stream become extension types whose attributes are fields, read directly by
 # the compiled modules that cimport them. Interpreted, the .py runs as it is.
 
+cimport cython
+
+
 cdef class Event:
     cdef object __weakref__
     cdef public object _pool
@@ -42,3 +45,7 @@ cdef class Stream:
     cpdef Event event_at(self, seq)
     cpdef observe(self, seq)
     cpdef _succeeded(self, seq)
+
+
+@cython.locals(ev=Event)
+cdef Event _new_event(Stream stream, object seq, object handle)

@@ -73,17 +73,18 @@ class Event:
         "seq",
         "stream_handle",
     )
+    device: Any  # (the Device, typed loosely as Stream.device)
+    _stream: weakref.ref[Stream]
+    stream_handle: Any
+    seq: int
+    handle: Any
+    done: bool
+    error: BaseException | None  # the work before it failed (it is done)
+    generation: int
+    _pool: collections.deque[tuple[int, Any]]
 
-    def __init__(self, stream: Stream, seq: int, handle: Any) -> None:
-        self.device = stream.device
-        self._stream = stream._wref  # weak: no cycle with the stream's last event
-        self.stream_handle = stream.handle
-        self.seq = seq
-        self.handle = handle
-        self.done = False
-        self.error: BaseException | None = None  # the work before it failed (it is done)
-        self.generation = stream.generation
-        self._pool = stream._events
+    def __init__(self) -> None:
+        raise TypeError("Event cannot be constructed directly; lowlevel.record(stream) records one")
 
     @property
     def stream(self) -> Stream | None:
@@ -110,6 +111,22 @@ class Event:
             self._pool.append((self.generation, self.handle))
         except Exception:  # interpreter shutdown
             pass
+
+
+def _new_event(stream: Stream, seq: int, handle: Any) -> Event:
+    """An event of point ``seq`` of ``stream`` on the driver event ``handle`` (its fields
+    set here: compiled, without a call through the type)."""
+    ev = Event.__new__(Event)
+    ev.device = stream.device
+    ev._stream = stream._wref  # weak: no cycle with the stream's last event
+    ev.stream_handle = stream.handle
+    ev.seq = seq
+    ev.handle = handle
+    ev.done = False
+    ev.error = None
+    ev.generation = stream.generation
+    ev._pool = stream._events
+    return ev
 
 
 def dropped_stream(stream: Stream) -> ValueError:
@@ -270,7 +287,7 @@ class Stream:
         driver = device._driver
         if handle is None:
             handle = driver.create_event()
-        ev = Event(self, self.seq, handle)
+        ev = _new_event(self, self.seq, handle)
         driver.record(handle, self.handle)
         self._last_event = ev
         return ev

@@ -36,6 +36,7 @@ from . import _loop, _trace
 from ._capture import Capture
 from ._errors import DeviceError
 from ._guard import LOCK, _tls, check_blocking_allowed, check_not_nested
+from ._loop import cancel_shielded_checkpoint, checkpoint_if_cancelled
 from ._needs import Need
 from ._notifier import wait_event, wait_steps
 from ._pending import checked, resolve
@@ -188,7 +189,7 @@ class Submitted:
             raise RuntimeError("the output of this submission was taken already")
         ev = self.event
         if ev is None:
-            await _loop.cancel_shielded_checkpoint()
+            await cancel_shielded_checkpoint()
         else:
             try:
                 await wait_event(ev, tuple(self._ops))  # (the adaptive wait learns by the ops' names)
@@ -248,7 +249,7 @@ async def _enqueue_async(plan: Plan, need: Need | None) -> None:
 
 async def submit_async(op: Any, stream: Stream | None = None) -> Submitted:
     """Plan and enqueue ``op`` (waiting in the task's loop where needed); do not wait for its work."""
-    await _loop.checkpoint_if_cancelled()
+    await checkpoint_if_cancelled()
     if stream is None:
         stream = current_device()._submission_stream()
     plan, value, need = begin(op, stream)
@@ -262,7 +263,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
     device's policy) and wait in the task's loop (trio or asyncio, through their public
     checkpoints). A generator rather than a coroutine: the common await is then one frame
     of its own."""
-    yield from _loop.checkpoint_if_cancelled().__await__()
+    yield from checkpoint_if_cancelled().__await__()
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now
@@ -273,7 +274,7 @@ def await_op(op: Any, stream: Stream | None = None) -> Generator[Any, Any, Any]:
         return (yield from _run_planned(op, stream).__await__())
     value, ev, names = done
     if ev is None:
-        yield from _loop.cancel_shielded_checkpoint().__await__()
+        yield from cancel_shielded_checkpoint().__await__()
         return value
     try:
         yield from wait_steps(ev, names)  # (names: one Names per launch geometry or recipe, the kind)
@@ -290,7 +291,7 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
         await _enqueue_async(plan, need)
     ev = plan.event
     if ev is None:
-        await _loop.cancel_shielded_checkpoint()
+        await cancel_shielded_checkpoint()
     else:
         try:
             await wait_event(ev, tuple(plan.ops))  # (the adaptive wait learns by the ops' names)

@@ -1,0 +1,4 @@
+# Cython declarations for _submission.py when it is compiled (see _stream.pxd): the
+# loop's schedule points as C calls.
+
+from trio_cuda._loop cimport cancel_shielded_checkpoint, checkpoint_if_cancelled
