@@ -3,7 +3,9 @@ trio's scheduler passes: does a slow mode come and go, and with what?
 
 Usage: python benchmarks/probes/probe_roundtrip.py [--batches 20] [--size 500] [--smoke]
 
-Each batch is ``--size`` round trips (``await inc(p)``, each timed); odd batches also count
+Each batch is ``--size`` round trips (``await inc(p)``, each timed), with how often the
+submissions stayed on their stream or moved (the default policy's statistics) and the
+device's cross-stream waits and frees meanwhile; odd batches also count
 trio's task steps per await through a public trio instrument (the count, not the time, is
 what they give: an instrument costs time). On CUDA, ``nvidia-smi`` samples the SM clock and
 the performance state every 100 ms meanwhile; each batch prints the clocks sampled while it
@@ -60,6 +62,10 @@ async def run(args: argparse.Namespace, log: pathlib.Path | None) -> None:
     for _ in range(50):
         await inc(p)
     before = lowlevel.notifier_statistics()
+    dev = trio_cuda.current_device()
+    policy = dev.policy
+    pool = policy.statistics() if isinstance(policy, trio_cuda.StreamPoolByLoad) else None
+    stats = dev.statistics()
     for b in range(args.batches):
         counter = None
         if b % 2:
@@ -76,6 +82,15 @@ async def run(args: argparse.Namespace, log: pathlib.Path | None) -> None:
             line += f", {counter.steps / args.size:.2f} task steps an await"
         if log is not None:
             line += ", " + _clocks(log, t0, t1)
+        # What a slow mode could come from: the task's submissions leaving its stream
+        # (each move then waits across streams), frees or other work on its stream.
+        now = dev.statistics()
+        line += f", {now.stream_waits - stats.stream_waits} stream waits, {now.frees - stats.frees} frees"
+        stats = now
+        if pool is not None:
+            p2 = policy.statistics()
+            line += f", stream kept {p2.kept - pool.kept} / moved {p2.idle - pool.idle + p2.grown - pool.grown + p2.shared - pool.shared}"
+            pool = p2
         print(line, flush=True)
     after = lowlevel.notifier_statistics()
     print(
