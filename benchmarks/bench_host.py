@@ -168,7 +168,15 @@ async def _tasks_figure(n_tasks: int, k: int, reps: int = 3) -> dict[str, Any]:
 
     warm = min(k, 20)
     await one_round(warm)
+    policy = trio_cuda.current_device().policy
+    by_load = isinstance(policy, trio_cuda.StreamPoolByLoad)
+    before = policy.statistics() if by_load else None
     rates = [n_tasks * k / await one_round(k) for _ in range(reps)]
+    choices = None
+    if before is not None:  # how the default policy chose: what the awaits cost besides their own work
+        after = policy.statistics()
+        n = n_tasks * k * reps
+        choices = {f: (getattr(after, f) - getattr(before, f)) / n for f in ("kept", "idle", "grown", "shared", "asked")}
     expected = warm + reps * k
     wrong = []
     for i, x in enumerate(xs):
@@ -183,6 +191,7 @@ async def _tasks_figure(n_tasks: int, k: int, reps: int = 3) -> dict[str, Any]:
         "awaits_per_task": k,
         "awaits_per_s": statistics.median(rates),
         "samples": rates,
+        "policy_per_await": choices,
         "error": error,
     }
 
@@ -593,6 +602,9 @@ def build_rows(args: argparse.Namespace, ours: dict[str, Any], peers: dict[str, 
         label = f"awaits/s, {t} concurrent tasks, tiny kernels" if t > 1 else "awaits/s, 1 task, tiny kernels"
         target = ">= 60k" if i == 0 else ""
         lines.append(f"| {label} | {'n/a' if v is None else _fmt(v)} |  |  |  |  | {target} |")
+        per = r.get("policy_per_await")
+        if per:
+            checks.append(f"- {label}, the default policy per await: " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
         if i == 0:
             ok = None if v is None else v >= 60_000
             checks.append(f"- {label}: {'n/a' if v is None else _fmt(v)} (target >= 60000): {_verdict(ok)}")

@@ -9,6 +9,7 @@ from trio_cuda._stream cimport Stream
 
 cdef class _Pool:
     cdef public object device
+    cdef public Py_ssize_t asked
     cdef public Py_ssize_t cap
     cdef public Py_ssize_t choices
     cdef public Py_ssize_t cursor

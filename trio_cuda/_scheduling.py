@@ -25,7 +25,10 @@ __all__ = ["PoolStatistics", "SchedulingPolicy", "SingleStream", "StreamPoolByLo
 
 #: How many streams the default policy grows its pool to (see StreamPoolByLoad).
 MAX_STREAMS = 16
-_ASK = 4  # streams whose newest event one choice may ask the driver about (~2 us each on an H200)
+# Streams whose newest event one choice may ask the driver about: one (the next from the
+# cursor, the least recently handed out). When every stream is busy, as with many tasks
+# on few streams, the asks find nothing and each costs a driver query.
+_ASK = 1
 _HANDED_FOR = 64  # choices after which a stream handed out and given no work counts as idle again
 
 
@@ -139,6 +142,9 @@ class PoolStatistics:
         grown: Streams added to the pool because none was idle.
         shared: Choices that had to share a stream with another task's pending work
             (every stream busy, the pool at its cap): the least loaded one.
+        asked: Driver queries a choice made, with no stream known idle, about a
+            stream's newest work (one a choice at most; those that found it done
+            count in ``idle`` too).
     """
 
     streams: int
@@ -146,6 +152,7 @@ class PoolStatistics:
     idle: int
     grown: int
     shared: int
+    asked: int
 
 
 def _owner() -> int:
@@ -170,8 +177,8 @@ class StreamPoolByLoad(SchedulingPolicy):
     whatever the choice (per buffer).
 
     "Idle" is what polls have seen; when no stream is known idle, the driver is asked
-    about the newest work of up to four streams (work nobody awaits is seen done only
-    so). A stream handed out and given no work yet is not idle (a zip's branches get
+    about the newest work of one stream, the next in rotation (work nobody awaits is
+    seen done only so; with every stream busy more asks would only cost queries). A stream handed out and given no work yet is not idle (a zip's branches get
     distinct streams).
 
     Args:
@@ -200,7 +207,7 @@ class StreamPoolByLoad(SchedulingPolicy):
         """A frozen snapshot of how streams were chosen."""
         pool = self._pool
         with LOCK:
-            return PoolStatistics(len(pool.streams), pool.kept, pool.idle, pool.grown, pool.shared)
+            return PoolStatistics(len(pool.streams), pool.kept, pool.idle, pool.grown, pool.shared, pool.asked)
 
     @property
     def streams(self) -> tuple[Stream, ...]:
@@ -216,6 +223,7 @@ class _Pool:
     its own, so that compiled its fields are typed: the choice runs on every await)."""
 
     __slots__ = (
+        "asked",
         "cap",
         "choices",
         "cursor",
@@ -247,6 +255,7 @@ class _Pool:
         self.idle = 0
         self.grown = 0
         self.shared = 0
+        self.asked = 0
 
     def submission_stream(self) -> Stream:
         me = _owner()
@@ -297,6 +306,7 @@ class _Pool:
                 dev = s.device
                 if s.generation != dev.generation or dev._resetting:
                     continue  # (a reset is under way: no driver calls on its streams)
+                self.asked += 1
                 try:
                     idle = dev.poll(s.event_at(s.seq))  # (an event of its newest point)
                 except DeviceError:

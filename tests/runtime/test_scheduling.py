@@ -277,6 +277,47 @@ async def test_by_load_shares_the_least_loaded_stream_at_its_cap(dev: trio_cuda.
         await extra.wait()
 
 
+async def test_by_load_asks_the_driver_about_one_stream_when_every_stream_is_busy(dev: trio_cuda.Device) -> None:
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=3, max_streams=3)
+    async with trio.open_nursery() as n:
+        held = [await n.start(_hold, pool) for _ in range(3)]
+        before = pool.statistics()
+        for _ in range(3):  # other tasks' choices: nothing known idle, nothing to grow
+            await n.start(_pick_and_stay, pool)
+        after = pool.statistics()
+        assert after.shared - before.shared == 3
+        # (a stream handed out to one of them is not asked about by the next)
+        assert after.asked - before.asked == 3, "more than one query a choice about busy streams"
+        assert all(not sub.event.query() for _, sub in held)
+        n.cancel_scope.cancel()
+
+
+async def _pick_and_stay(pool: trio_cuda.StreamPoolByLoad, task_status: trio.TaskStatus[trio_cuda.Stream]) -> None:
+    # (a task that stays alive: a new task may reuse a finished one's id, and a policy
+    # keyed by ids would take it for the same task)
+    task_status.started(pool.submission_stream())
+    await trio.sleep_forever()
+
+
+async def test_by_load_finds_work_nobody_awaited_done_by_asking(dev: trio_cuda.Device) -> None:
+    pool = trio_cuda.StreamPoolByLoad(dev, num_streams=2, max_streams=2)
+    subs = []
+    for s in pool.streams:  # fire and forget: no poll of theirs sees them complete
+        subs.append(await trio_cuda.lowlevel.submit(sleep(await counter(), 1000), s))
+    other = dev.create_stream()  # waited for through another stream's event
+    for sub in subs:
+        trio_cuda.lowlevel.stream_wait(other, sub.event)
+    await trio_cuda.lowlevel.wait(trio_cuda.lowlevel.record(other))
+    before = pool.statistics()
+    async with trio.open_nursery() as n:
+        s = await n.start(_pick, pool)
+    after = pool.statistics()
+    assert s in pool.streams
+    assert (after.asked - before.asked, after.idle - before.idle, after.shared - before.shared) == (1, 1, 0)
+    for sub in subs:
+        await sub.wait()
+
+
 async def test_by_load_arguments_are_checked(dev: trio_cuda.Device) -> None:
     with pytest.raises(ValueError, match="max_streams"):
         trio_cuda.StreamPoolByLoad(dev, num_streams=4, max_streams=2)
