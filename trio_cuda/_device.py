@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from ._backends._boundary import DeviceDriver, Waker
 from ._device_stats import Counters, DeviceStatistics
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
-from ._guard import LOCK, check_blocking_allowed, check_not_forked
+from ._guard import LOCK, check_blocking_allowed, check_not_forked, lock_acquire, lock_release
 from ._staging import drain as _staging_drain
 from ._stream import Event, Stream, dropped_stream, event_waits
 
@@ -545,7 +545,7 @@ class Device:
             if ev.error is not None:
                 raise fresh(ev.error)
             return True
-        LOCK.acquire()  # (rather than `with`: half the cost, on every await)
+        lock_acquire()  # (rather than `with`: half the cost, on every await)
         try:
             if ev.generation != self.generation:
                 check_not_forked()
@@ -602,7 +602,7 @@ class Device:
                     s._succeeded(ev.seq)  # (ev is of the current generation, and so is s)
                 return True
         finally:
-            LOCK.release()
+            lock_release()
         return False
 
     def _newest_done(self, s: Stream, last: Event) -> bool:

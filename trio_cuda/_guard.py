@@ -42,11 +42,17 @@ __all__ = [
     "check_not_nested",
     "loop_hint",
     "mark_started",
+    "lock_acquire",
+    "lock_release",
     "on_fork_child",
     "submitting",
 ]
 
 LOCK = threading.RLock()
+# Bound once: the paths of every await take the lock three times, and looking the method
+# up costs as much as taking the lock (the same lock object lives on across a fork).
+lock_acquire = LOCK.acquire
+lock_release = LOCK.release
 
 _started = False  # this process opened the backend (or initialized the CUDA driver)
 _forked_from: int | None = None  # in a forked child of a started process: the parent's pid

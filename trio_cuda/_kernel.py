@@ -40,7 +40,7 @@ from ._direct import direct_enqueue, direct_ready, note_accesses, order_accesses
 from ._errors import LaunchError
 from ._fingerprint import fingerprint
 from ._forecast import Names
-from ._guard import LOCK, _tls, check_blocking_allowed
+from ._guard import LOCK, _tls, check_blocking_allowed, lock_acquire, lock_release
 from ._needs import KernelNeed, load_kernels
 from ._op import DeviceOp
 from ._pending import EXECUTING
@@ -547,7 +547,7 @@ def _launch_now(op: _Launch, s: Stream) -> tuple[Any, Event | None, list[str]] |
         return None
     _, generation, cfg, prepared = hit
     # (acquire / release rather than `with`: half the cost, on every await)
-    LOCK.acquire()
+    lock_acquire()
     try:
         if op._state is not None:
             return None
@@ -564,7 +564,7 @@ def _launch_now(op: _Launch, s: Stream) -> tuple[Any, Event | None, list[str]] |
         op._state = EXECUTING
         ev = direct_enqueue(s, _direct_launch_step, (device, cfg, args, prepared))
     finally:
-        LOCK.release()
+        lock_release()
     names = cfg.names
     if names[0] is not k.name:  # (a kernel renamed since: faults name it by its new name)
         names[0] = k.name

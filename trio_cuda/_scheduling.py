@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ._checks import as_int
 from ._device import Device, set_default_policy_factory
 from ._errors import DeviceError
-from ._guard import LOCK, check_not_forked
+from ._guard import LOCK, check_not_forked, lock_acquire, lock_release
 from ._loop import current_task
 from ._registry import as_device
 from ._stream import Stream
@@ -259,7 +259,7 @@ class _Pool:
 
     def submission_stream(self) -> Stream:
         me = _owner()
-        LOCK.acquire()  # (re-entrant: callers may hold it)
+        lock_acquire()  # (re-entrant: callers may hold it)
         try:
             i = self.of.get(me, -1)
             if i >= 0:
@@ -270,7 +270,7 @@ class _Pool:
                     return s
             return self.choose(me, i)
         finally:
-            LOCK.release()
+            lock_release()
 
     def next_stream(self) -> Stream:
         me = _owner()
