@@ -1,6 +1,7 @@
-"""Where a benchmark's run goes: ``<name>-<date>.md`` (the report, folded by hand into
-``benchmarks/results/<name>.md``) and ``<name>-<date>.json`` (every figure), under
-``--out``."""
+"""Where a benchmark's run goes: printed, and with ``--out DIR`` also ``<name>-<date>.md``
+(the report, folded by hand into ``benchmarks/results/<name>.md``) and
+``<name>-<date>.json`` (every figure) under DIR. Without ``--out`` nothing is written: a
+smoke run or a trial leaves no file among the results."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import pathlib
 from typing import Any
 
 
-def write(out: str | pathlib.Path, name: str, text: str, record: dict[str, Any]) -> pathlib.Path:
-    """Print ``text`` and write the report and the record; the report's path."""
+def write(out: str | pathlib.Path | None, name: str, text: str, record: Any) -> pathlib.Path | None:
+    """Print ``text``; with ``out``, write the report and the record there (the report's path)."""
     print(text)
+    if out is None:
+        return None
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     day = dt.date.today().isoformat()

@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, checked against numpy (the simulated device)")
     ap.add_argument("--reps", type=int, default=100, help="calls per round")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         args.reps, args.rounds = 2, 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import pathlib
 import sys
@@ -40,6 +39,9 @@ import numpy as np
 import trio
 
 import trio_cuda
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _results
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from train_mlp_ddp import build, build_process, global_loss, make_data, replicas_identical, train, train_step
@@ -184,12 +186,7 @@ def _report(args: argparse.Namespace, rows: list[dict[str, Any]], form: str, not
 
 
 def _write(args: argparse.Namespace, text: str, rows: list[dict[str, Any]]) -> None:
-    print(text)
-    if args.out is not None:
-        day = dt.date.today().isoformat()
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"ddp-{day}.md").write_text(text)
-        (args.out / f"ddp-{day}.json").write_text(json.dumps(rows, indent=1))
+    _results.write(args.out, "ddp", text, rows)
 
 
 def run_processes(args: argparse.Namespace, sizes: tuple[Any, ...]) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import pathlib
 import sys
 import time
@@ -36,6 +35,9 @@ import trio
 import trio_cuda
 from trio_cuda import ops
 from trio_cuda.kernels import MATVEC_ROWS, add, matvec, rms_norm
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _results
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 from cuda_graphs_deviceop import EPS, build
@@ -309,7 +311,11 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=16 if sim else 2048)
     ap.add_argument("--layers", type=int, default=2 if sim else 22)
     ap.add_argument("--tokens", type=int, default=2 if sim else 100)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     args = ap.parse_args()
 
     res, graph, others, kernels = trio.run(trio_modes, args.hidden, args.layers, args.tokens)
@@ -358,13 +364,11 @@ def main() -> int:
         f"{args.layers} layers, {4 * args.layers} kernels per token, graph of {nodes} nodes; {args.tokens} tokens per mode, "
         "one stream.\n\n" + "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
     )
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    day = dt.date.today().isoformat()
-    (out / f"decode-{day}.md").write_text(text)
-    (out / f"decode-{day}.json").write_text(
-        json.dumps({"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res, "us_per_kernel": per_kernel}, indent=2)
+    _results.write(
+        args.out,
+        "decode",
+        text,
+        {"when": stamp, "gpu": dev.name, "nodes": nodes, "ms_per_token": res, "us_per_kernel": per_kernel},
     )
     return 0
 

@@ -662,7 +662,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks-extra", default="1,16,64", help="task counts of the extra awaits/s rows")
     ap.add_argument("--awaits", type=int, default=51_200, help="awaits per repetition of an awaits/s row (all tasks)")
     ap.add_argument("--idle-s", type=float, default=1.0)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     known, _ = ap.parse_known_args(argv)
     if known.smoke:
         ap.set_defaults(**SMOKE)

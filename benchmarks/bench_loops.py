@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", type=int, default=256)
     ap.add_argument("--awaits", type=int, default=51_200, help="awaits per round of the awaits/s figure (all tasks)")
     ap.add_argument("--loops", default=",".join(LOOPS), help="loops to measure, trio first")
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     known, _ = ap.parse_known_args(argv)
     if known.smoke:
         ap.set_defaults(**SMOKE)

@@ -29,6 +29,9 @@ import trio_cuda
 from trio_cuda import _notifier, api, lowlevel
 from trio_cuda.kernels import sleep
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _results
+
 from numba import cuda
 
 
@@ -79,7 +82,11 @@ async def measure(reps: int) -> list[tuple[str, dict[str, float]]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     args = ap.parse_args()
     rows = trio.run(measure, args.reps)
     modes = ["spin", "fast path", "slow path", "default"]
@@ -94,10 +101,7 @@ def main() -> int:
         + "\n".join(lines)
         + "\n"
     )
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"notifier-{dt.date.today().isoformat()}.md").write_text(text)
+    _results.write(args.out, "notifier", text, {"report": text})
     return 0
 
 

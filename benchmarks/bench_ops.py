@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import pathlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +33,9 @@ import trio
 import trio_cuda
 from trio_cuda import api, lowlevel, ops
 from trio_cuda.kernels import MATVEC_ROWS, matvec
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from benchmarks import _results
 
 
 def _torch() -> Any:
@@ -241,27 +244,22 @@ def main() -> None:
     if trio_cuda.backend_name() != "cuda":
         raise SystemExit("bench_ops.py needs a CUDA device")
     rows = trio.run(run, args.reps, args.quick, only)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        day = dt.date.today().isoformat()
-        gpu = trio_cuda.device(0).name if hasattr(trio_cuda.device(0), "name") else "GPU"
-        lines = [
-            f"# trio_cuda.ops vs PyTorch ({day})",
-            "",
-            f"GPU: {gpu}; reps {args.reps}",
-            "",
-            "| case | unit | trio-cuda | torch | ratio | target |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['case']} | failed: {r['error']} | | | | |")
-                continue
-            lines.append(
-                f"| {r['case']} | {r['unit']} | {r['trio']:.1f} | {r['torch']:.1f} | {r['ratio']:.3f} | >= {r['target']} |"
-            )
-        (args.out / f"ops-{day}.md").write_text("\n".join(lines) + "\n")
-        (args.out / f"ops-{day}.json").write_text(json.dumps(rows, indent=1))
+    day = dt.date.today().isoformat()
+    gpu = trio_cuda.device(0).name if hasattr(trio_cuda.device(0), "name") else "GPU"
+    lines = [
+        f"# trio_cuda.ops vs PyTorch ({day})",
+        "",
+        f"GPU: {gpu}; reps {args.reps}",
+        "",
+        "| case | unit | trio-cuda | torch | ratio | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['case']} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(f"| {r['case']} | {r['unit']} | {r['trio']:.1f} | {r['torch']:.1f} | {r['ratio']:.3f} | >= {r['target']} |")
+    _results.write(args.out, "ops", "\n".join(lines) + "\n", rows)
 
 
 if __name__ == "__main__":

@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=7)
     ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).resolve().parent / "results")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         for k, v in SMOKE.items():

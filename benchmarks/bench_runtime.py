@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import pathlib
 import statistics
 import sys
@@ -40,7 +39,7 @@ from trio_cuda.kernels import sleep
 from numba import cuda
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from benchmarks import _peers
+from benchmarks import _peers, _results
 
 
 @trio_cuda.kernel
@@ -178,7 +177,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     args = ap.parse_args()
 
     ours = trio.run(_trio_figures, args.n, args.reps)
@@ -193,12 +196,7 @@ def main() -> int:
         f"python {sys.version.split()[0]}, N={args.n}, reps={args.reps}; medians.\n"
     )
     text = header + "\n" + table(rows) + "\n"
-    print(text)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    day = dt.date.today().isoformat()
-    (out / f"runtime-{day}.md").write_text(text)
-    (out / f"runtime-{day}.json").write_text(json.dumps({"when": stamp, "gpu": dev.name, "rows": rows}, indent=2, default=str))
+    _results.write(args.out, "runtime", text, {"when": stamp, "gpu": dev.name, "rows": rows})
     return 0
 
 

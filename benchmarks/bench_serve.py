@@ -289,7 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--start-timeout", type=float, default=180.0, help="seconds a service may take to answer first")
     ap.add_argument("--serve", choices=SERVICES, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="write the report and its figures (<name>-<date>.md/.json) into this folder (default: print only)",
+    )
     known, _ = ap.parse_known_args(argv)
     if known.smoke:
         ap.set_defaults(**SMOKE)

@@ -32,7 +32,7 @@ TRIO_CUDA_REQUIRE_COMPILED=1 python3 -c "import trio_cuda" 2>/dev/null && export
 {
   echo "== gpu-plan $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | head -1
-  python3 -c "import trio_cuda; print('compiled:', len(trio_cuda.lowlevel.compiled_modules()), 'modules')" 2>&1
+  python3 -c "import trio_cuda.lowlevel as l; print('compiled:', len(l.compiled()), 'modules')" 2>&1
 } | tee -a "$all"
 
 # name | default cap (s) | command
