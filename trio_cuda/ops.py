@@ -219,7 +219,7 @@ def ceil(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 def round(x: TensorLike, decimals: int = 0, *, out: TensorLike = None) -> Op:
     """numpy's round: to ``decimals`` places, halves to even (``round(2.5) == 2``);
-    integers unchanged (``decimals < 0`` only for floats)."""
+    integers to negative decimals through float64, keeping their dtype, as numpy's."""
     return _math.round_(x, decimals, out=out)
 
 

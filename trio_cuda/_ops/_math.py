@@ -44,15 +44,19 @@ class _Unary:
     """Dtype rules of a one-operand ufunc for an op that takes extra scalar operands
     (``round``'s scale): the extra operands take the loop dtype. ``bool_to``: the loop
     and result dtype for a bool operand instead (numpy's round of bools is ``rint``'s:
-    float16)."""
+    float16). ``int_loop``: the loop dtype for an integer operand, whose dtype stays the
+    result's (numpy rounds integers to negative decimals in float64 and casts back)."""
 
-    def __init__(self, uf: Any, bool_to: Any = None) -> None:
+    def __init__(self, uf: Any, bool_to: Any = None, int_loop: Any = None) -> None:
         self._uf = uf
         self._bool_to = None if bool_to is None else np.dtype(bool_to)
+        self._int_loop = None if int_loop is None else np.dtype(int_loop)
 
     def resolve_dtypes(self, key: tuple[Any, ...]) -> tuple[np.dtype[Any], ...]:
         if self._bool_to is not None and key[0] == np.bool_:
             return (self._bool_to,) * len(key)
+        if self._int_loop is not None and isinstance(key[0], np.dtype) and key[0].kind in "iu":
+            return (self._int_loop,) * (len(key) - 1) + (key[0],)
         r = self._uf.resolve_dtypes((key[0], None))
         return (r[0],) * (len(key) - 1) + (r[-1],)
 
@@ -109,8 +113,9 @@ MATH: dict[str, MathUfunc] = {
     "ceil": MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
     # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
     "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor, np.float16), "biuf", int_expr="x0"),
-    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
-    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
+    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d),
+    # integers in float64, the store casting back to their dtype
+    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor, int_loop=np.float64), "biuf"),
     "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
     # integers through float64: exact while the result is below 2**53; a negative
     # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
@@ -217,13 +222,26 @@ def clip(x: Any, a_min: Any, a_max: Any, *, out: Any = None) -> MathOp:
     return math_op("clip", x, a_min, a_max, out=out)
 
 
+def _power_of_ten(n: int) -> float:
+    """numpy's scale for round to ``n`` decimals (its ``power_of_ten``): exact to 1e22,
+    beyond 1e9 a product of tens, which leaves ``float(10**n)`` from 1e25 on; the same
+    float gives numpy's results there too."""
+    if n < 9:
+        return float(10**n)
+    p = 1e9
+    for _ in range(n - 9):
+        p *= 10.0
+    return p
+
+
 def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
-    """numpy's round: half to even; ``decimals`` as numpy's (floats only below zero)."""
+    """numpy's round: half to even; ``decimals`` as numpy's (integers to negative
+    decimals round in float64 and keep their dtype; bools only to 0 decimals)."""
     if not is_int(decimals):
         raise TypeError(f"ops.round: decimals must be an int, not {decimals!r}")
     d = int(decimals)
     if abs(d) > 300:
         raise ValueError(f"ops.round: decimals={d} is out of range (|decimals| <= 300)")
     if d >= 0:
-        return math_op("round", x, 10**d, out=out)
-    return math_op("round_down", x, 10 ** (-d), out=out)
+        return math_op("round", x, _power_of_ten(d), out=out)
+    return math_op("round_down", x, _power_of_ten(-d), out=out)
