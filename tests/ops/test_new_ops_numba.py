@@ -73,7 +73,12 @@ np.testing.assert_array_equal(rb, np.round(flags))
 check((N ** 2).to_host().sync(), n ** 2)
 check(ops.clip(x, -1, 1.5).to_host().sync(), np.clip(a, -1, 1.5))
 check(ops.clip(S, None, 0.5).to_host().sync(), np.clip(s, None, 0.5))
-# reductions
+# comparisons no one dtype holds: uint64 against int64, a Python int beyond the dtype
+u, i = np.array([0, 2**63, 2**64 - 1], np.uint64), np.array([-1, 1, 2**63 - 1], np.int64)
+U = api.from_host(u).sync()
+check((U < api.from_host(i).sync()).to_host().sync(), u < i)
+check((api.from_host(i).sync() >= U).to_host().sync(), i >= u)
+check((U > -1).to_host().sync(), u > -1)
 check(ops.prod(x[:, :6], 1).to_host().sync(), np.prod(a[:, :6], 1), 1e-4)
 check(ops.any(x > 2.5, 1).to_host().sync(), np.any(a > 2.5, 1))
 check(ops.all(x[:, :3], 0).to_host().sync(), np.all(a[:, :3], 0))  # (few rows: the simulator is slow)

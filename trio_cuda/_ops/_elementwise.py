@@ -8,6 +8,7 @@ half types compute in float32 and store rounded. Each op is one kernel launch ov
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,7 +184,8 @@ def _plan_elementwise(
     out: Any,
 ) -> Tensor:
     """Plan ``out = expr(operands)`` over the broadcast shape (see the module doc).
-    ``loads_kind``: per operand, "num" (cast to the compute dtype) or "truth"."""
+    ``loads_kind``: per operand, "num" (cast to the compute dtype), "truth" or "raw"
+    (in its own dtype, a scalar too)."""
     tensors = [x for x in operands if isinstance(x, Tensor)]
     dev = device_of(name, tensors, lane)
     ln = lane.on(dev)
@@ -208,6 +210,8 @@ def _plan_elementwise(
         loads.append(Load(array, kind == "num", kind == "truth", array and x.dtype == BFLOAT16))
         if array:
             args.append(next(views))
+        elif kind == "raw":
+            args.append(x)
         else:
             args.append(_scalar(x, compute if kind == "num" else np.dtype(np.float64), name))
     args.append(math.prod(new_shape))
@@ -257,6 +261,78 @@ class Elementwise(TensorOp):
         return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, (u.load,) * u.nin, loop, result, out)
 
 
+_COMPARE = {
+    "equal": operator.eq,
+    "not_equal": operator.ne,
+    "less": operator.lt,
+    "less_equal": operator.le,
+    "greater": operator.gt,
+    "greater_equal": operator.ge,
+}
+_SYMBOL = {operator.eq: "==", operator.ne: "!=", operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">="}
+
+
+def _signed_beside_uint64(operands: tuple[Any, ...]) -> int | None:
+    """The position of the signed integer operand (a tensor or a numpy scalar) where the
+    other is uint64, else None: numpy compares these exactly (its mixed loops), where a
+    common dtype would wrap the negatives or round the large values."""
+    dts = [x.dtype if isinstance(x, (Tensor, np.generic)) else None for x in operands]
+    for signed, unsigned in ((0, 1), (1, 0)):
+        a, b = dts[signed], dts[unsigned]
+        if a is not None and b is not None and a.kind == "i" and b == np.uint64:
+            return signed
+    return None
+
+
+class Compare(Elementwise):
+    """A comparison, with numpy's exact answers where one loop dtype cannot hold both
+    operands: a Python int beyond an integer loop's range relates the same way to every
+    element (numpy fills the result, where arithmetic with it would overflow), and uint64
+    against a signed integer compares by sign first (numpy's mixed loops)."""
+
+    __slots__ = ()
+
+    def _beyond(self, operands: tuple[Any, ...]) -> bool | None:
+        """The result of every element where a Python int operand lies beyond the
+        integer loop's range, else None."""
+        k = next((i for i, x in enumerate(operands) if type(x) is int), None)
+        if k is None:
+            return None
+        loop, _ = _resolve(self._u, operands)
+        if loop.kind not in "iu":
+            return None
+        info = np.iinfo(loop)
+        if info.min <= operands[k] <= info.max:
+            return None
+        # every element lies between the loop's bounds, as 0 does, so 0 stands for all
+        a, b = (0, operands[k]) if k == 1 else (operands[k], 0)
+        return bool(_COMPARE[self._u.name](a, b))
+
+    def _check(self, *args: Any) -> None:
+        operands, out = args[:-1], args[-1]
+        if self._beyond(operands) is not None:  # (the int need not fit the loop dtype)
+            operands = tuple(0 if type(x) is int else x for x in operands)
+        super()._check(*operands, out)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        operands, out = args[:-1], args[-1]
+        u = self._u
+        loop, result = _resolve(u, operands)
+        const = self._beyond(operands)
+        if const is not None:
+            operands = tuple(0 if type(x) is int else x for x in operands)
+            expr, kinds = str(const), (u.load,) * u.nin
+            return _plan_elementwise(plan, lane, self.name, expr, lambda *_: np.bool_(const), operands, kinds, loop, result, out)
+        signed = _signed_beside_uint64(operands)
+        if signed is None:
+            return super()._build(plan, lane, *args)
+        # a negative signed operand is below every uint64; else both compare as uint64
+        fn = _COMPARE[u.name]
+        below = bool(fn(-1, 0) if signed == 0 else fn(0, -1))
+        expr = f"({below} if x{signed} < 0 else (np.uint64(x0) {_SYMBOL[fn]} np.uint64(x1)))"
+        return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, ("raw", "raw"), loop, result, out)
+
+
 def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
     u = UFUNCS[name]
     if len(args) != u.nin:
@@ -269,7 +345,8 @@ def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
         operands = (x if type(x) is Tensor else operand(x, n), y if type(y) is Tensor else operand(y, n))
     else:
         operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
-    return Elementwise(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
+    cls = Compare if name in _COMPARE else Elementwise
+    return cls(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
 
 
 # -- where ----------------------------------------------------------------------------------
