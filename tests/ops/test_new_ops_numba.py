@@ -45,12 +45,16 @@ check(out.to_host().sync(), a[[3, 0]])  # clamped inside a graph
 bf = x.astype("bfloat16").sync()
 check(ops.take(bf, i, 0).astype(np.float32).to_host().sync(), bf.astype(np.float32).to_host().sync()[idx])
 # elementwise math (finite inputs: the simulator's math module refuses sin(inf))
-s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, np.nan], np.float32)
+s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, -0.0, -0.4, np.nan], np.float32)
 S = api.from_host(s).sync()
-for name, ref in (("floor", np.floor), ("ceil", np.ceil), ("round", np.round), ("sign", np.sign)):
-    check(getattr(ops, name)(S).to_host().sync(), ref(s))
-check(ops.round(S, 1).to_host().sync(), np.round(s, 1))
-check(ops.round(S, -1).to_host().sync(), np.round(s, -1))
+for got, want in (
+    *((getattr(ops, name)(S), ref(s)) for name, ref in (("floor", np.floor), ("ceil", np.ceil), ("round", np.round), ("sign", np.sign))),
+    (ops.round(S, 1), np.round(s, 1)),
+    (ops.round(S, -1), np.round(s, -1)),
+):
+    got = got.to_host().sync()
+    check(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 where numpy gives it
 check(ops.sin(x).to_host().sync(), np.sin(a))
 check(ops.cos(x).to_host().sync(), np.cos(a))
 check(ops.erf(x).to_host().sync(), np.vectorize(math.erf, otypes=[np.float32])(a))
@@ -70,6 +74,8 @@ sq, rb = (F ** 2).to_host().sync(), ops.round(F).to_host().sync()
 assert sq.dtype == np.int8 and rb.dtype == np.float16, (sq.dtype, rb.dtype)  # numpy's square and rint of bools
 np.testing.assert_array_equal(sq, flags ** 2)
 np.testing.assert_array_equal(rb, np.round(flags))
+for name in ("isnan", "isinf", "isfinite"):  # bools have no subtraction: their own expressions
+    check(getattr(ops, name)(F).to_host().sync(), getattr(np, name)(flags))
 check((N ** 2).to_host().sync(), n ** 2)
 check(ops.clip(x, -1, 1.5).to_host().sync(), np.clip(a, -1, 1.5))
 check(ops.clip(S, None, 0.5).to_host().sync(), np.clip(s, None, 0.5))

@@ -105,10 +105,10 @@ UFUNCS: dict[str, Ufunc] = {
         _u("greater", 2, "x0 > x1", np.greater, np.greater),
         _u("greater_equal", 2, "x0 >= x1", np.greater_equal, np.greater_equal),
         # (x - x is NaN exactly for infinities and NaN: no float-only math calls, so
-        # integer and bool inputs compile too)
+        # integer inputs compile too; bools, which have no subtraction, are finite)
         _u("isnan", 1, "x0 != x0", np.isnan, np.isnan),
-        _u("isinf", 1, "(x0 == x0) and ((x0 - x0) != (x0 - x0))", np.isinf, np.isinf),
-        _u("isfinite", 1, "(x0 - x0) == (x0 - x0)", np.isfinite, np.isfinite),
+        Ufunc("isinf", 1, "(x0 == x0) and ((x0 - x0) != (x0 - x0))", np.isinf, np.isinf, bool_expr="False"),
+        Ufunc("isfinite", 1, "(x0 - x0) == (x0 - x0)", np.isfinite, np.isfinite, bool_expr="True"),
         _logic("logical_and", 2, "x0 and x1", np.logical_and),
         _logic("logical_or", 2, "x0 or x1", np.logical_or),
         _logic("logical_xor", 2, "x0 != x1", np.logical_xor),

@@ -29,8 +29,10 @@ _EXACT = "C(4503599627370496.0)"
 
 
 def _integral(e: str, rounded: str) -> str:
-    """``rounded`` (an expression over ``e``) where ``e`` may not be integral, else ``e``."""
-    return f"({rounded} if abs({e}) < {_EXACT} else {e})"
+    """``rounded`` (an expression over ``e``) where ``e`` may not be integral, else ``e``;
+    with ``e``'s sign, as numpy's (``floor(-0.0)``, ``ceil(-0.5)`` and ``round(-0.4)`` are
+    -0.0: numba's math.floor and math.ceil return integers, which have no -0)."""
+    return f"(C(math.copysign({rounded}, {e})) if abs({e}) < {_EXACT} else {e})"
 
 
 def _rint(e: str) -> str:
@@ -116,7 +118,10 @@ MATH: dict[str, MathUfunc] = {
     # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d),
     # integers in float64, the store casting back to their dtype
     "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor, int_loop=np.float64), "biuf"),
-    "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
+    # (sign(-0.0) is 0.0 and sign(NaN) NaN, as numpy's)
+    "sign": MathUfunc(
+        "sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else (C(0) if x0 == C(0) else x0)))", np.sign, np.sign, "iuf"
+    ),
     # integers through float64: exact while the result is below 2**53; a negative
     # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
     "power": MathUfunc(
