@@ -103,6 +103,11 @@ def test_clip_with_scalars_tensors_and_one_bound() -> None:
     close(host(ops.clip(x, up(lo), up(lo) + 1)), np.clip(a, lo, lo + 1))
     close(host(ops.clip(up(INTS), 0, 5)), np.clip(INTS, 0, 5))
     close(host(ops.clip(up(INTS), 0, 2.5)), np.clip(INTS, 0, 2.5))  # a float bound: float64, as numpy
+    small = np.array([0, 1, 5, 200], np.uint8)  # Python int bounds beyond the dtype bound nothing, as numpy's
+    for lo, hi in ((-1, 3), (-1, None), (None, 256), (-(2**70), 2**70), (2, 1000)):
+        close(host(ops.clip(up(small), lo, hi)), np.clip(small, lo, hi))
+    with pytest.raises(OverflowError):
+        ops.clip(up(small), 256, None)  # a lower bound above the dtype: refused, as numpy
     with pytest.raises(ValueError, match="at least one of a_min and a_max"):
         ops.clip(x, None, None)
 

@@ -148,10 +148,24 @@ class MathOp(Elementwise):
 
     def _integers(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` as an integer loop takes them: round ignores its scale there (1, so
-        that a large one need not fit the integer dtype)."""
-        if self._u.name == "round" and any(isinstance(x, Tensor) for x in args[:1]):
+        that a large one need not fit the integer dtype); clip's Python int bounds beyond
+        an integer tensor's range bound nothing (numpy drops them: ``clip(uint8, -1,
+        5)``), so they become the range's ends."""
+        name = self._u.name
+        x = args[0]
+        if name == "round" and isinstance(x, Tensor):
             if _resolve(self._u, args[:-1])[0].kind in "biu":
-                return (args[0], 1, args[-1])
+                return (x, 1, args[-1])
+        if name == "clip" and isinstance(x, Tensor) and x.dtype.kind in "iu":
+            info = np.iinfo(x.dtype)
+            low = type(args[1]) is int and args[1] <= info.min and self._u is not MATH["clip_max"]
+            high = type(args[-2]) is int and args[-2] >= info.max and self._u is not MATH["clip_min"]
+            if low or high:
+                bounds = [
+                    info.min if low and i == 0 else info.max if high and i == len(args) - 3 else b
+                    for i, b in enumerate(args[1:-1])
+                ]
+                return (x, *bounds, args[-1])
         return args
 
     def _check(self, *args: Any) -> None:
