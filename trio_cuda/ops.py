@@ -229,8 +229,8 @@ def sign(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 
 def power(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
-    """``x ** y`` (numpy broadcasting and promotion). Integers compute through float64:
-    exact while the result is below 2**53; a negative integer exponent raises for a
+    """``x ** y`` (numpy broadcasting and promotion). Integers are exact, wrapping past
+    their dtype as numpy's; a negative integer exponent raises for a
     scalar exponent (as numpy) and gives 0 (1 or -1 for a base of 1 or -1) from a tensor."""
     return _math.power(x, y, out=out)
 

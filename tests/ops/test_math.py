@@ -93,6 +93,18 @@ def test_power_and_the_operators() -> None:
         up(INTS) ** -1
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64, np.uint64], ids=lambda d: np.dtype(d).name)
+def test_integer_powers_are_exact_and_wrap_as_numpy(dtype: type) -> None:
+    """numpy's integer power multiplies in the dtype: exact beyond 2**53 (``3 ** 39``) and
+    wrapping past the dtype (``int8 3 ** 5`` is -13), for tensor and scalar exponents."""
+    signed = np.dtype(dtype).kind == "i"
+    base = np.array([0, 1, 2, 3, 7, -1, -3] if signed else [0, 1, 2, 3, 7, 255, 10], dtype)
+    for e in (0, 1, 3, 5, 13, 39, 64):
+        exps = np.full(base.shape, e, dtype)
+        same(host(up(base) ** up(exps)), base**exps)
+        same(host(ops.power(up(base), e)), np.power(base, e))
+
+
 def test_clip_with_scalars_tensors_and_one_bound() -> None:
     a = SPECIAL
     x = up(a)

@@ -62,6 +62,10 @@ check((abs(x) ** 0.5).to_host().sync(), np.abs(a) ** 0.5)
 n = np.array([-3, -1, 0, 1, 2, 5], np.int32)
 N = api.from_host(n).sync()
 check((N ** 3).to_host().sync(), n ** 3)
+for k in (np.array([3, -3, 2, 7], np.int8), np.array([3, 7, 2, 1], np.uint64)):  # exact, wrapping as numpy's
+    K = api.from_host(k).sync()
+    check((K ** api.from_host(np.array([5, 5, 7, 39], k.dtype)).sync()).to_host().sync(), k ** np.array([5, 5, 7, 39], k.dtype))
+    check((K ** 39).to_host().sync(), k ** 39)
 check((N ** api.from_host(np.array([1, -3, 2, -2, 0, 2], np.int32)).sync()).to_host().sync(), np.array([-3, -1, 0, 1, 1, 25], np.int32))
 check(ops.floor(N).to_host().sync(), n)
 for dt in (np.int8, np.int64, np.uint64):  # integers to negative decimals: float64, cast back

@@ -3,7 +3,7 @@
 Each is an :class:`~._elementwise.Elementwise` op (numpy broadcasting and dtype rules,
 one generated kernel, the numpy twin on the simulated device), with one addition: an
 integer or bool loop may use another expression than a float loop (``floor`` of an
-integer is the integer; ``power`` of integers goes through float64).
+integer is the integer; ``power`` of integers multiplies in their dtype).
 """
 
 from __future__ import annotations
@@ -74,8 +74,13 @@ class _ClipDtypes:
 
 
 def _int_power(x: Any, y: Any) -> Any:
-    r = np.power(np.asarray(x, np.float64), np.asarray(y, np.float64))
-    return np.where((y >= 0) | (x == 1) | (x == -1), r, 0)
+    """The twin of IPOW (see _codegen): numpy's power (wrapping) where the exponent is not
+    negative, else 0, or 1 or -1 for a base of 1 or -1."""
+    x, y = np.asarray(x), np.asarray(y)
+    neg = y < 0
+    r = np.power(x, np.where(neg, 0, y).astype(y.dtype))
+    alt = np.where(x == 1, 1, np.where(x == -1, np.where(y % 2 == 0, 1, -1), 0))
+    return np.where(neg, alt.astype(r.dtype), r)
 
 
 def _power(x: Any, y: Any) -> Any:
@@ -122,17 +127,9 @@ MATH: dict[str, MathUfunc] = {
     "sign": MathUfunc(
         "sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else (C(0) if x0 == C(0) else x0)))", np.sign, np.sign, "iuf"
     ),
-    # integers through float64: exact while the result is below 2**53; a negative
-    # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
-    "power": MathUfunc(
-        "power",
-        2,
-        "x0 ** x1",
-        _power,
-        np.power,
-        "biuf",
-        int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
-    ),
+    # integers exact, wrapping as numpy's; a negative exponent gives 0 (1 or -1 for a
+    # base of 1 or -1), where numpy raises
+    "power": MathUfunc("power", 2, "x0 ** x1", _power, np.power, "biuf", int_expr="IPOW(x0, x1, C(1))"),
     # x ** 2 as numpy's operator computes it: square (bool ** 2 is int8, where power gives int64)
     "square": MathUfunc("power", 1, "x0 * x0", np.square, np.square, "biuf"),
     "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
