@@ -44,6 +44,11 @@ g.launch().sync()
 check(out.to_host().sync(), a[[3, 0]])  # clamped inside a graph
 bf = x.astype("bfloat16").sync()
 check(ops.take(bf, i, 0).astype(np.float32).to_host().sync(), bf.astype(np.float32).to_host().sync()[idx])
+ramp = np.arange(37, dtype=np.int64)
+prod_bf = (bf * api.from_host(ramp).sync()).sync()  # bfloat16 beside int64 stays bfloat16
+assert prod_bf.dtype == bf.dtype, prod_bf.dtype
+want_bf = (bf.astype(np.float32).to_host().sync() * ramp).astype(bf.dtype).astype(np.float32)
+check(prod_bf.astype(np.float32).to_host().sync(), want_bf)
 # elementwise math (finite inputs: the simulator's math module refuses sin(inf))
 s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, -0.0, -0.4, np.nan], np.float32)
 S = api.from_host(s).sync()

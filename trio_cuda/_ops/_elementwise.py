@@ -20,7 +20,7 @@ from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel, half_view
 from ._core import Out, TensorOp, alloc, as_dtype, check_out, device_of, launch, operand, out_partition, output
-from ._layout import broadcast_shape, broadcast_view, coalesce, compute_dtype, promote, view
+from ._layout import bfloat16_promotion, broadcast_shape, broadcast_view, coalesce, compute_dtype, promote, view
 
 __all__ = ["UFUNCS", "Elementwise", "astype", "contiguous", "copy_into", "elementwise"]
 
@@ -133,7 +133,7 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
     """(loop dtype the inputs are cast to, result dtype) by numpy's rules for ``u``."""
     name = f"ops.{u.name}"
     key: list[Any] = []
-    bf16 = fp16 = False
+    bf16 = other_float = False
     for x in operands:
         if isinstance(x, Tensor):
             dt = x.dtype
@@ -145,11 +145,11 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
             elif dt.kind not in u.kinds:
                 raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported")
             else:
-                fp16 = fp16 or dt == np.float16
+                other_float = other_float or dt.kind == "f"
             key.append(dt)
         elif isinstance(x, (np.generic, bool)):
             key.append(np.asarray(x).dtype)  # numpy scalars strong; a Python bool is numpy's bool
-            fp16 = fp16 or key[-1] == np.float16
+            other_float = other_float or key[-1].kind == "f"
         else:
             key.append(type(x))
     if u.weak_second is not None:
@@ -158,9 +158,8 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
         dts = u.like.resolve_dtypes((*key, None))
     except TypeError as err:
         raise TypeError(f"{name}: {err}") from None
-    if bf16:  # bfloat16 with bfloat16 (or ints, or weak scalars) stays bfloat16; with float16, float32 (as PyTorch)
-        half: np.dtype[Any] = np.dtype(np.float32) if fp16 else BFLOAT16  # type: ignore[assignment]
-        return (half if dts[0] == np.float16 else dts[0]), (half if dts[-1] == np.float16 else dts[-1])
+    if bf16:
+        return bfloat16_promotion(dts[0], other_float), bfloat16_promotion(dts[-1], other_float)
     return dts[0], dts[-1]
 
 
