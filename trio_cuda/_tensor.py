@@ -49,7 +49,7 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def _in_place(oper: str, op: str) -> str:
     return (
         f"'t {oper} v' on a trio_cuda.Tensor: ops are lazy, so this would rebind t to an op and leave the "
-        f"tensor unchanged; write into it with 'await ops.{op}(t, v, out=t)' (or rebind on purpose: t = t {oper[0]} v)"
+        f"tensor unchanged; write into it with 'await ops.{op}(t, v, out=t)' (or rebind on purpose: t = t {oper[:-1]} v)"
     )
 
 
@@ -205,6 +205,18 @@ class Tensor(TensorMath):
 
     def __imatmul__(self, other: Any) -> NoReturn:
         raise TypeError(_in_place("@=", "matmul"))
+
+    def __ipow__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("**=", "power"))
+
+    def __iand__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("&=", "bitwise_and"))
+
+    def __ior__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("|=", "bitwise_or"))
+
+    def __ixor__(self, other: Any) -> NoReturn:
+        raise TypeError(_in_place("^=", "bitwise_xor"))
 
     def __setitem__(self, key: Any, v: Any) -> None:
         raise TypeError(

@@ -219,7 +219,7 @@ def ceil(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 def round(x: TensorLike, decimals: int = 0, *, out: TensorLike = None) -> Op:
     """numpy's round: to ``decimals`` places, halves to even (``round(2.5) == 2``);
-    integers unchanged (``decimals < 0`` only for floats)."""
+    integers to negative decimals through float64, keeping their dtype, as numpy's."""
     return _math.round_(x, decimals, out=out)
 
 
@@ -229,8 +229,8 @@ def sign(x: TensorLike, *, out: TensorLike = None) -> Op:
 
 
 def power(x: TensorLike, y: TensorLike, *, out: TensorLike = None) -> Op:
-    """``x ** y`` (numpy broadcasting and promotion). Integers compute through float64:
-    exact while the result is below 2**53; a negative integer exponent raises for a
+    """``x ** y`` (numpy broadcasting and promotion). Integers are exact, wrapping past
+    their dtype as numpy's; a negative integer exponent raises for a
     scalar exponent (as numpy) and gives 0 (1 or -1 for a base of 1 or -1) from a tensor."""
     return _math.power(x, y, out=out)
 

@@ -52,6 +52,27 @@ def test_reflected_comparisons_and_mixed_dtypes(name: str, oper: object, ref: np
     expect(host(oper(ti, 2.5)), ref(i, 2.5))  # type: ignore[operator]
 
 
+@pytest.mark.parametrize(("name", "oper", "ref"), COMPARE)
+def test_integers_compare_exactly_where_no_dtype_holds_both(name: str, oper: object, ref: np.ufunc) -> None:
+    """numpy 2's exact answers: a Python int beyond the tensor's integer dtype (``uint8 <
+    -1``, ``int64 == 2**64``) is compared, not refused; uint64 against a signed integer
+    tensor or numpy scalar compares by sign, not through one dtype (which wraps -1 to
+    2**64 - 1)."""
+    small = np.array([0, 1, 100, 255], np.uint8)
+    wide = np.array([-5, 0, 2**62, 2**63 - 1], np.int64)
+    for a in (small, wide, np.array([0, 7, 2**63, 2**64 - 1], np.uint64)):
+        t = api.from_host(a).sync()
+        for s in (-1, 1000, 2**64, -(2**70)):
+            expect(host(getattr(ops, name)(t, s)), ref(a, s))
+            expect(host(oper(s, t + 0)), ref(s, a))  # type: ignore[operator]  # reflected, on an op
+    u = np.array([0, 1, 2**63, 2**64 - 1], np.uint64)
+    i = np.array([-1, 1, -(2**63), 2**63 - 1], np.int64)
+    tu, ti = api.from_host(u).sync(), api.from_host(i).sync()
+    expect(host(oper(tu, ti)), ref(u, i))  # type: ignore[operator]
+    expect(host(oper(api.from_host(i.astype(np.int8)).sync(), tu)), ref(i.astype(np.int8), u))  # type: ignore[operator]
+    expect(host(oper(tu, np.int64(-1))), ref(u, np.int64(-1)))  # type: ignore[operator]
+
+
 def test_float16_and_bool_inputs() -> None:
     h = np.array([0.5, -1.0, 65504.0, np.nan], np.float16)
     t = api.from_host(h).sync()

@@ -101,6 +101,19 @@ async def test_bfloat16_with_float16_is_float32_as_pytorch() -> None:
     np.testing.assert_array_equal(got, f32(a) + f32(b))
 
 
+@pytest.mark.parametrize("idt", ["bool", "uint8", "int16", "uint16", "int32", "int64", "uint64"])
+async def test_bfloat16_with_any_integers_stays_bfloat16_as_pytorch(idt: str) -> None:
+    """numpy's float16 (bfloat16's stand-in) widens beside int16 and wider integers; PyTorch's
+    bfloat16 does not, in arithmetic, where and concatenate alike."""
+    a, i = data((3, 4), BF16), RNG.integers(0, 5, (4,)).astype(idt)
+    x, t = await api.from_host(a), await api.from_host(i)
+    close(await (x * t).to_host(), f32(a) * i.astype(np.float32), BF16)
+    close(await (t - x).to_host(), i.astype(np.float32) - f32(a), BF16)
+    close(await ops.where(x > 0, x, t).to_host(), np.where(f32(a) > 0, f32(a), i.astype(np.float32)), BF16)
+    got = await ops.concatenate([x[0], t]).to_host()
+    assert got.dtype == BF16
+
+
 COMPARE = ["equal", "not_equal", "less", "less_equal", "greater", "greater_equal"]
 
 

@@ -44,13 +44,22 @@ g.launch().sync()
 check(out.to_host().sync(), a[[3, 0]])  # clamped inside a graph
 bf = x.astype("bfloat16").sync()
 check(ops.take(bf, i, 0).astype(np.float32).to_host().sync(), bf.astype(np.float32).to_host().sync()[idx])
+ramp = np.arange(37, dtype=np.int64)
+prod_bf = (bf * api.from_host(ramp).sync()).sync()  # bfloat16 beside int64 stays bfloat16
+assert prod_bf.dtype == bf.dtype, prod_bf.dtype
+want_bf = (bf.astype(np.float32).to_host().sync() * ramp).astype(bf.dtype).astype(np.float32)
+check(prod_bf.astype(np.float32).to_host().sync(), want_bf)
 # elementwise math (finite inputs: the simulator's math module refuses sin(inf))
-s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, np.nan], np.float32)
+s = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, -3.7, 3.7, 0.0, -0.0, -0.4, np.nan], np.float32)
 S = api.from_host(s).sync()
-for name, ref in (("floor", np.floor), ("ceil", np.ceil), ("round", np.round), ("sign", np.sign)):
-    check(getattr(ops, name)(S).to_host().sync(), ref(s))
-check(ops.round(S, 1).to_host().sync(), np.round(s, 1))
-check(ops.round(S, -1).to_host().sync(), np.round(s, -1))
+for got, want in (
+    *((getattr(ops, name)(S), ref(s)) for name, ref in (("floor", np.floor), ("ceil", np.ceil), ("round", np.round), ("sign", np.sign))),
+    (ops.round(S, 1), np.round(s, 1)),
+    (ops.round(S, -1), np.round(s, -1)),
+):
+    got = got.to_host().sync()
+    check(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0.0 where numpy gives it
 check(ops.sin(x).to_host().sync(), np.sin(a))
 check(ops.cos(x).to_host().sync(), np.cos(a))
 check(ops.erf(x).to_host().sync(), np.vectorize(math.erf, otypes=[np.float32])(a))
@@ -58,18 +67,33 @@ check((abs(x) ** 0.5).to_host().sync(), np.abs(a) ** 0.5)
 n = np.array([-3, -1, 0, 1, 2, 5], np.int32)
 N = api.from_host(n).sync()
 check((N ** 3).to_host().sync(), n ** 3)
+for k in (np.array([3, -3, 2, 7], np.int8), np.array([3, 7, 2, 1], np.uint64)):  # exact, wrapping as numpy's
+    K = api.from_host(k).sync()
+    check((K ** api.from_host(np.array([5, 5, 7, 39], k.dtype)).sync()).to_host().sync(), k ** np.array([5, 5, 7, 39], k.dtype))
+    check((K ** 39).to_host().sync(), k ** 39)
 check((N ** api.from_host(np.array([1, -3, 2, -2, 0, 2], np.int32)).sync()).to_host().sync(), np.array([-3, -1, 0, 1, 1, 25], np.int32))
 check(ops.floor(N).to_host().sync(), n)
+for dt in (np.int8, np.int64, np.uint64):  # integers to negative decimals: float64, cast back
+    k = np.array([0, 5, 15, 25, 35, 46, 99, 125], dt)
+    check(ops.round(api.from_host(k).sync(), -1).to_host().sync(), np.round(k, -1))
+check(ops.round(N, -1).to_host().sync(), np.round(n, -1))
 flags = np.array([True, False, True])
 F = api.from_host(flags).sync()
 sq, rb = (F ** 2).to_host().sync(), ops.round(F).to_host().sync()
 assert sq.dtype == np.int8 and rb.dtype == np.float16, (sq.dtype, rb.dtype)  # numpy's square and rint of bools
 np.testing.assert_array_equal(sq, flags ** 2)
 np.testing.assert_array_equal(rb, np.round(flags))
+for name in ("isnan", "isinf", "isfinite"):  # bools have no subtraction: their own expressions
+    check(getattr(ops, name)(F).to_host().sync(), getattr(np, name)(flags))
 check((N ** 2).to_host().sync(), n ** 2)
 check(ops.clip(x, -1, 1.5).to_host().sync(), np.clip(a, -1, 1.5))
 check(ops.clip(S, None, 0.5).to_host().sync(), np.clip(s, None, 0.5))
-# reductions
+# comparisons no one dtype holds: uint64 against int64, a Python int beyond the dtype
+u, i = np.array([0, 2**63, 2**64 - 1], np.uint64), np.array([-1, 1, 2**63 - 1], np.int64)
+U = api.from_host(u).sync()
+check((U < api.from_host(i).sync()).to_host().sync(), u < i)
+check((api.from_host(i).sync() >= U).to_host().sync(), i >= u)
+check((U > -1).to_host().sync(), u > -1)
 check(ops.prod(x[:, :6], 1).to_host().sync(), np.prod(a[:, :6], 1), 1e-4)
 check(ops.any(x > 2.5, 1).to_host().sync(), np.any(a > 2.5, 1))
 check(ops.all(x[:, :3], 0).to_host().sync(), np.all(a[:, :3], 0))  # (few rows: the simulator is slow)

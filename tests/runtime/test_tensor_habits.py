@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -79,17 +80,21 @@ def test_from_host_refuses_device_data_and_odd_objects() -> None:
     assert isinstance(t, trio_cuda.Tensor)
 
 
-@pytest.mark.parametrize(("oper", "name"), [("+=", "add"), ("-=", "subtract"), ("*=", "multiply"), ("/=", "divide")])
+IN_PLACE = [("+=", "add"), ("-=", "subtract"), ("*=", "multiply"), ("/=", "divide"), ("**=", "power")]
+IN_PLACE += [("&=", "bitwise_and"), ("|=", "bitwise_or"), ("^=", "bitwise_xor")]
+
+
+@pytest.mark.parametrize(("oper", "name"), IN_PLACE)
 def test_in_place_operators_on_a_tensor_refuse_and_name_the_op(oper: str, name: str) -> None:
-    t = api.from_host(np.ones(3, np.float32)).sync()
+    t = api.from_host(np.full(3, 3, np.int32 if name.startswith("bitwise") else np.float32)).sync()
     scope = {"t": t}
-    with pytest.raises(TypeError, match=rf"ops\.{name}\(t, v, out=t\)"):
+    with pytest.raises(TypeError, match=rf"ops\.{name}\(t, v, out=t\).*t = t {re.escape(oper[:-1])} v"):
         exec(f"t {oper} 2", scope)
     assert scope["t"] is t  # not rebound
     # the named way works: the tensor itself is written
-    getattr(ops, name)(t, 2.0, out=t).sync()
-    want = {"add": 3.0, "subtract": -1.0, "multiply": 2.0, "divide": 0.5}[name]
-    assert t.to_host().sync().tolist() == [want] * 3
+    getattr(ops, name)(t, 2, out=t).sync()
+    want = {"add": 5, "subtract": 1, "multiply": 6, "divide": 1.5, "power": 9, "bitwise_and": 2, "bitwise_or": 3}
+    assert t.to_host().sync().tolist() == [want.get(name, 1)] * 3
 
 
 def test_in_place_matmul_refuses() -> None:

@@ -157,19 +157,41 @@ def F16_HI(u):
 def F16_PACK(a, b):
     return np.uint32(np.float16(a).view(np.uint16)) | (np.uint32(np.float16(b).view(np.uint16)) << np.uint32(16))
 """
+# numpy's integer power, which integer loops of power call (the same source on CUDA and in
+# the simulator): square and multiply in the loop's integer type, so a result beyond it
+# wraps as numpy's (``one`` is 1 of that type); a negative exponent, which numpy refuses,
+# gives 0, or 1 or -1 for a base of 1 or -1
+_INT_POWER = """
+def IPOW(b, e, one):
+    zero = one - one
+    if e < zero:
+        if b == one:
+            return one
+        if b == zero - one:
+            return one if (e & one) == zero else b
+        return zero
+    r = one
+    while e > zero:
+        if (e & one) != zero:
+            r = r * b
+        b = b * b
+        e = e >> one
+    return r
+"""
 _half: dict[str, Any] = {}
 
 
-_HALF_NAMES = ("BF16_IN", "BF16_OUT", "BF16_LO", "BF16_HI", "BF16_PACK", "F16_LO", "F16_HI", "F16_PACK")
+_HALF_NAMES = ("BF16_IN", "BF16_OUT", "BF16_LO", "BF16_HI", "BF16_PACK", "F16_LO", "F16_HI", "F16_PACK", "IPOW")
 
 
 def half_globals() -> dict[str, Any]:
-    """``BF16_IN``, ``BF16_OUT`` and the packed forms, numba device functions (see above)."""
+    """``BF16_IN``, ``BF16_OUT``, the packed forms and ``IPOW``, numba device functions
+    (see above) that every generated kernel may call."""
     if not _half:
         from numba import config, cuda
         from numba.cuda import libdevice
 
-        src = _BF16_SIMULATOR if config.ENABLE_CUDASIM else _BF16_CUDA
+        src = (_BF16_SIMULATOR if config.ENABLE_CUDASIM else _BF16_CUDA) + _INT_POWER
         filename = "<trio_cuda.ops bfloat16>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         g: dict[str, Any] = {"cuda": cuda, "np": np, "libdevice": libdevice, "__name__": _MODULE}

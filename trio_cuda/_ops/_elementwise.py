@@ -8,6 +8,7 @@ half types compute in float32 and store rounded. Each op is one kernel launch ov
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +20,7 @@ from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import Load, bf16_to_f32_kernel, elementwise_kernel, f32_to_bf16_kernel, half_view
 from ._core import Out, TensorOp, alloc, as_dtype, check_out, device_of, launch, operand, out_partition, output
-from ._layout import broadcast_shape, broadcast_view, coalesce, compute_dtype, promote, view
+from ._layout import bfloat16_promotion, broadcast_shape, broadcast_view, coalesce, compute_dtype, promote, view
 
 __all__ = ["UFUNCS", "Elementwise", "astype", "contiguous", "copy_into", "elementwise"]
 
@@ -104,10 +105,10 @@ UFUNCS: dict[str, Ufunc] = {
         _u("greater", 2, "x0 > x1", np.greater, np.greater),
         _u("greater_equal", 2, "x0 >= x1", np.greater_equal, np.greater_equal),
         # (x - x is NaN exactly for infinities and NaN: no float-only math calls, so
-        # integer and bool inputs compile too)
+        # integer inputs compile too; bools, which have no subtraction, are finite)
         _u("isnan", 1, "x0 != x0", np.isnan, np.isnan),
-        _u("isinf", 1, "(x0 == x0) and ((x0 - x0) != (x0 - x0))", np.isinf, np.isinf),
-        _u("isfinite", 1, "(x0 - x0) == (x0 - x0)", np.isfinite, np.isfinite),
+        Ufunc("isinf", 1, "(x0 == x0) and ((x0 - x0) != (x0 - x0))", np.isinf, np.isinf, bool_expr="False"),
+        Ufunc("isfinite", 1, "(x0 - x0) == (x0 - x0)", np.isfinite, np.isfinite, bool_expr="True"),
         _logic("logical_and", 2, "x0 and x1", np.logical_and),
         _logic("logical_or", 2, "x0 or x1", np.logical_or),
         _logic("logical_xor", 2, "x0 != x1", np.logical_xor),
@@ -132,7 +133,7 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
     """(loop dtype the inputs are cast to, result dtype) by numpy's rules for ``u``."""
     name = f"ops.{u.name}"
     key: list[Any] = []
-    bf16 = fp16 = False
+    bf16 = other_float = False
     for x in operands:
         if isinstance(x, Tensor):
             dt = x.dtype
@@ -144,11 +145,11 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
             elif dt.kind not in u.kinds:
                 raise TypeError(f"{name}: tensors of dtype {x.dtype} are not supported")
             else:
-                fp16 = fp16 or dt == np.float16
+                other_float = other_float or dt.kind == "f"
             key.append(dt)
         elif isinstance(x, (np.generic, bool)):
             key.append(np.asarray(x).dtype)  # numpy scalars strong; a Python bool is numpy's bool
-            fp16 = fp16 or key[-1] == np.float16
+            other_float = other_float or key[-1].kind == "f"
         else:
             key.append(type(x))
     if u.weak_second is not None:
@@ -157,9 +158,8 @@ def _resolve(u: Ufunc, operands: tuple[Any, ...]) -> tuple[np.dtype[Any], np.dty
         dts = u.like.resolve_dtypes((*key, None))
     except TypeError as err:
         raise TypeError(f"{name}: {err}") from None
-    if bf16:  # bfloat16 with bfloat16 (or ints, or weak scalars) stays bfloat16; with float16, float32 (as PyTorch)
-        half: np.dtype[Any] = np.dtype(np.float32) if fp16 else BFLOAT16  # type: ignore[assignment]
-        return (half if dts[0] == np.float16 else dts[0]), (half if dts[-1] == np.float16 else dts[-1])
+    if bf16:
+        return bfloat16_promotion(dts[0], other_float), bfloat16_promotion(dts[-1], other_float)
     return dts[0], dts[-1]
 
 
@@ -183,7 +183,8 @@ def _plan_elementwise(
     out: Any,
 ) -> Tensor:
     """Plan ``out = expr(operands)`` over the broadcast shape (see the module doc).
-    ``loads_kind``: per operand, "num" (cast to the compute dtype) or "truth"."""
+    ``loads_kind``: per operand, "num" (cast to the compute dtype), "truth" or "raw"
+    (in its own dtype, a scalar too)."""
     tensors = [x for x in operands if isinstance(x, Tensor)]
     dev = device_of(name, tensors, lane)
     ln = lane.on(dev)
@@ -208,6 +209,8 @@ def _plan_elementwise(
         loads.append(Load(array, kind == "num", kind == "truth", array and x.dtype == BFLOAT16))
         if array:
             args.append(next(views))
+        elif kind == "raw":
+            args.append(x)
         else:
             args.append(_scalar(x, compute if kind == "num" else np.dtype(np.float64), name))
     args.append(math.prod(new_shape))
@@ -257,6 +260,78 @@ class Elementwise(TensorOp):
         return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, (u.load,) * u.nin, loop, result, out)
 
 
+_COMPARE = {
+    "equal": operator.eq,
+    "not_equal": operator.ne,
+    "less": operator.lt,
+    "less_equal": operator.le,
+    "greater": operator.gt,
+    "greater_equal": operator.ge,
+}
+_SYMBOL = {operator.eq: "==", operator.ne: "!=", operator.lt: "<", operator.le: "<=", operator.gt: ">", operator.ge: ">="}
+
+
+def _signed_beside_uint64(operands: tuple[Any, ...]) -> int | None:
+    """The position of the signed integer operand (a tensor or a numpy scalar) where the
+    other is uint64, else None: numpy compares these exactly (its mixed loops), where a
+    common dtype would wrap the negatives or round the large values."""
+    dts = [x.dtype if isinstance(x, (Tensor, np.generic)) else None for x in operands]
+    for signed, unsigned in ((0, 1), (1, 0)):
+        a, b = dts[signed], dts[unsigned]
+        if a is not None and b is not None and a.kind == "i" and b == np.uint64:
+            return signed
+    return None
+
+
+class Compare(Elementwise):
+    """A comparison, with numpy's exact answers where one loop dtype cannot hold both
+    operands: a Python int beyond an integer loop's range relates the same way to every
+    element (numpy fills the result, where arithmetic with it would overflow), and uint64
+    against a signed integer compares by sign first (numpy's mixed loops)."""
+
+    __slots__ = ()
+
+    def _beyond(self, operands: tuple[Any, ...]) -> bool | None:
+        """The result of every element where a Python int operand lies beyond the
+        integer loop's range, else None."""
+        k = next((i for i, x in enumerate(operands) if type(x) is int), None)
+        if k is None:
+            return None
+        loop, _ = _resolve(self._u, operands)
+        if loop.kind not in "iu":
+            return None
+        info = np.iinfo(loop)
+        if info.min <= operands[k] <= info.max:
+            return None
+        # every element lies between the loop's bounds, as 0 does, so 0 stands for all
+        a, b = (0, operands[k]) if k == 1 else (operands[k], 0)
+        return bool(_COMPARE[self._u.name](a, b))
+
+    def _check(self, *args: Any) -> None:
+        operands, out = args[:-1], args[-1]
+        if self._beyond(operands) is not None:  # (the int need not fit the loop dtype)
+            operands = tuple(0 if type(x) is int else x for x in operands)
+        super()._check(*operands, out)
+
+    def _build(self, plan: Plan, lane: Lane, *args: Any) -> Tensor:
+        operands, out = args[:-1], args[-1]
+        u = self._u
+        loop, result = _resolve(u, operands)
+        const = self._beyond(operands)
+        if const is not None:
+            operands = tuple(0 if type(x) is int else x for x in operands)
+            expr, kinds = str(const), (u.load,) * u.nin
+            return _plan_elementwise(plan, lane, self.name, expr, lambda *_: np.bool_(const), operands, kinds, loop, result, out)
+        signed = _signed_beside_uint64(operands)
+        if signed is None:
+            return super()._build(plan, lane, *args)
+        # a negative signed operand is below every uint64; else both compare as uint64
+        fn = _COMPARE[u.name]
+        below = bool(fn(-1, 0) if signed == 0 else fn(0, -1))
+        expr = f"({below} if x{signed} < 0 else (np.uint64(x0) {_SYMBOL[fn]} np.uint64(x1)))"
+        return _plan_elementwise(plan, lane, self.name, expr, u.np_fn, operands, ("raw", "raw"), loop, result, out)
+
+
 def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
     u = UFUNCS[name]
     if len(args) != u.nin:
@@ -269,7 +344,8 @@ def elementwise(name: str, *args: Any, out: Any = None) -> Elementwise:
         operands = (x if type(x) is Tensor else operand(x, n), y if type(y) is Tensor else operand(y, n))
     else:
         operands = tuple([a if type(a) is Tensor else operand(a, n) for a in args])
-    return Elementwise(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
+    cls = Compare if name in _COMPARE else Elementwise
+    return cls(u, operands, out if out is None or type(out) is Tensor else operand(out, n))
 
 
 # -- where ----------------------------------------------------------------------------------

@@ -11,7 +11,17 @@ import numpy as np
 from .._checks import BFLOAT16
 from .._tensor import Tensor
 
-__all__ = ["broadcast_shape", "broadcast_view", "coalesce", "compute_dtype", "half_proxy", "one_stride", "promote", "view"]
+__all__ = [
+    "bfloat16_promotion",
+    "broadcast_shape",
+    "broadcast_view",
+    "coalesce",
+    "compute_dtype",
+    "half_proxy",
+    "one_stride",
+    "promote",
+    "view",
+]
 
 
 # -- dtypes ---------------------------------------------------------------------------------
@@ -20,21 +30,33 @@ def half_proxy(dt: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(np.float16) if dt == BFLOAT16 else dt
 
 
+def bfloat16_promotion(dt: np.dtype[Any], other_float: bool) -> np.dtype[Any]:
+    """PyTorch's dtype where numpy, with float16 standing in for bfloat16, resolved ``dt``:
+    a float is bfloat16 beside bfloat16, integers, bools and Python scalars (where numpy's
+    float16 widens beside int16 and wider integers), and float32 or wider beside another
+    float (``other_float``: a float tensor or numpy float scalar)."""
+    if dt.kind != "f":
+        return dt
+    if not other_float:
+        return BFLOAT16  # type: ignore[return-value]
+    return np.dtype(np.float32) if dt == np.float16 else dt
+
+
 def promote(name: str, operands: Sequence[Any], *, kinds: str = "biuf") -> np.dtype[Any]:
     """numpy's result dtype of ``operands`` (tensors strong, Python scalars weak as in
-    NEP 50, numpy scalars strong); bfloat16 with bfloat16 stays bfloat16, with another
-    float becomes float32 (as in PyTorch)."""
+    NEP 50, numpy scalars strong); bfloat16 as in PyTorch (see bfloat16_promotion)."""
     parts: list[Any] = []
-    bf16 = fp16 = False
+    bf16 = other_float = False
     for x in operands:
         if isinstance(x, Tensor):
             dt = x.dtype
             if dt.kind not in kinds and dt != BFLOAT16:
                 raise TypeError(f"{name}: tensors of dtype {dt} are not supported (kinds {kinds!r})")
             bf16 = bf16 or dt == BFLOAT16
-            fp16 = fp16 or dt == np.float16
+            other_float = other_float or dt.kind == "f"
             parts.append(half_proxy(dt))
         elif isinstance(x, np.generic):
+            other_float = other_float or x.dtype.kind == "f"
             parts.append(x.dtype)
         else:
             parts.append(x)  # a Python scalar: weak
@@ -42,9 +64,7 @@ def promote(name: str, operands: Sequence[Any], *, kinds: str = "biuf") -> np.dt
         dt = np.result_type(*parts)
     except (TypeError, ValueError) as err:
         raise TypeError(f"{name}: no common dtype for these operands ({err})") from None
-    if bf16 and dt == np.float16:
-        return np.dtype(np.float32) if fp16 else BFLOAT16  # type: ignore[return-value]
-    return dt
+    return bfloat16_promotion(dt, other_float) if bf16 else dt
 
 
 def compute_dtype(dt: np.dtype[Any]) -> np.dtype[Any]:

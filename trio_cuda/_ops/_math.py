@@ -3,7 +3,7 @@
 Each is an :class:`~._elementwise.Elementwise` op (numpy broadcasting and dtype rules,
 one generated kernel, the numpy twin on the simulated device), with one addition: an
 integer or bool loop may use another expression than a float loop (``floor`` of an
-integer is the integer; ``power`` of integers goes through float64).
+integer is the integer; ``power`` of integers multiplies in their dtype).
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ _EXACT = "C(4503599627370496.0)"
 
 
 def _integral(e: str, rounded: str) -> str:
-    """``rounded`` (an expression over ``e``) where ``e`` may not be integral, else ``e``."""
-    return f"({rounded} if abs({e}) < {_EXACT} else {e})"
+    """``rounded`` (an expression over ``e``) where ``e`` may not be integral, else ``e``;
+    with ``e``'s sign, as numpy's (``floor(-0.0)``, ``ceil(-0.5)`` and ``round(-0.4)`` are
+    -0.0: numba's math.floor and math.ceil return integers, which have no -0)."""
+    return f"(C(math.copysign({rounded}, {e})) if abs({e}) < {_EXACT} else {e})"
 
 
 def _rint(e: str) -> str:
@@ -44,15 +46,19 @@ class _Unary:
     """Dtype rules of a one-operand ufunc for an op that takes extra scalar operands
     (``round``'s scale): the extra operands take the loop dtype. ``bool_to``: the loop
     and result dtype for a bool operand instead (numpy's round of bools is ``rint``'s:
-    float16)."""
+    float16). ``int_loop``: the loop dtype for an integer operand, whose dtype stays the
+    result's (numpy rounds integers to negative decimals in float64 and casts back)."""
 
-    def __init__(self, uf: Any, bool_to: Any = None) -> None:
+    def __init__(self, uf: Any, bool_to: Any = None, int_loop: Any = None) -> None:
         self._uf = uf
         self._bool_to = None if bool_to is None else np.dtype(bool_to)
+        self._int_loop = None if int_loop is None else np.dtype(int_loop)
 
     def resolve_dtypes(self, key: tuple[Any, ...]) -> tuple[np.dtype[Any], ...]:
         if self._bool_to is not None and key[0] == np.bool_:
             return (self._bool_to,) * len(key)
+        if self._int_loop is not None and isinstance(key[0], np.dtype) and key[0].kind in "iu":
+            return (self._int_loop,) * (len(key) - 1) + (key[0],)
         r = self._uf.resolve_dtypes((key[0], None))
         return (r[0],) * (len(key) - 1) + (r[-1],)
 
@@ -68,8 +74,13 @@ class _ClipDtypes:
 
 
 def _int_power(x: Any, y: Any) -> Any:
-    r = np.power(np.asarray(x, np.float64), np.asarray(y, np.float64))
-    return np.where((y >= 0) | (x == 1) | (x == -1), r, 0)
+    """The twin of IPOW (see _codegen): numpy's power (wrapping) where the exponent is not
+    negative, else 0, or 1 or -1 for a base of 1 or -1."""
+    x, y = np.asarray(x), np.asarray(y)
+    neg = y < 0
+    r = np.power(x, np.where(neg, 0, y).astype(y.dtype))
+    alt = np.where(x == 1, 1, np.where(x == -1, np.where(y % 2 == 0, 1, -1), 0))
+    return np.where(neg, alt.astype(r.dtype), r)
 
 
 def _power(x: Any, y: Any) -> Any:
@@ -109,20 +120,16 @@ MATH: dict[str, MathUfunc] = {
     "ceil": MathUfunc("ceil", 1, _integral("x0", "C(math.ceil(x0))"), np.ceil, np.ceil, "biuf", int_expr="x0"),
     # round(x, decimals): x1 is 10**decimals (numpy's rint(x * 10**d) / 10**d) ...
     "round": MathUfunc("round", 2, f"({_rint('x0 * x1')} / x1)", _round, _Unary(np.floor, np.float16), "biuf", int_expr="x0"),
-    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d)
-    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor), "f"),
-    "sign": MathUfunc("sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else x0))", np.sign, np.sign, "iuf"),
-    # integers through float64: exact while the result is below 2**53; a negative
-    # exponent gives 0 (1 or -1 for a base of 1 or -1), where numpy raises
-    "power": MathUfunc(
-        "power",
-        2,
-        "x0 ** x1",
-        _power,
-        np.power,
-        "biuf",
-        int_expr="(C(math.pow(np.float64(x0), np.float64(x1))) if (x1 >= C(0) or x0 == C(1) or x0 == C(-1)) else C(0))",
+    # ... and for decimals < 0, x1 is 10**-decimals (numpy's rint(x / 10**-d) * 10**-d),
+    # integers in float64, the store casting back to their dtype
+    "round_down": MathUfunc("round", 2, f"({_rint('x0 / x1')} * x1)", _round_down, _Unary(np.floor, int_loop=np.float64), "biuf"),
+    # (sign(-0.0) is 0.0 and sign(NaN) NaN, as numpy's)
+    "sign": MathUfunc(
+        "sign", 1, "(C(1) if x0 > C(0) else (C(-1) if x0 < C(0) else (C(0) if x0 == C(0) else x0)))", np.sign, np.sign, "iuf"
     ),
+    # integers exact, wrapping as numpy's; a negative exponent gives 0 (1 or -1 for a
+    # base of 1 or -1), where numpy raises
+    "power": MathUfunc("power", 2, "x0 ** x1", _power, np.power, "biuf", int_expr="IPOW(x0, x1, C(1))"),
     # x ** 2 as numpy's operator computes it: square (bool ** 2 is int8, where power gives int64)
     "square": MathUfunc("power", 1, "x0 * x0", np.square, np.square, "biuf"),
     "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),
@@ -138,10 +145,24 @@ class MathOp(Elementwise):
 
     def _integers(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` as an integer loop takes them: round ignores its scale there (1, so
-        that a large one need not fit the integer dtype)."""
-        if self._u.name == "round" and any(isinstance(x, Tensor) for x in args[:1]):
+        that a large one need not fit the integer dtype); clip's Python int bounds beyond
+        an integer tensor's range bound nothing (numpy drops them: ``clip(uint8, -1,
+        5)``), so they become the range's ends."""
+        name = self._u.name
+        x = args[0]
+        if name == "round" and isinstance(x, Tensor):
             if _resolve(self._u, args[:-1])[0].kind in "biu":
-                return (args[0], 1, args[-1])
+                return (x, 1, args[-1])
+        if name == "clip" and isinstance(x, Tensor) and x.dtype.kind in "iu":
+            info = np.iinfo(x.dtype)
+            low = type(args[1]) is int and args[1] <= info.min and self._u is not MATH["clip_max"]
+            high = type(args[-2]) is int and args[-2] >= info.max and self._u is not MATH["clip_min"]
+            if low or high:
+                bounds = [
+                    info.min if low and i == 0 else info.max if high and i == len(args) - 3 else b
+                    for i, b in enumerate(args[1:-1])
+                ]
+                return (x, *bounds, args[-1])
         return args
 
     def _check(self, *args: Any) -> None:
@@ -217,13 +238,26 @@ def clip(x: Any, a_min: Any, a_max: Any, *, out: Any = None) -> MathOp:
     return math_op("clip", x, a_min, a_max, out=out)
 
 
+def _power_of_ten(n: int) -> float:
+    """numpy's scale for round to ``n`` decimals (its ``power_of_ten``): exact to 1e22,
+    beyond 1e9 a product of tens, which leaves ``float(10**n)`` from 1e25 on; the same
+    float gives numpy's results there too."""
+    if n < 9:
+        return float(10**n)
+    p = 1e9
+    for _ in range(n - 9):
+        p *= 10.0
+    return p
+
+
 def round_(x: Any, decimals: int = 0, *, out: Any = None) -> MathOp:
-    """numpy's round: half to even; ``decimals`` as numpy's (floats only below zero)."""
+    """numpy's round: half to even; ``decimals`` as numpy's (integers to negative
+    decimals round in float64 and keep their dtype; bools only to 0 decimals)."""
     if not is_int(decimals):
         raise TypeError(f"ops.round: decimals must be an int, not {decimals!r}")
     d = int(decimals)
     if abs(d) > 300:
         raise ValueError(f"ops.round: decimals={d} is out of range (|decimals| <= 300)")
     if d >= 0:
-        return math_op("round", x, 10**d, out=out)
-    return math_op("round_down", x, 10 ** (-d), out=out)
+        return math_op("round", x, _power_of_ten(d), out=out)
+    return math_op("round_down", x, _power_of_ten(-d), out=out)
