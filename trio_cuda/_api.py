@@ -17,7 +17,7 @@ import numpy as np
 from ._checks import arg_type, check_dtype, check_shape, is_scalar, nbytes_of
 from ._device import Device
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, _ext, _tensor_of
+from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, _tensor_of
 from ._plan import Lane, Plan, _StagingSlot
 from ._registry import as_device
 from ._tensor import Partition, Tensor, plan_read_to_host
@@ -59,7 +59,7 @@ def _plan_h2d(plan: Plan, lane: Lane, t: Tensor, host: Any) -> None:
 
 
 # -- constructors ----------------------------------------------------------------------------------
-class _Alloc(DeviceOp[Tensor]):
+class _Alloc(TensorValuedOp[Tensor]):
     __slots__ = ("_device", "_dtype", "_host", "_nbytes", "_pattern", "_shape")
 
     def __init__(
@@ -134,7 +134,7 @@ def _explicit_device(device: Device | int | None) -> Device | None:
     return as_device(device) if device is not None else None
 
 
-def _constructor(shape: Any, dtype: Any, fill: Any, device: Device | int | None) -> DeviceOp[Tensor]:
+def _constructor(shape: Any, dtype: Any, fill: Any, device: Device | int | None) -> TensorValuedOp[Tensor]:
     shp = check_shape(shape)
     dt = check_dtype(dtype)
     nbytes_of(shp, dt)
@@ -147,24 +147,24 @@ def _constructor(shape: Any, dtype: Any, fill: Any, device: Device | int | None)
     return _Alloc(shp, dt, None, lambda: np.broadcast_to(value, shp), dev)
 
 
-def empty(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def empty(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A new uninitialized tensor."""
     shp = check_shape(shape)
     dt = check_dtype(dtype)
     return _Alloc(shp, dt, None, None, _explicit_device(device))
 
 
-def zeros(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def zeros(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A new tensor of zeros."""
     return _constructor(shape, dtype, 0, device)
 
 
-def ones(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def ones(shape: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A new tensor of ones."""
     return _constructor(shape, dtype, 1, device)
 
 
-def full(shape: Any, fill_value: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def full(shape: Any, fill_value: Any, dtype: Any = np.float32, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A new tensor filled with ``fill_value``: a scalar, or an array that broadcasts to
     ``shape`` (numpy's rules, as ``numpy.full``); None is refused."""
     return _constructor(shape, dtype, fill_value, device)
@@ -172,7 +172,7 @@ def full(shape: Any, fill_value: Any, dtype: Any = np.float32, *, device: Device
 
 def arange(
     start: Any, stop: Any = None, step: Any = 1, dtype: Any = np.float32, *, device: Device | int | None = None
-) -> DeviceOp[Tensor]:
+) -> TensorValuedOp[Tensor]:
     """A new 1-D tensor of evenly spaced values, as ``numpy.arange`` (default dtype float32)."""
     dt = check_dtype(dtype)
     if stop is None:
@@ -195,13 +195,13 @@ def arange(
     return _Alloc((n,), dt, None, lambda: np.arange(start, stop, step, dtype=dt)[:n], _explicit_device(device))
 
 
-def from_host(array: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def from_host(array: Any, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A new tensor holding a copy of a numpy array (read when the op is submitted), or
     of anything ``np.asarray`` takes (a list, a scalar: converted at once, with numpy's
     dtypes: Python floats give float64)."""
     if not isinstance(array, np.ndarray):
         given = array
-        if isinstance(array, (TensorMath, Partition)):
+        if isinstance(array, (TensorMath, DeviceOp, Partition)):
             raise TypeError(
                 f"from_host() takes host data, not {arg_type(array)} (already on the device: use it as it is, or ops.copy)"
             )
@@ -303,7 +303,7 @@ def _new_tensor(plan: Plan, lane: Lane, shape: tuple[int, ...], dtype: np.dtype[
     return Tensor._new(plan.new_buffer(lane, nbytes_of(shape, dtype), what), shape, dtype)
 
 
-class _Memcpy(DeviceOp[Any]):
+class _Memcpy(TensorValuedOp[Any]):
     __slots__ = ("_dst", "_src")
 
     def __init__(self, dst: Any, src: Any) -> None:
@@ -319,7 +319,7 @@ class _Memcpy(DeviceOp[Any]):
         return _plan_copy(plan, lane, _as_copy_end(dst, "destination"), _as_copy_end(src, "source"))
 
 
-def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
+def memcpy(dst: Any, src: Any) -> TensorValuedOp[Any]:
     """Copy ``src`` into ``dst``; the output is ``dst``.
 
     Either end may be a tensor (or partition), a numpy array (host), or an op
@@ -337,7 +337,7 @@ def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
     return _Memcpy(dst, src)
 
 
-class _Dup(DeviceOp[Tensor]):
+class _Dup(TensorValuedOp[Tensor]):
     __slots__ = ("_device", "_src")
 
     def __init__(self, src: Any, device: Device | None) -> None:
@@ -364,7 +364,7 @@ class _Dup(DeviceOp[Tensor]):
         return t
 
 
-def dup(tensor: Any, *, device: Device | int | None = None) -> DeviceOp[Tensor]:
+def dup(tensor: Any, *, device: Device | int | None = None) -> TensorValuedOp[Tensor]:
     """A copy of ``tensor`` (a tensor, partition or op producing one) on ``device`` (default: its own)."""
     if not isinstance(tensor, (Tensor, Partition, DeviceOp)):
         raise TypeError(f"dup() needs a Tensor or a DeviceOp, got {arg_type(tensor)}")

@@ -27,7 +27,7 @@ from typing import Any
 from ._checks import arg_type
 from ._errors import ExternalCallError
 from ._op import DeviceOp, is_function
-from ._ops._core import TensorOp, device_of, tensor_arg
+from ._ops._core import LibraryOp, device_of, tensor_arg
 from ._pending import Pending
 from ._plan import Lane, Plan
 from ._tensor import Partition, Tensor
@@ -36,7 +36,7 @@ from ._trace import work_labels
 __all__ = ["external"]
 
 
-class External(TensorOp):
+class External(LibraryOp):
     __slots__ = ("_fn", "_nreads", "name")
 
     def __init__(self, fn: Callable[[Any], Any], reads: tuple[Any, ...], writes: tuple[Any, ...], name: str) -> None:

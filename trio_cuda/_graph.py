@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from ._capture import Capture
 from ._errors import GraphCaptureError
 from ._guard import LOCK, check_not_forked, check_not_nested
-from ._op import DeviceOp, extensions
+from ._op import DeviceOp, TensorValuedOp, extensions
 from ._plan import Lane, Plan
 from ._registry import current_device
 from ._stream import Stream
@@ -128,7 +128,7 @@ class CudaGraph(Generic[T]):
         _, value = submit_blocking(op, self.stream)
         return value
 
-    def launch(self) -> DeviceOp[T]:
+    def launch(self) -> TensorValuedOp[T]:
         """A DeviceOp that replays the graph; its output is the captured output."""
         self._check_live()
         return _GraphLaunch(self)
@@ -165,7 +165,7 @@ def _graph_step(lane: Lane, g: CudaGraph[Any]) -> None:
     g.device._stats.graph_launches += 1
 
 
-class _GraphLaunch(DeviceOp[T]):
+class _GraphLaunch(TensorValuedOp[T]):
     __slots__ = ("_graph",)
 
     def __init__(self, graph: CudaGraph[T]) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "ScheduledOp",
     "SharedOp",
     "TensorMath",
+    "TensorValuedOp",
     "array_index",
     "extensions",
     "is_function",
@@ -109,7 +110,7 @@ def _comparable(x: Any) -> bool:
     return isinstance(x, (TensorMath, int, float, np.generic, np.ndarray, list, tuple))
 
 
-def _compare(name: str, x: Any, y: Any) -> DeviceOp[Any]:
+def _compare(name: str, x: Any, y: Any) -> TensorValuedOp[Any]:
     """``ops.<name>(x, y)``, or NotImplemented for an operand no op takes (Python then
     falls back to identity for ``==`` and ``!=``)."""
     if not _comparable(y):
@@ -136,34 +137,34 @@ class TensorMath:
 
     __array_ufunc__ = None  # numpy scalars and arrays defer to the reflected operators
 
-    def __add__(self, other: Any) -> DeviceOp[Any]:
+    def __add__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("add")(self, other)  # type: ignore[no-any-return]
 
-    def __radd__(self, other: Any) -> DeviceOp[Any]:
+    def __radd__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("add")(other, self)  # type: ignore[no-any-return]
 
-    def __sub__(self, other: Any) -> DeviceOp[Any]:
+    def __sub__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("subtract")(self, other)  # type: ignore[no-any-return]
 
-    def __rsub__(self, other: Any) -> DeviceOp[Any]:
+    def __rsub__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("subtract")(other, self)  # type: ignore[no-any-return]
 
-    def __mul__(self, other: Any) -> DeviceOp[Any]:
+    def __mul__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("multiply")(self, other)  # type: ignore[no-any-return]
 
-    def __rmul__(self, other: Any) -> DeviceOp[Any]:
+    def __rmul__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("multiply")(other, self)  # type: ignore[no-any-return]
 
-    def __truediv__(self, other: Any) -> DeviceOp[Any]:
+    def __truediv__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("divide")(self, other)  # type: ignore[no-any-return]
 
-    def __rtruediv__(self, other: Any) -> DeviceOp[Any]:
+    def __rtruediv__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("divide")(other, self)  # type: ignore[no-any-return]
 
-    def __matmul__(self, other: Any) -> DeviceOp[Any]:
+    def __matmul__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("matmul")(self, other)  # type: ignore[no-any-return]
 
-    def __rmatmul__(self, other: Any) -> DeviceOp[Any]:
+    def __rmatmul__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("matmul")(other, self)  # type: ignore[no-any-return]
 
     # Comparisons are elementwise ops, as numpy's: ``a == b`` is an op giving a bool
@@ -173,43 +174,43 @@ class TensorMath:
     def __hash__(self) -> int:
         return object.__hash__(self)
 
-    def __eq__(self, other: Any) -> DeviceOp[Any]:  # type: ignore[override]
+    def __eq__(self, other: Any) -> TensorValuedOp[Any]:  # type: ignore[override]
         return _compare("equal", self, other)
 
-    def __ne__(self, other: Any) -> DeviceOp[Any]:  # type: ignore[override]
+    def __ne__(self, other: Any) -> TensorValuedOp[Any]:  # type: ignore[override]
         return _compare("not_equal", self, other)
 
-    def __lt__(self, other: Any) -> DeviceOp[Any]:
+    def __lt__(self, other: Any) -> TensorValuedOp[Any]:
         return _compare("less", self, other)
 
-    def __le__(self, other: Any) -> DeviceOp[Any]:
+    def __le__(self, other: Any) -> TensorValuedOp[Any]:
         return _compare("less_equal", self, other)
 
-    def __gt__(self, other: Any) -> DeviceOp[Any]:
+    def __gt__(self, other: Any) -> TensorValuedOp[Any]:
         return _compare("greater", self, other)
 
-    def __ge__(self, other: Any) -> DeviceOp[Any]:
+    def __ge__(self, other: Any) -> TensorValuedOp[Any]:
         return _compare("greater_equal", self, other)
 
-    def __and__(self, other: Any) -> DeviceOp[Any]:
+    def __and__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_and")(self, other)  # type: ignore[no-any-return]
 
-    def __rand__(self, other: Any) -> DeviceOp[Any]:
+    def __rand__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_and")(other, self)  # type: ignore[no-any-return]
 
-    def __or__(self, other: Any) -> DeviceOp[Any]:
+    def __or__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_or")(self, other)  # type: ignore[no-any-return]
 
-    def __ror__(self, other: Any) -> DeviceOp[Any]:
+    def __ror__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_or")(other, self)  # type: ignore[no-any-return]
 
-    def __xor__(self, other: Any) -> DeviceOp[Any]:
+    def __xor__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_xor")(self, other)  # type: ignore[no-any-return]
 
-    def __rxor__(self, other: Any) -> DeviceOp[Any]:
+    def __rxor__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("bitwise_xor")(other, self)  # type: ignore[no-any-return]
 
-    def __invert__(self) -> DeviceOp[Any]:
+    def __invert__(self) -> TensorValuedOp[Any]:
         return _ext("invert")(self)  # type: ignore[no-any-return]
 
     def __bool__(self) -> bool:
@@ -225,95 +226,99 @@ class TensorMath:
     def __int__(self) -> int:
         raise TypeError(_SCALAR_HINT.format("int"))
 
-    def __pow__(self, other: Any) -> DeviceOp[Any]:
+    def __pow__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("pow")(self, other)  # type: ignore[no-any-return]
 
-    def __rpow__(self, other: Any) -> DeviceOp[Any]:
+    def __rpow__(self, other: Any) -> TensorValuedOp[Any]:
         return _ext("power")(other, self)  # type: ignore[no-any-return]
 
-    def __neg__(self) -> DeviceOp[Any]:
+    def __neg__(self) -> TensorValuedOp[Any]:
         return _ext("negative")(self)  # type: ignore[no-any-return]
 
-    def __abs__(self) -> DeviceOp[Any]:
+    def __abs__(self) -> TensorValuedOp[Any]:
         return _ext("abs")(self)  # type: ignore[no-any-return]
 
-    def astype(self, dtype: Any, *, copy: bool = True) -> DeviceOp[Any]:
+    def astype(self, dtype: Any, *, copy: bool = True) -> TensorValuedOp[Any]:
         """The output tensor converted to ``dtype`` (see :func:`trio_cuda.ops.astype`)."""
         return _ext("astype")(self, dtype, copy=copy)  # type: ignore[no-any-return]
 
-    def copy(self) -> DeviceOp[Any]:
+    def copy(self) -> TensorValuedOp[Any]:
         """A C-contiguous copy of the output tensor."""
         return _ext("copy")(self)  # type: ignore[no-any-return]
 
-    def relu(self) -> DeviceOp[Any]:
+    def relu(self) -> TensorValuedOp[Any]:
         return _ext("relu")(self)  # type: ignore[no-any-return]
 
-    def gelu(self, approximate: str = "tanh") -> DeviceOp[Any]:
+    def gelu(self, approximate: str = "tanh") -> TensorValuedOp[Any]:
         return _ext("gelu")(self, approximate=approximate)  # type: ignore[no-any-return]
 
-    def silu(self) -> DeviceOp[Any]:
+    def silu(self) -> TensorValuedOp[Any]:
         return _ext("silu")(self)  # type: ignore[no-any-return]
 
-    def sigmoid(self) -> DeviceOp[Any]:
+    def sigmoid(self) -> TensorValuedOp[Any]:
         return _ext("sigmoid")(self)  # type: ignore[no-any-return]
 
-    def exp(self) -> DeviceOp[Any]:
+    def exp(self) -> TensorValuedOp[Any]:
         return _ext("exp")(self)  # type: ignore[no-any-return]
 
-    def log(self) -> DeviceOp[Any]:
+    def log(self) -> TensorValuedOp[Any]:
         return _ext("log")(self)  # type: ignore[no-any-return]
 
-    def sqrt(self) -> DeviceOp[Any]:
+    def sqrt(self) -> TensorValuedOp[Any]:
         return _ext("sqrt")(self)  # type: ignore[no-any-return]
 
-    def tanh(self) -> DeviceOp[Any]:
+    def tanh(self) -> TensorValuedOp[Any]:
         return _ext("tanh")(self)  # type: ignore[no-any-return]
 
-    def sum(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def sum(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("sum")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def mean(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def mean(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("mean")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def max(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def max(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("max")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def min(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def min(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("min")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def argmax(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def argmax(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("argmax")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def argmin(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def argmin(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("argmin")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def prod(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def prod(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("prod")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def any(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def any(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("any")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def all(self, axis: Any = None, *, keepdims: bool = False) -> DeviceOp[Any]:
+    def all(self, axis: Any = None, *, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("all")(self, axis, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def var(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> DeviceOp[Any]:
+    def var(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("var")(self, axis, ddof=ddof, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def std(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> DeviceOp[Any]:
+    def std(self, axis: Any = None, *, ddof: float = 0, keepdims: bool = False) -> TensorValuedOp[Any]:
         return _ext("std")(self, axis, ddof=ddof, keepdims=keepdims)  # type: ignore[no-any-return]
 
-    def cumsum(self, axis: Any = None) -> DeviceOp[Any]:
+    def cumsum(self, axis: Any = None) -> TensorValuedOp[Any]:
         return _ext("cumsum")(self, axis)  # type: ignore[no-any-return]
 
-    def softmax(self, axis: int = -1) -> DeviceOp[Any]:
+    def softmax(self, axis: int = -1) -> TensorValuedOp[Any]:
         return _ext("softmax")(self, axis)  # type: ignore[no-any-return]
 
-    def log_softmax(self, axis: int = -1) -> DeviceOp[Any]:
+    def log_softmax(self, axis: int = -1) -> TensorValuedOp[Any]:
         return _ext("log_softmax")(self, axis)  # type: ignore[no-any-return]
 
 
-class DeviceOp(TensorMath, Generic[T]):
-    """A lazy description of device work with an output value of type ``T``."""
+class DeviceOp(Generic[T]):
+    r"""A lazy description of device work with an output value of type ``T``.
+
+    Ops whose output is a tensor (or not known until planned: ``then``, ``map``,
+    ``first``, a shared op) are :class:`TensorValuedOp`\ s, with the tensor methods and
+    operators; a tuple, a host array or a plain value has none."""
 
     __slots__ = ("_arity", "_inputs", "_state")
     _forks = False  # True if _lanes() may put inputs on other lanes
@@ -342,10 +347,10 @@ class DeviceOp(TensorMath, Generic[T]):
 
     # -- combinators ----------------------------------------------------------------
     @overload
-    def then(self, fn: Callable[[T], DeviceOp[U]]) -> DeviceOp[U]: ...
+    def then(self, fn: Callable[[T], DeviceOp[U]]) -> TensorValuedOp[U]: ...
     @overload
-    def then(self, fn: Callable[[T], U]) -> DeviceOp[U]: ...
-    def then(self, fn: Callable[[T], Any]) -> DeviceOp[Any]:
+    def then(self, fn: Callable[[T], U]) -> TensorValuedOp[U]: ...
+    def then(self, fn: Callable[[T], Any]) -> TensorValuedOp[Any]:
         """Serial dependency: ``fn(output)`` returns the next op (or a plain value).
 
         The next op runs on the same stream, strictly after this one. ``fn`` runs on
@@ -356,7 +361,7 @@ class DeviceOp(TensorMath, Generic[T]):
             raise TypeError(f"then() needs a callable, got {fn!r}")
         return _Then(self, fn)
 
-    def map(self, fn: Callable[[T], U]) -> DeviceOp[U]:
+    def map(self, fn: Callable[[T], U]) -> TensorValuedOp[U]:
         """Transform the output on the host; no device work.
 
         Over a host value that device work produces (``to_host``), ``fn`` is applied
@@ -367,22 +372,22 @@ class DeviceOp(TensorMath, Generic[T]):
         return _Map(self, fn)
 
     @overload
-    def first(self: DeviceOp[tuple[A, *Ts]]) -> DeviceOp[A]: ...
+    def first(self: DeviceOp[tuple[A, *Ts]]) -> TensorValuedOp[A]: ...
     @overload
-    def first(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
+    def first(self: DeviceOp[tuple[A, ...]]) -> TensorValuedOp[A]: ...
     @overload
-    def first(self) -> DeviceOp[Any]: ...
-    def first(self) -> DeviceOp[Any]:
+    def first(self) -> TensorValuedOp[Any]: ...
+    def first(self) -> TensorValuedOp[Any]:
         """The first element of a tuple output."""
         return _Select(self, 0, None)
 
     @overload
-    def last(self: DeviceOp[tuple[*Ts, A]]) -> DeviceOp[A]: ...
+    def last(self: DeviceOp[tuple[*Ts, A]]) -> TensorValuedOp[A]: ...
     @overload
-    def last(self: DeviceOp[tuple[A, ...]]) -> DeviceOp[A]: ...
+    def last(self: DeviceOp[tuple[A, ...]]) -> TensorValuedOp[A]: ...
     @overload
-    def last(self) -> DeviceOp[Any]: ...
-    def last(self) -> DeviceOp[Any]:
+    def last(self) -> TensorValuedOp[Any]: ...
+    def last(self) -> TensorValuedOp[Any]:
         """The last element of a tuple output."""
         return _Select(self, -1, None)
 
@@ -410,20 +415,6 @@ class DeviceOp(TensorMath, Generic[T]):
             return self
         return SharedOp(self)
 
-    # tensor conveniences: the whole pipeline reads as one chain
-    def partition(self: DeviceOp[_Partitions[U]], tile_shape: Any) -> DeviceOp[U]:
-        """Partition the output tensor (see :meth:`Tensor.partition`)."""
-        tile = check_shape(tile_shape, "tile_shape")
-        return _Map(self, lambda v: _tensor_of(v, "partition()").partition(tile))
-
-    def unpartition(self: DeviceOp[_Unpartitions[U]]) -> DeviceOp[U]:
-        """The tensor of the output partition."""
-        return _Map(self, lambda v: _tensor_of(v, "unpartition()"))
-
-    def reshape(self: DeviceOp[V], *shape: Any) -> DeviceOp[V]:
-        """Reshape the output tensor (a view; see :meth:`Tensor.reshape`)."""
-        return _Map(self, lambda v: _tensor_of(v, "reshape()").reshape(*shape))
-
     def to_host(self) -> DeviceOp[np.ndarray]:
         """Copy the output tensor (or partition) into a new numpy array."""
         return _ToHost(self)
@@ -432,18 +423,6 @@ class DeviceOp(TensorMath, Generic[T]):
         """The output tensor's one element as a Python scalar: ``await loss.item()``
         (a tensor of more elements fails the op with ``ValueError``)."""
         return _ToHost(self).map(one_item)
-
-    # views of the output tensor (free: no device work)
-    def __getitem__(self: DeviceOp[V], key: Any) -> DeviceOp[V]:
-        """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`),
-        or, with an integer tensor in ``key``, a gather (see :func:`trio_cuda.ops.take`)."""
-        if array_index(key):
-            return _ext("index")(self, key)  # type: ignore[no-any-return]
-        return _Map(self, lambda v: _tensor_of(v, "indexing")[key])
-
-    def transpose(self: DeviceOp[V], *axes: Any) -> DeviceOp[V]:
-        """The output tensor with its axes permuted (a view)."""
-        return _Map(self, lambda v: _tensor_of(v, "transpose()").transpose(*axes))
 
     def __iter__(self) -> Any:
         raise TypeError("a DeviceOp is not iterable: await it first (or unzip() an op with a tuple output)")
@@ -497,9 +476,45 @@ class DeviceOp(TensorMath, Generic[T]):
         """Capture this op's DAG on a private stream of the current device."""
         return _ext("capture")(self, None)
 
+
+class TensorValuedOp(DeviceOp[T], TensorMath):
+    """A :class:`DeviceOp` whose output is a tensor, or not known until the op is planned
+    (``then``, ``map``, ``first``, a shared op): the tensor's operators, math methods
+    and views, each itself an op (a wrong output type fails the op when it is planned).
+    What ``trio_cuda.ops``, the constructors of ``trio_cuda.api`` and the combinators
+    return."""
+
+    __slots__ = ()
+
+    # tensor conveniences: the whole pipeline reads as one chain
+    def partition(self: TensorValuedOp[_Partitions[U]], tile_shape: Any) -> TensorValuedOp[U]:
+        """Partition the output tensor (see :meth:`Tensor.partition`)."""
+        tile = check_shape(tile_shape, "tile_shape")
+        return _Map(self, lambda v: _tensor_of(v, "partition()").partition(tile))
+
+    def unpartition(self: TensorValuedOp[_Unpartitions[U]]) -> TensorValuedOp[U]:
+        """The tensor of the output partition."""
+        return _Map(self, lambda v: _tensor_of(v, "unpartition()"))
+
+    def reshape(self: TensorValuedOp[V], *shape: Any) -> TensorValuedOp[V]:
+        """Reshape the output tensor (a view; see :meth:`Tensor.reshape`)."""
+        return _Map(self, lambda v: _tensor_of(v, "reshape()").reshape(*shape))
+
+    # views of the output tensor (free: no device work)
+    def __getitem__(self: TensorValuedOp[V], key: Any) -> TensorValuedOp[V]:
+        """A view of the output tensor by basic indexing (see :meth:`Tensor.__getitem__`),
+        or, with an integer tensor in ``key``, a gather (see :func:`trio_cuda.ops.take`)."""
+        if array_index(key):
+            return _ext("index")(self, key)  # type: ignore[no-any-return]
+        return _Map(self, lambda v: _tensor_of(v, "indexing")[key])
+
+    def transpose(self: TensorValuedOp[V], *axes: Any) -> TensorValuedOp[V]:
+        """The output tensor with its axes permuted (a view)."""
+        return _Map(self, lambda v: _tensor_of(v, "transpose()").transpose(*axes))
+
     # Last in the class: the name T would shadow the type variable in later annotations.
     @property
-    def T(self: DeviceOp[V]) -> DeviceOp[V]:
+    def T(self: TensorValuedOp[V]) -> TensorValuedOp[V]:
         """The output tensor with its axes reversed (a view)."""
         return _Map(self, lambda v: _tensor_of(v, ".T").T)
 
@@ -540,7 +555,11 @@ class _Value(DeviceOp[T]):
         return self._value
 
 
-class _Then(DeviceOp[U]):
+class _TensorValue(_Value[T], TensorValuedOp[T]):
+    __slots__ = ()
+
+
+class _Then(TensorValuedOp[U]):
     __slots__ = ("_fn",)
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], Any]) -> None:
@@ -565,7 +584,7 @@ class _Then(DeviceOp[U]):
         return r
 
 
-class _Map(DeviceOp[U]):
+class _Map(TensorValuedOp[U]):
     __slots__ = ("_fn",)
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], Any]) -> None:
@@ -593,7 +612,7 @@ def _pick(v: Any, index: int, expect: int | None) -> Any:
     return v[index]
 
 
-class _Select(DeviceOp[Any]):
+class _Select(TensorValuedOp[Any]):
     __slots__ = ("_expect", "_index")
 
     def __init__(self, src: DeviceOp[Any], index: int, expect: int | None) -> None:
@@ -652,7 +671,7 @@ def _depend_shared(lane: Lane, op: SharedOp[Any]) -> None:
         raise AssertionError(f"shared op in state {st!r} at enqueue")
 
 
-class SharedOp(DeviceOp[T]):
+class SharedOp(TensorValuedOp[T]):
     """An op that executes its upstream once and gives every consumer the same output.
 
     It may be awaited any number of times and used by any number of ops, in one
@@ -712,7 +731,11 @@ class _ToHost(DeviceOp["np.ndarray"]):
 
 
 def value(x: U) -> DeviceOp[U]:
-    """An op whose output is the already-known value ``x`` (no device work)."""
+    """An op whose output is the already-known value ``x`` (no device work); of a
+    tensor or a partition, a :class:`TensorValuedOp`."""
+    # (a tensor, or a partition: what has the tensor views; _tensor stands above this module)
+    if isinstance(x, TensorMath) or hasattr(type(x), "unpartition"):
+        return _TensorValue(x)
     return _Value(x)
 
 

@@ -21,7 +21,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, _ext, array_index, one_item, value
+from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, array_index, one_item, value
 from ._pending import Pending
 from ._plan import Lane, Plan
 
@@ -260,11 +260,11 @@ class Tensor(TensorMath):
     # -- views --------------------------------------------------------------------
     # (an integer tensor in the key makes a gather, an op; anything else a view)
     @overload
-    def __getitem__(self, key: TensorMath) -> DeviceOp[Tensor]: ...
+    def __getitem__(self, key: TensorMath) -> TensorValuedOp[Tensor]: ...
     @overload
     def __getitem__(self, key: _Basic | tuple[_Basic, ...]) -> Tensor: ...
     @overload
-    def __getitem__(self, key: tuple[Any, ...]) -> DeviceOp[Tensor]: ...
+    def __getitem__(self, key: tuple[Any, ...]) -> TensorValuedOp[Tensor]: ...
     def __getitem__(self, key: Any) -> Any:
         """A view by basic indexing, as numpy's: ints, slices (any step, negative too),
         ``...`` and ``None``. Free and immediate; it shares the memory (and its ordering).

@@ -47,7 +47,7 @@ from ._device import Device
 from ._errors import GraphCaptureError
 from ._guard import LOCK
 from ._op import DeviceOp
-from ._ops._core import TensorOp, alloc, overlaps, tensor_arg
+from ._ops._core import LibraryOp, alloc, overlaps, tensor_arg
 from ._plan import Hold, Lane, Plan
 from ._registry import as_device
 from ._tensor import Tensor
@@ -418,7 +418,7 @@ def _launched_device(device: int | Device | None, local_rank: int) -> Device:
     )
 
 
-class Collective(TensorOp):
+class Collective(LibraryOp):
     """One collective over a group's tensors (see the module doc)."""
 
     __slots__ = ("_group", "_kind", "_n", "_op", "_root", "name")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import _op
-from ._op import DeviceOp
+from ._op import DeviceOp, TensorValuedOp
 from ._ops import (
     _attention,
     _create,
@@ -125,7 +125,7 @@ __all__ = [
 ]
 
 TensorLike = Any  # a Tensor, a Partition, a DeviceOp producing one, or a scalar
-Op = DeviceOp[Tensor]
+Op = TensorValuedOp[Tensor]
 
 
 # -- elementwise ------------------------------------------------------------------------------
@@ -472,7 +472,7 @@ def topk(
     first (``largest=False``: the smallest, smallest first), as ``torch.topk``: an op
     producing ``(values, indices)`` (``values, indices = ops.topk(x, 5).unzip()``).
     Ties keep the lower index first; NaN counts as the largest."""
-    return _sort.topk(x, k, largest, out)  # type: ignore[return-value]
+    return _sort.topk(x, k, largest, out)
 
 
 # -- normalisation ----------------------------------------------------------------------------------
@@ -638,7 +638,7 @@ def sgd_step(
     (baked into a captured graph) or a 0-d tensor (read at each run). The buffers start at zero (PyTorch's first step copies the
     gradient instead: the same unless ``dampening`` is set). The op's output is the tuple
     of the parameters."""
-    return _optim.sgd_step(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov)  # type: ignore[return-value]
+    return _optim.sgd_step(params, grads, momentum_buffers, lr, momentum, dampening, weight_decay, nesterov)
 
 
 def adamw_step(
@@ -663,7 +663,7 @@ def adamw_step(
     0 (it cannot be checked on the host) divides by zero, and every parameter becomes NaN,
     as PyTorch's formula does. States are zero-initialised tensors of the parameter's dtype
     or float32. The op's output is the tuple of the parameters."""
-    return _optim.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, betas, eps, weight_decay)  # type: ignore[return-value]
+    return _optim.adamw_step(params, grads, exp_avgs, exp_avg_sqs, lr, step, betas, eps, weight_decay)
 
 
 # -- creation, casts, joins ------------------------------------------------------------------------------

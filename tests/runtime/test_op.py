@@ -126,6 +126,43 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
     np.testing.assert_array_equal(out, [9, 9])
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: trio_cuda.value(3),
+        lambda x: trio_cuda.zip(api.zeros((2,)), api.ones((2,))),
+        lambda x: add(x.partition((4,)), x, x),
+        lambda x: api.zeros((2,)).to_host(),
+        lambda x: trio_cuda.ops.topk(x, 2),
+        lambda x: trio_cuda.external(lambda s: None, reads=(x,)),
+    ],
+    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external"],
+)
+def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[trio_cuda.Tensor], object]) -> None:
+    op = make(api.zeros((4,)).sync())
+    assert isinstance(op, trio_cuda.DeviceOp) and not isinstance(op, trio_cuda.TensorValuedOp)
+    for name in ("softmax", "relu", "sum", "reshape", "T", "__add__", "astype"):
+        assert not hasattr(op, name), name
+    with pytest.raises(TypeError):
+        op + 1  # type: ignore[operator]
+    with pytest.raises(TypeError):
+        op < 1  # type: ignore[operator]  # noqa: B015
+
+
+def test_tensor_valued_ops_have_the_tensor_methods() -> None:
+    x = api.zeros((4,)).sync()
+    for op in (
+        api.zeros((4,)),
+        trio_cuda.ops.relu(x),
+        trio_cuda.value(x),
+        add(x.partition((4,)), x, x).first(),
+        api.ones((4,)).then(lambda t: t),
+    ):
+        assert isinstance(op, trio_cuda.TensorValuedOp)
+    y = (trio_cuda.ops.relu(x) + 1).softmax()
+    np.testing.assert_allclose(y.to_host().sync(), np.full(4, 0.25, np.float32))
+
+
 async def test_op_is_single_use() -> None:
     op = api.ones((2,))
     await op

@@ -29,7 +29,7 @@ from .._direct import direct_enqueue, direct_ready, lane_step
 from .._forecast import Names
 from .._guard import LOCK, _tls
 from .._kernel import Kernel, _Launch, _launch_step, _prepared_step, _scalar_key
-from .._op import DeviceOp
+from .._op import DeviceOp, TensorValuedOp
 from .._pending import EXECUTING
 from .._plan import Lane, Plan
 from .._tensor import Partition, Tensor, c_strides
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CacheStatistics",
+    "LibraryOp",
     "TensorOp",
     "alloc",
     "cache_statistics",
@@ -93,8 +94,8 @@ def resolved(v: Any, name: str) -> Any:
     raise TypeError(f"{name}: an input op's output must be a tensor or a scalar, not {arg_type(v)}")
 
 
-class TensorOp(DeviceOp[Tensor]):
-    """An op of the library. Subclasses implement ``_check(*args)`` (argument checks that
+class LibraryOp(DeviceOp[Any]):
+    """An op of the library (see :class:`TensorOp` for those whose output is a tensor). Subclasses implement ``_check(*args)`` (argument checks that
     need no plan: run by the constructor when no argument is an op, else at planning
     once the inputs' values are known) and ``_build(plan, lane, *args)`` (allocate and
     launch on checked arguments; returns the output tensor).
@@ -182,6 +183,16 @@ _cache: dict[tuple[Any, ...], _Recipe] = {}
 _counts = {"hits": 0, "misses": 0}
 _recording: _Recording | None = None  # the build being recorded (under the runtime lock)
 _replayable: set[Callable[[Lane, Any], None]] = set()
+
+
+class TensorOp(LibraryOp, TensorValuedOp[Tensor]):
+    r"""A library op whose output is a tensor: it has the tensor methods and operators
+    (a collective, an ``external`` call or a ``topk``, whose outputs are tuples, are
+    plain :class:`LibraryOp`\ s)."""
+
+    __slots__ = ()
+
+
 # What a preparer returns for a step's argument: the function direct_enqueue runs,
 # ``fn(stream, (static, writes, reads))``; its fixed argument; and which entries of the
 # step's argument it writes and reads (their (buffer, tracked) pairs are made per call).
@@ -240,7 +251,7 @@ def _all_ints(a: tuple[Any, ...]) -> bool:
     return True
 
 
-def _op_key(op: TensorOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _op_key(op: LibraryOp, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """The identity of an op on ``args``, or None if some of them cannot be keyed.
 
     Tensors contribute their cached kernel descriptor (one per buffer and view layout:
@@ -394,7 +405,7 @@ class _Recipe:
         # TensorOp._submit_now (a launch once its prepared launch is known).
         self.direct = steps[0] if len(steps) == 1 and not allocs and steps[0].pure else None
 
-    def submit_now(self, op: TensorOp, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
+    def submit_now(self, op: LibraryOp, s: Stream) -> tuple[Any, Event | None, list[str]] | None:
         """Enqueue the one step of this recipe on ``op``'s operands without a plan, as
         replay() and the general path would (see _direct.direct_ready); None: take the
         general path."""
@@ -465,7 +476,7 @@ class _Recipe:
         return _make(self.result, args, bufs)  # type: ignore[no-any-return]
 
 
-def _record(op: TensorOp, plan: Plan, lane: Lane, args: tuple[Any, ...], key: tuple[Any, ...]) -> Tensor:
+def _record(op: LibraryOp, plan: Plan, lane: Lane, args: tuple[Any, ...], key: tuple[Any, ...]) -> Tensor:
     """Build ``op`` on ``args`` and cache the build as a recipe when it can be replayed."""
     global _recording
     nsteps, nlanes, nops = len(plan.steps), len(plan.lanes), len(plan.ops)

@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import _api as api
 from .._checks import arg_type, check_dtype, is_int
-from .._op import DeviceOp
+from .._op import DeviceOp, TensorValuedOp
 from .._plan import Lane, Plan
 from .._tensor import Partition, Tensor, index_view, normalize_axis
 from ._core import TensorOp, device_of, operand, output, tensor_arg
@@ -18,14 +18,14 @@ from ._layout import promote
 __all__ = ["Concatenate", "like"]
 
 
-def like(kind: str, x: Any, dtype: Any, fill: Any = None) -> DeviceOp[Tensor]:
+def like(kind: str, x: Any, dtype: Any, fill: Any = None) -> TensorValuedOp[Tensor]:
     """A new tensor with the shape (and, by default, dtype and device) of ``x``."""
     name = f"ops.{kind}_like"
     if isinstance(x, Partition):
         x = x.tensor
     dt = None if dtype is None else check_dtype(dtype)
 
-    def make(t: Any) -> DeviceOp[Tensor]:
+    def make(t: Any) -> TensorValuedOp[Tensor]:
         t = tensor_arg(t, name)
         d = dt or t.dtype
         if kind == "zeros":

@@ -24,10 +24,11 @@ from typing import Any
 import numpy as np
 
 from .._checks import BFLOAT16, arg_type, is_int
+from .._op import TensorValuedOp
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis
 from ._codegen import bf16_to_f32, half_view, row_kernel
-from ._core import TensorOp, alloc, check_out, launch, operand, out_partition, output
+from ._core import LibraryOp, alloc, check_out, launch, operand, out_partition, output
 from ._elementwise import contiguous, copy_into, finish
 from ._gather import gather_kernel
 from ._layout import view
@@ -150,12 +151,11 @@ def _rows_out(plan: Plan, lane: Lane, dst: Tensor, perm: list[int], m: int, k: i
     return tmp, tmp
 
 
-class Sort(TensorOp):
+class _Sorting(LibraryOp):
     """sort / argsort along ``axis`` (None: the flattened tensor), and topk along the
     last axis: arguments ``(x, axis, count, out)`` (count: topk's k, else None)."""
 
     __slots__ = ("_desc", "_kind", "name")
-    _cacheable = True
 
     def __init__(self, kind: str, desc: bool, args: tuple[Any, ...]) -> None:
         self._kind = kind
@@ -258,7 +258,16 @@ class Sort(TensorOp):
         return v if kind == "sort" else i
 
 
-class _TopK(Sort):
+class Sort(_Sorting, TensorValuedOp[Tensor]):
+    """sort and argsort: a tensor."""
+
+    __slots__ = ()
+    _cacheable = True
+
+
+class _TopK(_Sorting):
+    """topk: a tuple (values, indices), no tensor methods."""
+
     __slots__ = ()
     _cacheable = False  # its output is a tuple (a recipe replays one tensor)
 
@@ -276,7 +285,7 @@ def sort(kind: str, x: Any, axis: Any = -1, out: Any = None) -> Sort:
     return Sort(kind, False, (operand(x, name), _axis_arg(name, axis), None, None if out is None else operand(out, name)))
 
 
-def topk(x: Any, k: Any, largest: bool = True, out: Any = None) -> Sort:
+def topk(x: Any, k: Any, largest: bool = True, out: Any = None) -> _TopK:
     name = "ops.topk"
     if not is_int(k) or isinstance(k, bool):
         raise TypeError(f"{name}: k must be an int, not {k!r}")
