@@ -378,7 +378,7 @@ class Partition:
         if len(tile) != len(shape):
             raise ValueError(f"tile_shape {tile} has {len(tile)} dims, the tensor {shape} has {len(shape)}")
         # Ragged: the last tile along a dimension may be partial (the grid is the ceiling).
-        if len(tile) == 1:  # the common case, without the loop (1.2 us of a 1.8 us build)
+        if len(tile) == 1:  # the common case, without the loop (most of a build's cost)
             if tile[0] == 0:
                 raise ValueError(f"tile_shape must be positive: {tile}")
             grid: tuple[int, ...] = (-(-shape[0] // tile[0]),)

@@ -135,7 +135,7 @@ class _Plan:
             raise RuntimeError("cuBLASLt has no algorithm for this problem")
         self._results = results[:n]  # the algo pointer points into it
         self.algo = self._results[0]["algo"].ctypes.data
-        # (one result reads back as a scalar: an fp16 GELU_BIAS GEMV on an H200 had one)
+        # (a single heuristic result reads back as a scalar, not an array of one)
         self.workspace = int(np.asarray(self._results.workspace_size).reshape(-1)[0])
         # Pointers taken once (numpy's .ctypes costs microseconds per use).
         self.alpha = np.array(1, dtype=self.scalar)

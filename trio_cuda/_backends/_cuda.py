@@ -22,9 +22,9 @@
 * **Fast path**: the three driver calls of every await (``cuLaunchKernel``,
   ``cuEventRecord``, ``cuEventQuery``) go through a small C extension
   (``_cudafast``, built at install when a C compiler is present) straight to the
-  driver's entry points, about 2 us less per await than cuda.bindings' wrappers on an
-  H200; without it the same calls go through cuda.bindings (the same behaviour and
-  errors).
+  driver's entry points, without the argument conversion of cuda.bindings' generic
+  wrappers, which costs an await more than the driver's own calls (docs/performance.md);
+  without it the same calls go through cuda.bindings (the same behaviour and errors).
 * Every driver result goes through ``_cudaerrors.check``, which turns a bad ``CUresult`` into the
   project's errors; sticky errors (illegal address, ...) mark the device faulted.
 """
@@ -167,9 +167,8 @@ class CudaDevice(DeviceDriver):
         self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
         # cuEventSynchronize (a blocking wait spins, then sleeps on a waker the notifier's
-        # side stream posts). Measured on an H200 (benchmarks/results/host-polls-2026-11-30.md at bdba8f3):
-        # the first cuEventQuery that sees a blocking-sync event done costs 0.2-0.4 us more,
-        # and a launch-record-query round trip about 1 us more, than with timing off alone.
+        # side stream posts), and blocking sync makes the query that first sees an event
+        # done, which every await makes, cost more (docs/performance.md).
         self._event_flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._fast = fast_path()
         self._graph_pfn = graph_launch_entry() if self._fast is not None and hasattr(_cudafast, "graph_launch") else 0
@@ -193,11 +192,11 @@ class CudaDevice(DeviceDriver):
     def reset(self) -> None:
         """Reset the primary context; raise DeviceFault if the device cannot work again.
 
-        Measured on an H200 (driver 580, CUDA 13): after an illegal address no driver
-        call brings the device back inside the process (cuDevicePrimaryCtxReset, releasing
-        and retaining the primary context again, and cuCtxCreate all fail with the sticky
-        error; benchmarks/probes/probe_reset_variants.py). Then the device stays faulted and the
-        error says so: only a new process can use it.
+        After an illegal address no driver call brings the device back inside the
+        process (cuDevicePrimaryCtxReset, releasing and retaining the primary context
+        again, and cuCtxCreate all fail with the sticky error; docs/runtime.md, "Reset").
+        Then the device stays faulted and the error says so: only a new process can use
+        it.
         """
         fault = self._fault
         self._launchers = {}
@@ -426,9 +425,8 @@ class CudaDevice(DeviceDriver):
         if reuse and not capturing and not foreign and gemms.replay:
             # A recipe's GEMM on the same memory as before (its third call: the first
             # two built the recipe and prepared it): cuBLASLt's call is captured once
-            # and replayed as a graph (measured on an H200, a 2048^2 fp32 GEMV: 7.0 us
-            # of host time per cublasLtMatmul, 3.9 per cuGraphLaunch of the same
-            # kernel; with a sync after each, 17.3 against 12.1 us).
+            # and replayed as a graph, because launching the graph costs the host much
+            # less than cuBLASLt's own call does (docs/performance.md).
             key = (desc, a, b, d, bias, int(stream))
             graphs = gemms.graphs
             g = graphs.pop(key, None)
@@ -672,13 +670,15 @@ def _nccl() -> tuple[Any, Any]:
 
 class CudaBackend(Backend):
     name = "cuda"
-    # Measured on an H200: a parked wait wakes ~0.25 ms after its event (host function,
-    # helper thread, trio wake-up); polling sees completion within one scheduler pass.
+    # Polling sees completion within one scheduler pass; a parked wait wakes only after
+    # the host function, the helper thread and trio's wake-up. Work that ends within
+    # the budget is seen sooner by polling, and beside longer work the parked wait's
+    # delay is small (docs/notifier.md has the figures).
     poll_budget_us = 5000.0
     # An await whose first poll after trio's pass finds a kernel of a few us (a GEMV)
-    # still running polls on for up to this long when that pass came back at once: on
-    # an H200 a decode step awaited kernel by kernel took 0.92-0.94x the time of spin 0
-    # with 10, 20 and 50 us (an A/B probe in one process, in git history).
+    # still running polls on for up to this long when that pass came back at once: with
+    # nothing else to run, another pass through trio's scheduler only delays seeing a
+    # kernel that ends within microseconds (docs/performance.md).
     spin_us = 20.0
 
     def __init__(self) -> None:
