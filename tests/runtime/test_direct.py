@@ -31,18 +31,28 @@ def direct() -> int:
 
 
 async def tidy(dev: trio_cuda.Device) -> None:
-    """helpers.settle (in a worker thread) until nothing is left for the next submission
-    to tidy: it may go direct. (A collection in between may drop garbage of earlier
-    tests: settled again.)"""
+    """helpers.settle (in a worker thread) until a settle finds nothing to free and no
+    stream to destroy: nothing is left for the next submission to tidy first, and the
+    frees a test counts after this are its own. (A collection in between may drop
+    garbage of earlier tests: settled again.)"""
 
-    def left() -> bool:
-        return bool(dev._dead_buffers or dev._dead_streams or dev._lingering or dev._dead_graphs)
+    def done() -> tuple[int, int]:
+        s = dev.statistics()
+        return s.frees, s.streams_destroyed
 
-    for _ in range(3):
+    for _ in range(4):
+        before = done()
         await trio.to_thread.run_sync(settle)
-        if not left():
-            break
-    assert not left()
+        if done() == before:
+            return
+    raise AssertionError("every settle of the device found more memory to free or streams to destroy")
+
+
+def freed(dev: trio_cuda.Device, before: trio_cuda.DeviceStatistics) -> tuple[int, int]:
+    """The frees ``dev`` enqueued since ``before``, and the bytes no longer in use (a
+    dropped tensor's memory whose free is not enqueued yet still counts as in use)."""
+    now = dev.statistics()
+    return now.frees - before.frees, before.bytes_in_use - now.bytes_in_use
 
 
 def counted(before: lowlevel.SubmissionStatistics) -> dict[str, int]:
@@ -165,13 +175,14 @@ async def test_a_direct_submission_frees_what_was_dropped_first() -> None:
     tmp = await api.zeros((1 << 16,))
     await ops.add(tmp, 1.0, out=tmp)
     await tidy(dev)
+    s0, nbytes = dev.statistics(), tmp.nbytes
     del tmp
     gc.collect()
-    assert dev._dead_buffers, "the dropped tensor's memory should wait for the next submission"
+    assert freed(dev, s0) == (0, 0), "the dropped tensor's free should wait for the next submission"
     before = direct()
     await ops.add(x, 1.0, out=x)
     assert direct() == before + 1
-    assert not dev._dead_buffers
+    assert freed(dev, s0) == (1, nbytes), "the direct submission should have enqueued the free first"
     np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
 
 
@@ -307,9 +318,9 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
         await ops.add(x, 1.0, out=x)
     tmp = await api.zeros((1 << 12,))
     await tidy(dev)
+    d0, nbytes = dev.statistics(), tmp.nbytes
     del tmp
-    gc.collect()
-    assert dev._dead_buffers
+    gc.collect()  # its free waits for the next submission
 
     def fail() -> None:
         raise trio_cuda.DeviceError("free failed", device=dev.ordinal)
@@ -321,9 +332,10 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
     with pytest.raises(trio_cuda.DeviceError, match="free failed"):
         await op
     assert counted(s0) == {"planned": 1, "enqueued": 0, "failed": 0, "abandoned": 1, "direct": 0}
+    assert freed(dev, d0) == (0, 0)  # the free still waits
     monkeypatch.undo()
     await op  # not consumed: it runs now (and frees the memory first)
-    assert not dev._dead_buffers
+    assert freed(dev, d0) == (1, nbytes)
     np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
 
 
