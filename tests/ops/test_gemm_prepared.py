@@ -315,6 +315,49 @@ async def test_prepared_linear_equals_the_general_path(
     assert guard.calls - calls == 2
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["matmul", "matmul into a view", "transposed operand", "batched", "linear with bias", "linear with bias and gelu"],
+)
+async def test_a_prepared_gemm_computes_what_the_general_path_does(
+    monkeypatch: pytest.MonkeyPatch, guard: Guard, case: str
+) -> None:
+    # The third call of the same GEMM on the same memory runs its prepared form (the
+    # descriptor aligned and the addresses taken once): each call's result must equal
+    # the general path's, also when the operands change value in between.
+    rng = np.random.default_rng(7)
+    xshape = {"batched": (3, 16, 8), "matmul into a view": (16, 16)}.get(case, (16, 8))
+    if case.startswith("linear"):
+        xshape = (8, 16)
+    hx = rng.standard_normal(xshape).astype(np.float32)
+    hw = rng.standard_normal((3, 16, 16) if case == "batched" else (16, 16)).astype(np.float32)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    b = await api.from_host(rng.standard_normal(16).astype(np.float32))
+
+    def make(out: trio_cuda.Tensor) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+        if case == "transposed operand":
+            return ops.matmul(w.transpose(), x, out=out)
+        if case.startswith("linear"):
+            return ops.linear(x, w, b, activation="gelu" if "gelu" in case else None, out=out)
+        return ops.matmul(w, x, out=out)
+
+    if case == "matmul into a view":
+        out = (await api.zeros((4, 16, 16)))[1]  # at an offset into its buffer
+    else:
+        out = await api.zeros(xshape)
+    ref_out = await api.zeros(xshape)
+    calls = guard.calls
+    for _ in range(4):
+        await make(out)  # planned, direct (prepares), then prepared
+        await general(monkeypatch, lambda: make(ref_out))  # the general path, on the same operands
+        np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())
+        await ops.multiply(x, 1.5, out=x)  # new values, same memory
+    assert guard.calls - calls == 2
+    if case == "matmul":
+        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 1.5**3)
+        np.testing.assert_allclose(await out.to_host(), expected, rtol=1e-4, atol=1e-4)
+
+
 # -- ordering ------------------------------------------------------------------------------------
 async def test_a_later_write_of_the_bias_on_another_stream_waits_for_a_prepared_linear(
     monkeypatch: pytest.MonkeyPatch, guard: Guard

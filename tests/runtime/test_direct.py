@@ -17,7 +17,6 @@ import trio
 
 import trio_cuda
 from trio_cuda import OpAlreadyExecuted, _submission, api, lowlevel, ops
-from trio_cuda._ops import _core
 from trio_cuda.kernels import add, sleep
 
 from ..helpers.devices import Resetter, counter, run_with_deadline, settle
@@ -357,54 +356,6 @@ async def test_a_renamed_kernel_is_named_by_its_new_name_in_faults(monkeypatch: 
     assert info.value.op == "my_add"
     monkeypatch.undo()
     await trio.to_thread.run_sync(dev.synchronize)
-
-
-def prepared_gemms() -> int:
-    """Recipes whose one step is a GEMM prepared for direct submissions."""
-    return sum(1 for r in _core._cache.values() if r.direct is not None and r.direct.ready)
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["matmul", "matmul into a view", "transposed operand", "batched", "linear with bias", "linear with bias and gelu"],
-)
-async def test_a_prepared_gemm_computes_what_the_general_path_does(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    # The third call of the same GEMM on the same memory runs its prepared form (the
-    # descriptor aligned and the addresses taken once): each call's result must equal
-    # the general path's, also when the operands change value in between.
-    rng = np.random.default_rng(7)
-    xshape = {"batched": (3, 16, 8), "matmul into a view": (16, 16)}.get(case, (16, 8))
-    if case.startswith("linear"):
-        xshape = (8, 16)
-    hx = rng.standard_normal(xshape).astype(np.float32)
-    hw = rng.standard_normal((3, 16, 16) if case == "batched" else (16, 16)).astype(np.float32)
-    x, w = await api.from_host(hx), await api.from_host(hw)
-    b = await api.from_host(rng.standard_normal(16).astype(np.float32))
-
-    def make(out: trio_cuda.Tensor) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
-        if case == "transposed operand":
-            return ops.matmul(w.transpose(), x, out=out)
-        if case.startswith("linear"):
-            return ops.linear(x, w, b, activation="gelu" if "gelu" in case else None, out=out)
-        return ops.matmul(w, x, out=out)
-
-    if case == "matmul into a view":
-        out = (await api.zeros((4, 16, 16)))[1]  # at an offset into its buffer
-    else:
-        out = await api.zeros(xshape)
-    ref_out = await api.zeros(xshape)
-    prepared = prepared_gemms()
-    for _ in range(4):
-        await make(out)  # planned, direct (prepares), then prepared
-        monkeypatch.setattr(_submission, "direct_on", False)
-        await make(ref_out)  # the general path, on the same operands
-        monkeypatch.undo()
-        np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())
-        await ops.multiply(x, 1.5, out=x)  # new values, same memory
-    assert prepared_gemms() > prepared
-    if case == "matmul":
-        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 1.5**3)
-        np.testing.assert_allclose(await out.to_host(), expected, rtol=1e-4, atol=1e-4)
 
 
 async def test_a_prepared_gemm_does_not_outlive_its_operands_memory() -> None:
