@@ -38,6 +38,7 @@ from ._ops import (
     _sort,
     _stats,
 )
+from ._ops._core import CacheStatistics, cache_statistics
 from ._tensor import Partition, Tensor
 
 # abs, all, any, max, min, pow, round and sum are not in __all__: `from trio_cuda.ops import *`
@@ -122,6 +123,9 @@ __all__ = [
     "cross_entropy_grad",
     "dropout",
     "sgd_step",
+    # the recipe cache
+    "CacheStatistics",
+    "cache_statistics",
 ]
 
 TensorLike = Any  # a Tensor, a Partition, a DeviceOp producing one, or a scalar

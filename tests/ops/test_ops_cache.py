@@ -1,12 +1,14 @@
-"""The ops' recipe cache (trio_cuda._ops._core): a repeated op on the same tensors skips
-its checks and build, and must still compute the right thing, raise the same errors,
-forget what a reset or a freed buffer invalidates, and stay bounded."""
+"""The ops' recipe cache (``ops.cache_statistics()`` counts it): a repeated op on the
+same tensors skips its checks and build, and must still compute the right thing, raise
+the same errors, forget what a reset or a freed buffer invalidates, and stay bounded."""
 
 from __future__ import annotations
 
 import gc
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +24,7 @@ from ..helpers.devices import counter, needs_devices
 
 
 def stats() -> tuple[int, int]:
-    s = _core.cache_statistics()
+    s = ops.cache_statistics()
     return s.hits, s.misses
 
 
@@ -196,7 +198,9 @@ async def test_the_cache_is_bounded_and_holds_no_memory(monkeypatch: pytest.Monk
     x = await api.from_host(f32(8))
     for i in range(40):
         await ops.add(x, float(i))
-        assert _core.cache_statistics().entries <= 8
+        s = ops.cache_statistics()
+        assert s.max_entries == 8 and s.entries <= 8
+    assert s.entries == 8  # full, and no fuller
     np.testing.assert_allclose(await ops.add(x, 1.5).to_host(), await x.to_host() + np.float32(1.5))
     # the recipes keep no tensor's memory alive
     bufs = []
@@ -229,27 +233,35 @@ async def test_replayed_ops_capture_into_graphs(dev: trio_cuda.Device) -> None:
 
 async def test_the_constructors_key_is_the_recipe_key() -> None:
     # TensorOp's constructor keys the common call (allocated tensors, None, plain scalars)
-    # at once, and the key must be _op_key's, or recipes would be missed or, worse, shared.
+    # at once; planning keys a call whose operand is another op's output. The two keys must
+    # agree, or recipes would be missed or, worse, shared: a call the constructor keyed
+    # records a recipe that the same call with an op operand replays, and calls that differ
+    # in any argument record recipes of their own.
     x, y, g = await api.ones((4, 8)), await api.zeros((4, 8)), await api.ones((8,))
     v = x[1:3]  # a view: its descriptor is made on first use
-    cases = [
-        ops.add(x, y),
-        ops.add(x, 2.0, out=y),
-        ops.add(x, 2, out=y),
-        ops.add(x, True),
-        ops.multiply(v, np.float32(3.0)),  # a numpy scalar: the general way
-        ops.rms_norm(x, g, 1e-5, out=y),
-        ops.rms_norm(x, None, 1e-5),
-        ops.matmul(x, x.transpose()),
-        ops.linear(x, x, None),
-        ops.sum(x, axis=1),
+    xt = x.transpose()
+    cases: list[tuple[trio_cuda.Tensor, Callable[[Any], trio_cuda.DeviceOp[Any]]]] = [
+        (x, lambda a: ops.add(a, y)),
+        (x, lambda a: ops.add(a, 2.0, out=y)),
+        (x, lambda a: ops.add(a, 2, out=y)),
+        (x, lambda a: ops.add(a, True)),
+        (v, lambda a: ops.multiply(a, np.float32(3.0))),  # a numpy scalar: the general way
+        (x, lambda a: ops.rms_norm(a, g, 1e-5, out=y)),
+        (x, lambda a: ops.rms_norm(a, None, 1e-5)),
+        (x, lambda a: ops.matmul(a, xt)),
+        (x, lambda a: ops.linear(a, x, None)),
+        (x, lambda a: ops.sum(a, axis=1)),
     ]
-    for op in cases:
-        assert op._key is not None, op
-        assert op._key == _core._op_key(op, op._args), op
-    # and calls that differ in any argument get different keys
-    keys = {op._key for op in cases}
-    assert len(keys) == len(cases)
+    for t in (x, v):  # an op whose output is ``t`` itself, its recipe recorded
+        await ops.add(t, 0.0, out=t)
+    for i, (t, make) in enumerate(cases):
+        h0, m0 = stats()
+        await make(t)  # keyed by the constructor
+        h1, m1 = stats()
+        assert (h1 - h0, m1 - m0) == (0, 1), f"case {i} found another case's recipe"
+        await make(ops.add(t, 0.0, out=t))  # keyed when planned
+        h2, m2 = stats()
+        assert (h2 - h1, m2 - m1) == (2, 0), f"case {i} with an op operand missed its recipe"
 
 
 # ======================================================================================
@@ -696,7 +708,8 @@ async def test_eviction_under_many_distinct_calls_keeps_results_right() -> None:
             else:
                 ops.add(x, float(i), out=out)  # constructed only: keyed lookups, no work
                 await ops.add(x, float(i), out=out)
-        assert _core.cache_statistics().entries <= _core.cache_statistics().max_entries
+        s = ops.cache_statistics()
+        assert s.entries <= s.max_entries
         # the oldest were evicted: these rebuild, and are right
         for i in (0, 1, 2, 1099):
             np.testing.assert_allclose(await ops.add(x, float(i), out=out).to_host(), hx + np.float32(i), rtol=1e-6)

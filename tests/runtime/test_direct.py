@@ -17,7 +17,6 @@ import trio
 
 import trio_cuda
 from trio_cuda import OpAlreadyExecuted, _submission, api, lowlevel, ops
-from trio_cuda._ops import _core
 from trio_cuda.kernels import add, sleep
 
 from ..helpers.devices import Resetter, counter, run_with_deadline, settle
@@ -31,18 +30,28 @@ def direct() -> int:
 
 
 async def tidy(dev: trio_cuda.Device) -> None:
-    """helpers.settle (in a worker thread) until nothing is left for the next submission
-    to tidy: it may go direct. (A collection in between may drop garbage of earlier
-    tests: settled again.)"""
+    """helpers.settle (in a worker thread) until a settle finds nothing to free and no
+    stream to destroy: nothing is left for the next submission to tidy first, and the
+    frees a test counts after this are its own. (A collection in between may drop
+    garbage of earlier tests: settled again.)"""
 
-    def left() -> bool:
-        return bool(dev._dead_buffers or dev._dead_streams or dev._lingering or dev._dead_graphs)
+    def done() -> tuple[int, int]:
+        s = dev.statistics()
+        return s.frees, s.streams_destroyed
 
-    for _ in range(3):
+    for _ in range(4):
+        before = done()
         await trio.to_thread.run_sync(settle)
-        if not left():
-            break
-    assert not left()
+        if done() == before:
+            return
+    raise AssertionError("every settle of the device found more memory to free or streams to destroy")
+
+
+def freed(dev: trio_cuda.Device, before: trio_cuda.DeviceStatistics) -> tuple[int, int]:
+    """The frees ``dev`` enqueued since ``before``, and the bytes no longer in use (a
+    dropped tensor's memory whose free is not enqueued yet still counts as in use)."""
+    now = dev.statistics()
+    return now.frees - before.frees, before.bytes_in_use - now.bytes_in_use
 
 
 def counted(before: lowlevel.SubmissionStatistics) -> dict[str, int]:
@@ -165,13 +174,14 @@ async def test_a_direct_submission_frees_what_was_dropped_first() -> None:
     tmp = await api.zeros((1 << 16,))
     await ops.add(tmp, 1.0, out=tmp)
     await tidy(dev)
+    s0, nbytes = dev.statistics(), tmp.nbytes
     del tmp
     gc.collect()
-    assert dev._dead_buffers, "the dropped tensor's memory should wait for the next submission"
+    assert freed(dev, s0) == (0, 0), "the dropped tensor's free should wait for the next submission"
     before = direct()
     await ops.add(x, 1.0, out=x)
     assert direct() == before + 1
-    assert not dev._dead_buffers
+    assert freed(dev, s0) == (1, nbytes), "the direct submission should have enqueued the free first"
     np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
 
 
@@ -307,9 +317,9 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
         await ops.add(x, 1.0, out=x)
     tmp = await api.zeros((1 << 12,))
     await tidy(dev)
+    d0, nbytes = dev.statistics(), tmp.nbytes
     del tmp
-    gc.collect()
-    assert dev._dead_buffers
+    gc.collect()  # its free waits for the next submission
 
     def fail() -> None:
         raise trio_cuda.DeviceError("free failed", device=dev.ordinal)
@@ -321,9 +331,10 @@ async def test_a_failed_tidy_up_abandons_the_submission_both_ways(monkeypatch: p
     with pytest.raises(trio_cuda.DeviceError, match="free failed"):
         await op
     assert counted(s0) == {"planned": 1, "enqueued": 0, "failed": 0, "abandoned": 1, "direct": 0}
+    assert freed(dev, d0) == (0, 0)  # the free still waits
     monkeypatch.undo()
     await op  # not consumed: it runs now (and frees the memory first)
-    assert not dev._dead_buffers
+    assert freed(dev, d0) == (1, nbytes)
     np.testing.assert_array_equal(await x.to_host(), np.full(8, 5.0, np.float32))
 
 
@@ -345,54 +356,6 @@ async def test_a_renamed_kernel_is_named_by_its_new_name_in_faults(monkeypatch: 
     assert info.value.op == "my_add"
     monkeypatch.undo()
     await trio.to_thread.run_sync(dev.synchronize)
-
-
-def prepared_gemms() -> int:
-    """Recipes whose one step is a GEMM prepared for direct submissions."""
-    return sum(1 for r in _core._cache.values() if r.direct is not None and r.direct.ready)
-
-
-@pytest.mark.parametrize(
-    "case",
-    ["matmul", "matmul into a view", "transposed operand", "batched", "linear with bias", "linear with bias and gelu"],
-)
-async def test_a_prepared_gemm_computes_what_the_general_path_does(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    # The third call of the same GEMM on the same memory runs its prepared form (the
-    # descriptor aligned and the addresses taken once): each call's result must equal
-    # the general path's, also when the operands change value in between.
-    rng = np.random.default_rng(7)
-    xshape = {"batched": (3, 16, 8), "matmul into a view": (16, 16)}.get(case, (16, 8))
-    if case.startswith("linear"):
-        xshape = (8, 16)
-    hx = rng.standard_normal(xshape).astype(np.float32)
-    hw = rng.standard_normal((3, 16, 16) if case == "batched" else (16, 16)).astype(np.float32)
-    x, w = await api.from_host(hx), await api.from_host(hw)
-    b = await api.from_host(rng.standard_normal(16).astype(np.float32))
-
-    def make(out: trio_cuda.Tensor) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
-        if case == "transposed operand":
-            return ops.matmul(w.transpose(), x, out=out)
-        if case.startswith("linear"):
-            return ops.linear(x, w, b, activation="gelu" if "gelu" in case else None, out=out)
-        return ops.matmul(w, x, out=out)
-
-    if case == "matmul into a view":
-        out = (await api.zeros((4, 16, 16)))[1]  # at an offset into its buffer
-    else:
-        out = await api.zeros(xshape)
-    ref_out = await api.zeros(xshape)
-    prepared = prepared_gemms()
-    for _ in range(4):
-        await make(out)  # planned, direct (prepares), then prepared
-        monkeypatch.setattr(_submission, "direct_on", False)
-        await make(ref_out)  # the general path, on the same operands
-        monkeypatch.undo()
-        np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())
-        await ops.multiply(x, 1.5, out=x)  # new values, same memory
-    assert prepared_gemms() > prepared
-    if case == "matmul":
-        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 1.5**3)
-        np.testing.assert_allclose(await out.to_host(), expected, rtol=1e-4, atol=1e-4)
 
 
 async def test_a_prepared_gemm_does_not_outlive_its_operands_memory() -> None:

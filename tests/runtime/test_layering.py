@@ -19,22 +19,14 @@ def _module(path: pathlib.Path) -> str:
 
 
 def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
-    """Every sibling module ``path`` imports, wherever the import stands (function-local
-    imports count), except under ``if TYPE_CHECKING:``."""
+    """Every sibling module ``path`` imports, wherever the import stands: function-local
+    imports count, and so do imports under ``if TYPE_CHECKING:`` (a type a module names
+    is a dependency of its layer, even if the import never runs)."""
     me = _module(path)
     pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     tree = ast.parse(path.read_text())
-    skip = {
-        id(n)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for b in node.body
-        for n in ast.walk(b)
-    }
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:

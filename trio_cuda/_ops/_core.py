@@ -205,13 +205,17 @@ _preparers: dict[Callable[[Lane, Any], None], Callable[[Any], Prepared | None]] 
 
 @dataclass(frozen=True)
 class CacheStatistics:
-    """What the ops' recipe cache did so far.
+    """What the ops' recipe cache did so far, process-wide (see
+    :func:`trio_cuda.ops.cache_statistics`).
 
     Attributes:
-        hits: Ops planned by replaying a recipe (no checks, no build).
-        misses: Ops built (and recorded) on arguments without a valid recipe.
+        hits: Ops planned (or submitted directly) by replaying a recipe: no checks, no
+            build.
+        misses: Ops built, and recorded where the build can be replayed, on arguments
+            without a valid recipe (a first call, new operands, or a recipe a reset or
+            an eviction dropped).
         entries: Recipes cached now.
-        max_entries: The bound on ``entries``.
+        max_entries: The bound on ``entries`` (the oldest recipe is dropped first).
     """
 
     hits: int
@@ -221,7 +225,14 @@ class CacheStatistics:
 
 
 def cache_statistics() -> CacheStatistics:
-    return CacheStatistics(_counts["hits"], _counts["misses"], len(_cache), _CACHE_SIZE)
+    """A frozen snapshot of the ops' recipe cache counters: how many op calls replayed a
+    recipe (``hits``) and how many were built (``misses``), and how many recipes are kept.
+
+    A repeated call on the same operands (the same tensors or views, scalars, dtypes and
+    ``out=``) should be a hit; a call that keeps missing is checked and built each time
+    (see docs/ops.md, "How they run")."""
+    with LOCK:
+        return CacheStatistics(_counts["hits"], _counts["misses"], len(_cache), _CACHE_SIZE)
 
 
 def replayable_step(fn: Callable[[Lane, Any], None]) -> Callable[[Lane, Any], None]:

@@ -1,8 +1,10 @@
-"""Attacks on the prepared GEMM of direct submissions (commit 6dd6a0f): a replayed
-ops.matmul / ops.linear runs its GEMM with the descriptor and addresses taken once.
-Each test checks that the prepared form was used (it counts the calls of
-_matmul._gemm_direct through a checking wrapper) and that results, ordering and
-counters equal the general path's."""
+"""The prepared GEMM of direct submissions: from its third call on the same memory, a
+replayed ops.matmul / ops.linear runs its GEMM with the descriptor and addresses taken
+once. It must compute, order its accesses and count as the general path does, and never
+run on memory other than its operands' (recycled addresses, views, resets, evictions,
+graphs, threads). Each test checks that the prepared form ran: no public counter tells it
+from a direct submission that runs the GEMM through its plan step, so the tests count the
+calls of _matmul._gemm_direct through a wrapper that also checks their addresses."""
 
 from __future__ import annotations
 
@@ -32,11 +34,6 @@ def f32(*shape: int) -> np.ndarray:
 
 def direct() -> int:
     return lowlevel.submission_statistics().direct
-
-
-async def tidy(dev: trio_cuda.Device) -> None:
-    await trio.to_thread.run_sync(settle)
-    assert not (dev._dead_buffers or dev._dead_streams or dev._lingering or dev._dead_graphs)
 
 
 class Guard:
@@ -153,7 +150,6 @@ def recycling(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.parametrize("layout", ["offset view", "transposed", "reshaped", "whole"])
 async def test_recycled_addresses_never_run_a_stale_prepared_gemm(guard: Guard, recycling: list[int], layout: str) -> None:
-    dev = trio_cuda.current_device()
     hw = f32(16, 16)
     w = await api.from_host(hw)
     recycled = 0
@@ -178,7 +174,7 @@ async def test_recycled_addresses_never_run_a_stale_prepared_gemm(guard: Guard, 
         got = await y.to_host()
         np.testing.assert_allclose(got, hw.astype(np.float64) @ hx, rtol=1e-4, atol=1e-4)
         del big, ybig, x, y
-        await tidy(dev)
+        await trio.to_thread.run_sync(settle)
     assert guard.calls >= 6 * 2
     assert recycled >= 1, "the simulated allocator never recycled an address: the attack did not happen"
 
@@ -187,7 +183,6 @@ async def test_a_recycled_address_with_an_op_built_before_the_free(guard: Guard,
     # An op object built (and its recipe found) while the old memory lived is not
     # reachable after the memory dies; a new op on new memory at the same address must
     # compute on the new memory.
-    dev = trio_cuda.current_device()
     hw = f32(8, 8)
     w = await api.from_host(hw)
     x, y = await api.from_host(f32(8, 8)), await api.zeros((8, 8))
@@ -195,14 +190,14 @@ async def test_a_recycled_address_with_an_op_built_before_the_free(guard: Guard,
         await ops.matmul(w, x, out=y)
     p = (x.ptr, y.ptr)
     del x, y
-    await tidy(dev)
+    await trio.to_thread.run_sync(settle)
     hx2 = f32(8, 8) * 3
     x2, y2 = await api.from_host(hx2), await api.zeros((8, 8))
     for _ in range(10):  # (CUDA's pool may hand out other addresses first)
         if (x2.ptr, y2.ptr) == p:
             break
         del x2, y2
-        await tidy(dev)
+        await trio.to_thread.run_sync(settle)
         x2, y2 = await api.from_host(hx2), await api.zeros((8, 8))
     if (x2.ptr, y2.ptr) != p and trio_cuda.backend_name() == "cuda":
         pytest.skip("CUDA's memory pool did not hand the same two addresses out again: no attack to test")
@@ -259,7 +254,7 @@ async def test_out_overlapping_an_input_at_an_offset(monkeypatch: pytest.MonkeyP
         np.testing.assert_array_equal(await buf.to_host(), await ref.to_host())
 
 
-# -- dtypes and shapes ------------------------------------------------------------------------
+# -- dtypes, shapes and views -------------------------------------------------------------
 DTYPES = [np.float16, np.float32, np.float64] + ([BFLOAT16] if BFLOAT16 is not None else [])
 
 
@@ -278,19 +273,24 @@ async def test_prepared_matmul_equals_the_general_path(
     a, b = await api.from_host(ha), await api.from_host(hb)
     rshape = np.matmul(ha.astype(np.float32), hb.astype(np.float32)).shape
     out, ref = await api.zeros(rshape, dtype), await api.zeros(rshape, dtype)
-    calls = guard.calls
+    dev = trio_cuda.current_device()
+    calls, went_direct, one_gemm = guard.calls, 0, False
     for k in range(4):
         cur = (ha.astype(np.float32) * 0.5**k).astype(dtype)
         await ops.copy(await api.from_host(cur), out=a)  # new values, same memory
+        d0, n0 = dev.statistics(), direct()
         await ops.matmul(a, b, out=out, allow_tf32=tf32)
+        went_direct += direct() - n0
+        if k == 0:  # the build: did it allocate, launch or copy anything besides the GEMM?
+            d1 = dev.statistics()
+            one_gemm = all(getattr(d1, f) == getattr(d0, f) for f in ("allocations", "launches", "copies"))
         await general(monkeypatch, lambda: ops.matmul(a, b, out=ref, allow_tf32=tf32))
         got, want = await out.to_host(), await ref.to_host()
         assert got.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
-    key = ops.matmul(a, b, out=out, allow_tf32=tf32)._key
-    recipe = _core._cache[key]
-    # a GEMM straight into out= (no copy, no temporary) is prepared from its third call
-    assert guard.calls - calls == (2 if recipe.direct is not None else 0)
+    # a GEMM straight into out= (no copy, no temporary) goes direct from its second call
+    # and runs prepared from its third; one with a copy or a temporary takes the general path
+    assert (went_direct, guard.calls - calls) == ((3, 2) if one_gemm else (0, 0))
     expect = np.matmul(cur.astype(np.float64), hb.astype(np.float64))
     np.testing.assert_allclose(got.astype(np.float64), expect, rtol=3e-2, atol=3e-2)
 
@@ -315,6 +315,49 @@ async def test_prepared_linear_equals_the_general_path(
     assert guard.calls - calls == 2
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["matmul", "matmul into a view", "transposed operand", "batched", "linear with bias", "linear with bias and gelu"],
+)
+async def test_a_prepared_gemm_computes_what_the_general_path_does(
+    monkeypatch: pytest.MonkeyPatch, guard: Guard, case: str
+) -> None:
+    # The third call of the same GEMM on the same memory runs its prepared form (the
+    # descriptor aligned and the addresses taken once): each call's result must equal
+    # the general path's, also when the operands change value in between.
+    rng = np.random.default_rng(7)
+    xshape = {"batched": (3, 16, 8), "matmul into a view": (16, 16)}.get(case, (16, 8))
+    if case.startswith("linear"):
+        xshape = (8, 16)
+    hx = rng.standard_normal(xshape).astype(np.float32)
+    hw = rng.standard_normal((3, 16, 16) if case == "batched" else (16, 16)).astype(np.float32)
+    x, w = await api.from_host(hx), await api.from_host(hw)
+    b = await api.from_host(rng.standard_normal(16).astype(np.float32))
+
+    def make(out: trio_cuda.Tensor) -> trio_cuda.DeviceOp:  # type: ignore[type-arg]
+        if case == "transposed operand":
+            return ops.matmul(w.transpose(), x, out=out)
+        if case.startswith("linear"):
+            return ops.linear(x, w, b, activation="gelu" if "gelu" in case else None, out=out)
+        return ops.matmul(w, x, out=out)
+
+    if case == "matmul into a view":
+        out = (await api.zeros((4, 16, 16)))[1]  # at an offset into its buffer
+    else:
+        out = await api.zeros(xshape)
+    ref_out = await api.zeros(xshape)
+    calls = guard.calls
+    for _ in range(4):
+        await make(out)  # planned, direct (prepares), then prepared
+        await general(monkeypatch, lambda: make(ref_out))  # the general path, on the same operands
+        np.testing.assert_array_equal(await out.to_host(), await ref_out.to_host())
+        await ops.multiply(x, 1.5, out=x)  # new values, same memory
+    assert guard.calls - calls == 2
+    if case == "matmul":
+        expected = hw.astype(np.float64) @ (hx.astype(np.float64) * 1.5**3)
+        np.testing.assert_allclose(await out.to_host(), expected, rtol=1e-4, atol=1e-4)
+
+
 # -- ordering ------------------------------------------------------------------------------------
 async def test_a_later_write_of_the_bias_on_another_stream_waits_for_a_prepared_linear(
     monkeypatch: pytest.MonkeyPatch, guard: Guard
@@ -326,7 +369,7 @@ async def test_a_later_write_of_the_bias_on_another_stream_waits_for_a_prepared_
     monkeypatch.setattr(dev, "policy", trio_cuda.SingleStream(stream=s_gemm))
     for _ in range(3):
         await ops.linear(x, w, b, out=y)
-    await tidy(dev)
+    await trio.to_thread.run_sync(settle)
     calls = guard.calls
 
     async def gemm_behind_slow_work(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -360,7 +403,7 @@ async def test_a_prepared_gemm_on_untracked_views_keeps_its_input_memory_alive(
         xu, yu = x.untracked(), y.untracked()
         for _ in range(3):
             await ops.matmul(w, xu, out=yu)  # on s_warm; prepared from the third
-        await tidy(dev)
+        await trio.to_thread.run_sync(settle)
         calls = guard.calls
         pol = trio_cuda.SingleStream(stream=s_gemm)
         await lowlevel.submit(sleep(counter(), SLOW_NS), s_gemm)
@@ -390,7 +433,7 @@ async def test_a_prepared_gemm_on_untracked_views_keeps_its_input_memory_alive(
         assert recycling, "no memory was reused"
         np.testing.assert_allclose(await y.to_host(), hw.astype(np.float64) @ hx, rtol=1e-4, atol=1e-4)
         del junk
-        await tidy(dev)
+        await trio.to_thread.run_sync(settle)
 
 
 # -- threads, resets, eviction ----------------------------------------------------------------
@@ -484,22 +527,27 @@ async def test_eviction_while_an_op_holds_a_prepared_recipe(monkeypatch: pytest.
     w = await api.from_host(hw)
     hx = f32(8, 8)
     x, y = await api.from_host(hx), await api.zeros((8, 8))
+    calls = guard.calls
     for _ in range(3):
         await ops.matmul(w, x, out=y)
+    assert guard.calls == calls + 1  # the recipe is prepared
     held = ops.matmul(w, x, out=y)  # its recipe found now
-    assert held._hit is not None and held._hit.direct.ready
     others = [await api.zeros((8, 8)) for _ in range(8)]
     for o in others:
         await ops.matmul(w, x, out=o)  # evicts the held recipe
-    assert held._key not in _core._cache
     await ops.multiply(x, 2.0, out=x)
-    calls = guard.calls
+    c0 = ops.cache_statistics()
+    assert c0.entries == c0.max_entries == 4
     await held
-    assert guard.calls == calls + 1
+    c1 = ops.cache_statistics()
+    assert (c1.hits - c0.hits, c1.misses - c0.misses) == (1, 0)  # it replayed the recipe it holds
+    assert guard.calls == calls + 2  # prepared
     np.testing.assert_allclose(await y.to_host(), hw.astype(np.float64) @ (2 * hx), rtol=1e-4, atol=1e-4)
-    for _ in range(3):  # a new recipe, prepared anew
+    for _ in range(3):  # the recipe was evicted: a new one, built and prepared anew
         await ops.matmul(w, x, out=y)
-    assert guard.calls == calls + 2
+    c2 = ops.cache_statistics()
+    assert (c2.hits - c1.hits, c2.misses - c1.misses) == (2, 1)
+    assert guard.calls == calls + 3
 
 
 # -- graphs --------------------------------------------------------------------------------------
@@ -641,7 +689,7 @@ def _scenario_counts(monkeypatch: pytest.MonkeyPatch, prepare: bool) -> dict[str
         x, w, y, b = await api.from_host(hx), await api.from_host(hw), await api.zeros((8, 8)), await api.ones((8,))
         await trio.to_thread.run_sync(settle)
         s0 = lowlevel.submission_statistics()
-        c0 = _core.cache_statistics()
+        c0 = ops.cache_statistics()
         d0 = dev.statistics()
         p1, p2 = trio_cuda.SingleStream(stream=s1), trio_cuda.SingleStream(stream=s2)
         for k in range(6):
@@ -649,7 +697,7 @@ def _scenario_counts(monkeypatch: pytest.MonkeyPatch, prepare: bool) -> dict[str
             await ops.linear(x, w, b, activation="gelu", out=y).schedule(p2 if k % 2 else p1)
             await ops.add(x, 1.0, out=x).schedule(p1)
         got = await y.to_host()
-        s, c, d = lowlevel.submission_statistics(), _core.cache_statistics(), dev.statistics()
+        s, c, d = lowlevel.submission_statistics(), ops.cache_statistics(), dev.statistics()
         out = {f: getattr(s, f) - getattr(s0, f) for f in ("planned", "enqueued", "failed", "abandoned", "direct")}
         out |= {"hits": c.hits - c0.hits, "misses": c.misses - c0.misses}
         out |= {
