@@ -181,24 +181,48 @@ async def run_in_thread(fn: Callable[..., _T], *args: Any, abandon_on_cancel: bo
 
 async def shielded(fn: Callable[[], Awaitable[None]]) -> None:
     """Run ``await fn()`` to its end whatever cancels the caller meanwhile (the caller
-    raises its own cancellation afterwards)."""
+    raises its own cancellation afterwards).
+
+    Under asyncio ``fn()`` runs as a task of its own, which whoever cancels every task
+    (``asyncio.run`` does at its end) cancels too: then ``fn()`` is called again, so it
+    must take up its work where the cancel left it."""
     if _sniffed.name == "trio":
         with trio.CancelScope(shield=True):
             await fn()
         return
     running_asyncio_loop()
-    await _shield_until_done(asyncio.ensure_future(fn()))
+    await _shield_until_done(asyncio.ensure_future(fn()), fn)
 
 
-async def _shield_until_done(fut: asyncio.Future[Any]) -> Any:
+async def _shield_until_done(fut: asyncio.Future[Any], again: Callable[[], Awaitable[Any]] | None = None) -> Any:
+    """Await ``fut`` until it is done, through cancels of the caller (raised afterwards);
+    a cancel of ``fut`` itself starts ``again()`` in its place (without ``again``, it is
+    raised)."""
     cancelled: asyncio.CancelledError | None = None
-    while not fut.done():
+    cancels = 0
+    while True:
         try:
-            await asyncio.shield(fut)
+            anyio = sys.modules.get("anyio") if cancels > 1 else None
+            if anyio is None:
+                result = await asyncio.shield(fut)
+            else:
+                # Cancelled again: an anyio scope, which cancels its tasks at every pass of
+                # the loop. Shielded from it, the caller sleeps until ``fut`` is done (the
+                # scope's cancel is raised at its next checkpoint, as trio does after a
+                # shielded wait). Not at the first cancel: a plain asyncio task that anyio
+                # never saw then stays out of anyio's books.
+                with anyio.CancelScope(shield=True):
+                    result = await asyncio.shield(fut)
         except asyncio.CancelledError as exc:
-            if fut.cancelled():
+            if not fut.cancelled():
+                cancelled = exc  # the caller's
+                cancels += 1
+            elif again is None:
                 raise
-            cancelled = exc  # (anyio's cancel scopes cancel again at every yield)
-    if cancelled is not None and fut.exception() is None:
-        raise cancelled  # (as trio: an error of the shielded work itself wins)
-    return fut.result()
+            else:
+                fut = asyncio.ensure_future(again())
+            continue
+        break
+    if cancelled is not None:
+        raise cancelled  # (as trio: an error of the shielded work itself wins, above)
+    return result

@@ -20,6 +20,7 @@ from trio_cuda.kernels import sleep
 
 from ..helpers.devices import counter, settle
 from ..helpers.faults import scribble
+from ..helpers.loads import fresh_kernel, hold_loads
 
 SLOW_NS = 400_000_000
 
@@ -139,6 +140,47 @@ def test_a_fault_in_a_task_group_cancels_its_siblings(arun: Any) -> None:
 
 async def _await(op: Any) -> Any:
     return await op
+
+
+def test_the_end_of_the_run_does_not_drop_a_submission_another_relies_on(
+    arun: Any, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A, cancelled while its kernel loads, goes on (shielded, in a task of its own) for B,
+    # a consumer of the same shared op in another thread. Then the run ends, cancelling
+    # every task, that one too: A's submission must still complete (B waited forever).
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    x = api.full((8,), 2.0).sync()
+    shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+    got: dict[str, Any] = {}
+    b = threading.Thread(target=lambda: got.update(b=shared.to_host().sync()), daemon=True)
+
+    async def release_when_cancelled() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            release()  # (the run's end cancels every task at once: A's helper has been cancelled)
+
+    async def body() -> None:
+        before = lowlevel.submission_statistics()
+        a = asyncio.create_task(_await(shared))
+        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
+            await asyncio.sleep(0)
+        b.start()
+        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
+            await asyncio.sleep(0.001)
+        ours = asyncio.all_tasks()
+        a.cancel()
+        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
+            await asyncio.sleep(0)
+        got["releaser"] = asyncio.create_task(release_when_cancelled())
+        await asyncio.sleep(0)  # (it has started)
+
+    arun(body())
+    b.join(10)
+    assert not b.is_alive(), "the consumer relying on the cancelled submission hung"
+    np.testing.assert_array_equal(got["b"], np.full(8, 4.0, np.float32))
+    np.testing.assert_array_equal(shared.to_host().sync(), np.full(8, 4.0, np.float32))
 
 
 def test_trio_and_asyncio_threads_await_on_one_device_at_once() -> None:
