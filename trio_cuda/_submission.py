@@ -132,6 +132,12 @@ def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan
 
 
 def _give_up(plan: Plan, exc: BaseException) -> None:
+    """Abandon ``plan`` after ``exc`` ended its wait. The submissions relying on it fail
+    with ``exc``, or, where ``exc`` interrupted its task alone (KeyboardInterrupt, a
+    cancel, a coroutine closed with its loop), with a DeviceError saying so: the
+    interruption is not theirs to raise."""
+    if not isinstance(exc, Exception):
+        exc = DeviceError(f"a submission it relies on was abandoned before it enqueued ({type(exc).__name__} in its task)")
     with LOCK:
         plan.abort(exc)
 
@@ -151,10 +157,20 @@ def submit_blocking(op: Any, stream: Stream, capture: Capture | None = None) -> 
 
 
 async def _finish_shielded(plan: Plan, need: Need | None) -> None:
-    async def finish() -> None:
+    """Complete ``plan``, which another submission relies on, whatever cancels the
+    caller; a wait that fails abandons it (its dependents raise the error instead of
+    waiting for it forever)."""
+
+    async def finish() -> None:  # (run again by shielded where its own task is cancelled)
         nonlocal need
         while need is not None:
-            await need.wait_async()
+            try:
+                await need.wait_async()
+            except _loop.CANCELLED:
+                raise
+            except BaseException as exc:
+                _give_up(plan, exc)
+                raise
             with LOCK:
                 need = plan.advance()
 

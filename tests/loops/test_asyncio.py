@@ -5,6 +5,7 @@ asyncio loop in two threads awaiting work on one device at once."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,15 @@ from ..helpers.faults import scribble
 from ..helpers.loads import fresh_kernel, hold_loads
 
 SLOW_NS = 400_000_000
+
+
+def _new_loops() -> list[Any]:
+    out = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    try:
+        import uvloop
+    except ImportError:
+        return out
+    return [*out, pytest.param(uvloop.new_event_loop, id="uvloop")]
 
 
 def _runners() -> list[Any]:
@@ -226,3 +236,54 @@ def test_trio_and_asyncio_threads_await_on_one_device_at_once() -> None:
         np.testing.assert_array_equal(x, np.full(64, start + 20, np.float32))
         np.testing.assert_array_equal(c, [20])
     assert max(r[2] for r in results.values()) >= 1  # waits were parked on the notifier
+
+
+@pytest.mark.parametrize("new_loop", _new_loops())
+def test_a_loop_closed_with_a_submission_another_relies_on_fails_it_instead_of_hanging(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the loop is closed with the tasks pending: A's submission cannot go on.
+    # B, relying on it from another thread, gets an error saying so (it waited forever).
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    x = api.full((8,), 2.0).sync()
+    shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+    got: dict[str, Any] = {}
+
+    def relying() -> None:
+        try:
+            shared.to_host().sync()
+        except trio_cuda.DeviceError as err:
+            got["b"] = err
+
+    b = threading.Thread(target=relying, daemon=True)
+
+    async def body() -> None:
+        before = lowlevel.submission_statistics()
+        a = asyncio.create_task(_await(shared))
+        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
+            await asyncio.sleep(0)
+        b.start()
+        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
+            await asyncio.sleep(0.001)
+        ours = asyncio.all_tasks()
+        a.cancel()
+        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
+            await asyncio.sleep(0)
+
+    loop = new_loop()
+    loop.run_until_complete(body())
+    loop.close()
+    release()
+    deadline = time.monotonic() + 10
+    while b.is_alive() and time.monotonic() < deadline:
+        gc.collect()  # (the closed loop's tasks are let go once the load's thread is done)
+        b.join(0.01)
+    assert not b.is_alive(), "the consumer relying on the abandoned submission hung"
+    assert "abandoned before it enqueued" in str(got["b"])
+    with pytest.raises(trio_cuda.DeviceError, match="abandoned"):
+        shared.sync()  # (the shared op failed for every consumer)
+    monkeypatch.undo()
+    out = api.zeros((8,)).sync()
+    k(out.partition((8,)), x).sync()
+    np.testing.assert_array_equal(out.to_host().sync(), np.full(8, 4.0, np.float32))

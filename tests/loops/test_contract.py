@@ -22,6 +22,7 @@ from trio_cuda.kernels import add, sleep
 
 from ..helpers.devices import counter, needs_devices, settle, started
 from ..helpers.faults import scribble
+from ..helpers.loads import fresh_kernel, hold_loads
 from ..helpers.loops import LOOPS, Run
 
 SLOW_NS = 400_000_000
@@ -285,6 +286,49 @@ def test_a_reset_wakes_waiters_with_device_reset(run: Run, dev: trio_cuda.Device
 
     run(body)
     assert len(got) == 3 and all(e.device == dev.ordinal for e in got)
+
+
+def test_a_submission_relied_on_whose_wait_fails_fails_its_dependents(
+    run: Run, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waits for its kernel's first load; B, planned meanwhile, relies on A's plan. A is
+    # cancelled, so it goes on for B (shielded: under anyio on asyncio, asleep, though its
+    # scope cancels it again at every pass of the loop); then the load fails: both raise
+    # that error, and a later consumer too, instead of waiting for A's plan forever.
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch, trio_cuda.LaunchError("the module does not load", device=dev.ordinal))
+    got: dict[str, BaseException] = {}
+
+    async def consume(name: str, shared: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await shared
+            except trio_cuda.LaunchError as err:
+                got[name] = err
+
+    async def body() -> None:
+        x = await api.full((8,), 2.0)
+        shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                a = await tg.start(consume, "a", shared)
+                await anyio.wait_all_tasks_blocked()  # A waits for the load
+                await tg.start(consume, "b", shared)
+                await anyio.wait_all_tasks_blocked()  # B waits for A's plan
+                a.cancel()
+                await anyio.wait_all_tasks_blocked()  # A goes on for B
+                release()
+            with pytest.raises(trio_cuda.LaunchError, match="does not load"):
+                await shared.to_host()
+        monkeypatch.undo()  # the next load works: nothing was left holding the kernel or x
+        out = await api.zeros((8,))
+        await k(out.partition((8,)), x)
+        np.testing.assert_array_equal(await out.to_host(), np.full(8, 4.0, np.float32))
+
+    run(body)
+    assert sorted(got) == ["a", "b"]
+    assert all("does not load" in str(e) for e in got.values())
 
 
 def test_outside_any_loop_the_error_says_what_to_do() -> None:
