@@ -202,6 +202,8 @@ class Submitted:
         """Wait for the work (a checkpoint) and return the op's output (once)."""
         if self._taken:
             raise RuntimeError("the output of this submission was taken already")
+        # (a cancellation point also where the work is done already: the output stays for a later wait)
+        await _loop.checkpoint_if_cancelled()
         ev = self.event
         if ev is None:
             await _loop.cancel_shielded_checkpoint()

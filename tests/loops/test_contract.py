@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import trio.testing
 
 import trio_cuda
 from trio_cuda import api, collectives, lowlevel, ops
@@ -121,11 +122,56 @@ def test_every_await_is_a_cancellation_point(run: Run) -> None:
     async def body() -> None:
         x = await api.zeros((4,))
         await x.ready()
-        for await_it in (x.ready, lambda: ops.add(x, 1.0)):
+        sub = await lowlevel.submit(ops.add(x, 1.0))
+        await anyio.to_thread.run_sync(settle)  # its work is done
+        assert sub.event is not None
+        done = sub.event
+        for await_it in (x.ready, lambda: ops.add(x, 1.0), lambda: trio_cuda.value(3), sub.wait, lambda: lowlevel.wait(done)):
             with anyio.CancelScope() as scope:
                 scope.cancel()
-                await await_it()  # (nothing pending, or new work: both raise the cancel)
+                await await_it()  # (nothing pending, new work, or work done: all raise the cancel)
             assert scope.cancelled_caught
+        np.testing.assert_array_equal(await (await sub.wait()).to_host(), [1, 1, 1, 1])  # (not taken by the cancelled wait)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with trio_cuda.trace():
+                pytest.fail("a cancelled task opened a trace")
+        assert scope.cancelled_caught
+
+    run(body)
+
+
+def test_every_await_is_a_schedule_point(run: Run) -> None:
+    # Also where nothing waits: no work, work complete already, a trace of nothing.
+    async def body() -> None:
+        x = await api.zeros((4,))
+        await x.ready()
+        sub = await lowlevel.submit(ops.add(x, 1.0))
+        await anyio.to_thread.run_sync(settle)  # its work is done
+        assert sub.event is not None
+        event = sub.event
+
+        async def trace_nothing() -> None:
+            async with trio_cuda.trace():
+                pass
+
+        forms = {
+            "value": lambda: trio_cuda.value(3),
+            "ready": x.ready,
+            "done": sub.wait,
+            "event": lambda: lowlevel.wait(event),
+            "trace": trace_nothing,
+        }
+        for name, await_it in forms.items():
+            if run.backend == "trio":  # (trio runs the tasks of a batch in any order)
+                with trio.testing.assert_checkpoints():
+                    await await_it()
+                continue
+            ran: list[str] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_append, ran, name)  # (asyncio runs it as soon as this task yields)
+                await await_it()
+                assert ran == [name], f"awaiting {name} let no other task run"
 
     run(body)
 
@@ -340,3 +386,7 @@ def test_outside_any_loop_the_error_says_what_to_do() -> None:
 
 async def _await(op: Awaitable[Any]) -> Any:
     return await op
+
+
+async def _append(to: list[str], item: str) -> None:
+    to.append(item)
