@@ -319,9 +319,10 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
     return _finish(value, plan.pending, _completed_staging(plan))
 
 
-def run_sync(op: Any, stream: Stream | None = None) -> Any:
-    """``op.sync()``: submit and block the calling (non-trio) thread until done."""
-    check_blocking_allowed("op.sync()")
+def run_sync(op: Any, stream: Stream | None = None, what: str = "op.sync()") -> Any:
+    """``op.sync()``: submit and block the calling (non-trio) thread until done (``what``:
+    the call, as a refusal on a loop's thread names it)."""
+    check_blocking_allowed(what)
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now

@@ -258,17 +258,34 @@ def test_bad_input_raises_before_any_work(run: Run, dev: trio_cuda.Device) -> No
     run(body)
 
 
-def test_blocking_calls_are_refused_on_the_loop_thread(run: Run) -> None:
-    async def body() -> str:
-        with pytest.raises(RuntimeError, match="would block") as info:
-            api.zeros((2,)).sync()
+def test_blocking_calls_are_refused_on_the_loop_thread(run: Run, dev: trio_cuda.Device) -> None:
+    stream = dev.create_stream()
+    c = counter().sync()
+    calls: dict[str, Any] = {
+        "op.sync()": lambda: api.zeros((2,)).sync(),
+        "op.sync_on()": lambda: api.zeros((2,)).sync_on(stream),
+        "Device.synchronize()": dev.synchronize,
+        "Stream.synchronize()": stream.synchronize,
+        "Device.reset()": dev.reset,
+        "Kernel.prepare()": lambda: sleep.prepare(c, 1000),
+    }
+
+    async def body() -> dict[str, str]:
+        refused = {}
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match="would block") as info:
+                call()
+            refused[name] = str(info.value)
         # From a worker thread of the loop, the same call works.
         out = await anyio.to_thread.run_sync(lambda: api.full((2,), 5.0).to_host().sync())
         np.testing.assert_array_equal(out, [5, 5])
-        return str(info.value)
+        return refused
 
-    message = run(body)
-    assert ("trio.to_thread" in message) if run.backend == "trio" else ("asyncio.to_thread" in message and "anyio" in message)
+    refused = run(body)
+    hint = ["trio.to_thread"] if run.backend == "trio" else ["asyncio.to_thread", "anyio.to_thread.run_sync"]
+    for name, message in refused.items():
+        assert message.startswith(f"{name} would block the {run.backend} event loop"), message
+        assert all(h in message for h in hint), message
 
 
 @pytest.mark.faults_device
