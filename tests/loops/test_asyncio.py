@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import trio
@@ -115,6 +116,31 @@ def test_timeout_and_wait_for_end_a_long_await(arun: Any) -> None:
         np.testing.assert_array_equal(await c.tensor.to_host(), [2])
         # The task is not left cancelled: it goes on awaiting work.
         np.testing.assert_array_equal(await ops.add(api.full((2,), 1.0), 1.0).to_host(), [2, 2])
+
+    arun(body())
+
+
+def test_a_deadline_passed_already(arun: Any) -> None:
+    # wait_for(op, 0) and anyio's move_on_after(0) submit nothing (as trio's
+    # move_on_after(0)); asyncio.timeout(0) asks for its cancel at the loop's next pass,
+    # after the await has submitted: the work runs (docs/asyncio.md).
+    async def body() -> None:
+        dev = trio_cuda.current_device()
+        c = await counter()
+        await sleep(c, 1000)
+        op = sleep(c, 1000)
+        before = dev.statistics().submissions
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(op, 0)  # type: ignore[arg-type]
+        with anyio.move_on_after(0) as scope:
+            await op
+        assert scope.cancelled_caught
+        assert dev.statistics().submissions == before
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0):
+                await op
+        assert dev.statistics().submissions == before + 1
+        np.testing.assert_array_equal(await c.tensor.to_host(), [2])
 
     arun(body())
 
