@@ -29,6 +29,7 @@ import asyncio
 import contextvars
 import functools
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ _T = TypeVar("_T")
 
 __all__ = [
     "CANCELLED",
+    "Flag",
     "cancel_shielded_checkpoint",
     "checkpoint",
     "checkpoint_if_cancelled",
@@ -162,6 +164,98 @@ async def wait_readable(fd: int) -> None:
 def _set_once(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+_flags_lock = threading.Lock()  # a leaf lock: guards every Flag's wakers
+
+
+class Flag:
+    """A flag set once, from any thread: :meth:`wait` blocks the calling thread until it
+    is set, :meth:`wait_async` sleeps in the task's loop (no worker thread: a task that
+    waits for another one's progress must not hold a thread that the other one needs)."""
+
+    __slots__ = ("_event", "_wakers")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._wakers: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        """Set it and wake every waiter (their loops' thread-safe entries: no blocking)."""
+        with _flags_lock:
+            self._event.set()
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    def _add(self, wake: Callable[[], None]) -> bool:
+        with _flags_lock:
+            if self._event.is_set():
+                return False
+            self._wakers.append(wake)
+            return True
+
+    def _discard(self, wake: Callable[[], None]) -> None:
+        with _flags_lock:
+            if wake in self._wakers:
+                self._wakers.remove(wake)
+
+    async def wait_async(self) -> None:
+        """Sleep until it is set (a checkpoint, also if it is set already; cancellable)."""
+        if _sniffed.name == "trio":
+            await self._wait_trio()
+            return
+        loop = running_asyncio_loop()
+        fut = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(_set_once, fut)
+            except RuntimeError:  # (that loop is closed)
+                pass
+
+        if not self._add(wake):
+            await _YIELD
+            return
+        try:
+            await fut
+        finally:
+            self._discard(wake)
+
+    async def _wait_trio(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+        woken = False  # (read and written in trio's thread only)
+
+        def resume() -> None:
+            nonlocal woken
+            if not woken:
+                woken = True
+                trio.lowlevel.reschedule(task)
+
+        def wake() -> None:
+            try:
+                token.run_sync_soon(resume)
+            except trio.RunFinishedError:
+                pass
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            nonlocal woken
+            woken = True
+            self._discard(wake)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._add(wake):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 async def run_in_thread(fn: Callable[..., _T], *args: Any, abandon_on_cancel: bool = True) -> _T:

@@ -394,6 +394,45 @@ def test_a_submission_relied_on_whose_wait_fails_fails_its_dependents(
     assert all("does not load" in str(e) for e in got.values())
 
 
+def test_many_tasks_waiting_for_one_submission_do_not_starve_it_of_threads(
+    run: Run, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # P compiles its kernel; A waits for P's submission (A's input is P's shared op),
+    # then must compile a kernel of its own; 50 tasks wait for A's. Waiting for another
+    # submission took a worker thread: the 50 took every one (trio's 40, the asyncio
+    # executor's few), and A's compilation never got one.
+    k1, k2 = fresh_kernel(), fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    xs = np.arange(8, dtype=np.float32)
+    results: list[np.ndarray] = []
+
+    async def consume(op: Any) -> None:
+        results.append(await op)
+
+    async def body() -> None:
+        x = await api.from_host(xs)
+        p = k1(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+        a = k2(api.empty((8,)).partition((8,)), p).first().unpartition().shared()
+        before = lowlevel.submission_statistics().waited_for_submission
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, p)
+                await anyio.wait_all_tasks_blocked()  # P waits for its kernel
+                tg.start_soon(consume, a)
+                await anyio.wait_all_tasks_blocked()  # A waits for P
+                for _ in range(50):
+                    tg.start_soon(consume, a.to_host())
+                await anyio.wait_all_tasks_blocked()  # and 50 wait for A
+                assert lowlevel.submission_statistics().waited_for_submission == before + 51
+                release()
+
+    run(body)
+    read_back = [r for r in results if isinstance(r, np.ndarray)]
+    assert len(results) == 52 and len(read_back) == 50
+    for r in read_back:
+        np.testing.assert_array_equal(r, 4 * xs)
+
+
 def test_outside_any_loop_the_error_says_what_to_do() -> None:
     coro = _await(api.zeros((2,)))
     with pytest.raises(RuntimeError, match="trio or asyncio"):
