@@ -21,6 +21,11 @@ What differs under asyncio, and why (docs/asyncio.md):
   at its next yield).
 * A shielded wait (finishing a submission another one relies on) runs as a task of its
   own, awaited through ``asyncio.shield`` until it is done; then the cancel is honoured.
+  That task is started again if something cancels it (``asyncio.run``'s end cancels
+  every task), and a caller cancelled again and again (an anyio scope does so at every
+  pass of the loop) waits inside an anyio shield instead of spinning.
+* A wait for something another thread or task sets (:class:`Flag`) sleeps on an asyncio
+  future (trio: ``wait_task_rescheduled``), never in a worker thread.
 """
 
 from __future__ import annotations
