@@ -21,6 +21,11 @@ What differs under asyncio, and why (docs/asyncio.md):
   at its next yield).
 * A shielded wait (finishing a submission another one relies on) runs as a task of its
   own, awaited through ``asyncio.shield`` until it is done; then the cancel is honoured.
+  That task is started again if something cancels it (``asyncio.run``'s end cancels
+  every task), and a caller cancelled again and again (an anyio scope does so at every
+  pass of the loop) waits inside an anyio shield instead of spinning.
+* A wait for something another thread or task sets (:class:`Flag`) sleeps on an asyncio
+  future (trio: ``wait_task_rescheduled``), never in a worker thread.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import asyncio
 import contextvars
 import functools
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
@@ -39,6 +45,7 @@ _T = TypeVar("_T")
 
 __all__ = [
     "CANCELLED",
+    "Flag",
     "cancel_shielded_checkpoint",
     "checkpoint",
     "checkpoint_if_cancelled",
@@ -169,6 +176,98 @@ def _set_once(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+_flags_lock = threading.Lock()  # a leaf lock: guards every Flag's wakers
+
+
+class Flag:
+    """A flag set once, from any thread: :meth:`wait` blocks the calling thread until it
+    is set, :meth:`wait_async` sleeps in the task's loop (no worker thread: a task that
+    waits for another one's progress must not hold a thread that the other one needs)."""
+
+    __slots__ = ("_event", "_wakers")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._wakers: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def set(self) -> None:
+        """Set it and wake every waiter (their loops' thread-safe entries: no blocking)."""
+        with _flags_lock:
+            self._event.set()
+            wakers, self._wakers = self._wakers, []
+        for wake in wakers:
+            wake()
+
+    def _add(self, wake: Callable[[], None]) -> bool:
+        with _flags_lock:
+            if self._event.is_set():
+                return False
+            self._wakers.append(wake)
+            return True
+
+    def _discard(self, wake: Callable[[], None]) -> None:
+        with _flags_lock:
+            if wake in self._wakers:
+                self._wakers.remove(wake)
+
+    async def wait_async(self) -> None:
+        """Sleep until it is set (a checkpoint, also if it is set already; cancellable)."""
+        if _sniffed.name == "trio":
+            await self._wait_trio()
+            return
+        loop = running_asyncio_loop()
+        fut = loop.create_future()
+
+        def wake() -> None:
+            try:
+                loop.call_soon_threadsafe(_set_once, fut)
+            except RuntimeError:  # (that loop is closed)
+                pass
+
+        if not self._add(wake):
+            await _YIELD
+            return
+        try:
+            await fut
+        finally:
+            self._discard(wake)
+
+    async def _wait_trio(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+        woken = False  # (read and written in trio's thread only)
+
+        def resume() -> None:
+            nonlocal woken
+            if not woken:
+                woken = True
+                trio.lowlevel.reschedule(task)
+
+        def wake() -> None:
+            try:
+                token.run_sync_soon(resume)
+            except trio.RunFinishedError:
+                pass
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            nonlocal woken
+            woken = True
+            self._discard(wake)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._add(wake):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+
 async def run_in_thread(fn: Callable[..., _T], *args: Any, abandon_on_cancel: bool = True) -> _T:
     """``fn(*args)`` in a worker thread of the loop (trio's ``to_thread``, asyncio's default
     executor). ``abandon_on_cancel``: a cancel returns at once and the thread's result is
@@ -186,24 +285,48 @@ async def run_in_thread(fn: Callable[..., _T], *args: Any, abandon_on_cancel: bo
 
 async def shielded(fn: Callable[[], Awaitable[None]]) -> None:
     """Run ``await fn()`` to its end whatever cancels the caller meanwhile (the caller
-    raises its own cancellation afterwards)."""
+    raises its own cancellation afterwards).
+
+    Under asyncio ``fn()`` runs as a task of its own, which whoever cancels every task
+    (``asyncio.run`` does at its end) cancels too: then ``fn()`` is called again, so it
+    must take up its work where the cancel left it."""
     if _sniffed.name == "trio":
         with trio.CancelScope(shield=True):
             await fn()
         return
     running_asyncio_loop()
-    await _shield_until_done(asyncio.ensure_future(fn()))
+    await _shield_until_done(asyncio.ensure_future(fn()), fn)
 
 
-async def _shield_until_done(fut: asyncio.Future[Any]) -> Any:
+async def _shield_until_done(fut: asyncio.Future[Any], again: Callable[[], Awaitable[Any]] | None = None) -> Any:
+    """Await ``fut`` until it is done, through cancels of the caller (raised afterwards);
+    a cancel of ``fut`` itself starts ``again()`` in its place (without ``again``, it is
+    raised)."""
     cancelled: asyncio.CancelledError | None = None
-    while not fut.done():
+    cancels = 0
+    while True:
         try:
-            await asyncio.shield(fut)
+            anyio = sys.modules.get("anyio") if cancels > 1 else None
+            if anyio is None:
+                result = await asyncio.shield(fut)
+            else:
+                # Cancelled again: an anyio scope, which cancels its tasks at every pass of
+                # the loop. Shielded from it, the caller sleeps until ``fut`` is done (the
+                # scope's cancel is raised at its next checkpoint, as trio does after a
+                # shielded wait). Not at the first cancel: a plain asyncio task that anyio
+                # never saw then stays out of anyio's books.
+                with anyio.CancelScope(shield=True):
+                    result = await asyncio.shield(fut)
         except asyncio.CancelledError as exc:
-            if fut.cancelled():
+            if not fut.cancelled():
+                cancelled = exc  # the caller's
+                cancels += 1
+            elif again is None:
                 raise
-            cancelled = exc  # (anyio's cancel scopes cancel again at every yield)
-    if cancelled is not None and fut.exception() is None:
-        raise cancelled  # (as trio: an error of the shielded work itself wins)
-    return fut.result()
+            else:
+                fut = asyncio.ensure_future(again())
+            continue
+        break
+    if cancelled is not None:
+        raise cancelled  # (as trio: an error of the shielded work itself wins, above)
+    return result

@@ -1,6 +1,7 @@
 """What a submission waits for before it can enqueue (kernels to compile, staging to pin,
 another plan, memory in use, communicators to make), and how it waits: blocking on the
-calling thread or, from a trio task, in a worker thread or on the event's completion."""
+calling thread or, from a trio or asyncio task, in a worker thread (slow host work) or in
+the loop (another plan's end, an event's completion)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ class Need:
             for ev in data:
                 await wait_event(ev)
         elif kind == "plan":
-            # Another submission (perhaps in this trio run) finishes its own wait first.
-            if not data.done.is_set():
-                await _loop.run_in_thread(data.done.wait)
-            await _loop.checkpoint()
+            # Another submission (perhaps of this loop) finishes its own wait first: in
+            # the loop, not a worker thread, which that other one may need (for its
+            # kernels or staging) when all of them are taken by submissions like this one.
+            await data.done.wait_async()
         else:
             await _loop.run_in_thread(self.wait_blocking)
 

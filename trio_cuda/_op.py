@@ -453,7 +453,7 @@ class DeviceOp(Generic[T]):
         """Like :meth:`sync`, on the given stream."""
         if not isinstance(stream, Stream):
             raise TypeError(f"sync_on() needs a Stream, got {stream!r}")
-        return run_sync(self, stream)  # type: ignore[no-any-return]
+        return run_sync(self, stream, "op.sync_on()")  # type: ignore[no-any-return]
 
     def schedule(self, policy: Any = None) -> ScheduledOp[T]:
         """Bind this op to a stream chosen by ``policy`` (a SchedulingPolicy; default: the

@@ -3,7 +3,6 @@ what it holds and waits for, and its enqueue; and the counts that submissions ke
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +10,7 @@ from . import _trace
 from ._capture import Capture
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, GraphCaptureError, OpAlreadyExecuted, fresh
 from ._guard import LOCK, _tls
+from ._loop import Flag
 from ._memory import Buffer
 from ._needs import KernelNeed, Need
 from ._pending import EXECUTING, Claimed, Continue, Done, Failed
@@ -226,7 +226,7 @@ class Plan:
     checks: list[Callable[[], None]] = ()  # type: ignore[assignment]  # see check_when_done
     dependents = 0
     error: BaseException | None = None
-    _done: threading.Event | None = None  # made when another thread waits for it
+    _done: Flag | None = None  # made when another submission waits for it
     pending = 0
     event: Event | None = None
     oom_retried = False
@@ -263,12 +263,12 @@ class Plan:
         return lane
 
     @property
-    def done(self) -> threading.Event:
+    def done(self) -> Flag:
         """Set once the plan has enqueued, been abandoned, or failed."""
         with LOCK:
             ev = self._done
             if ev is None:
-                ev = self._done = threading.Event()
+                ev = self._done = Flag()
                 if self.finished:
                     ev.set()
             return ev

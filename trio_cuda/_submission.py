@@ -133,6 +133,12 @@ def begin(op: Any, stream: Stream, capture: Capture | None = None) -> tuple[Plan
 
 
 def _give_up(plan: Plan, exc: BaseException) -> None:
+    """Abandon ``plan`` after ``exc`` ended its wait. The submissions relying on it fail
+    with ``exc``, or, where ``exc`` interrupted its task alone (KeyboardInterrupt, a
+    cancel, a coroutine closed with its loop), with a DeviceError saying so: the
+    interruption is not theirs to raise."""
+    if not isinstance(exc, Exception):
+        exc = DeviceError(f"a submission it relies on was abandoned before it enqueued ({type(exc).__name__} in its task)")
     with LOCK:
         plan.abort(exc)
 
@@ -152,10 +158,20 @@ def submit_blocking(op: Any, stream: Stream, capture: Capture | None = None) -> 
 
 
 async def _finish_shielded(plan: Plan, need: Need | None) -> None:
-    async def finish() -> None:
+    """Complete ``plan``, which another submission relies on, whatever cancels the
+    caller; a wait that fails abandons it (its dependents raise the error instead of
+    waiting for it forever)."""
+
+    async def finish() -> None:  # (run again by shielded where its own task is cancelled)
         nonlocal need
         while need is not None:
-            await need.wait_async()
+            try:
+                await need.wait_async()
+            except _loop.CANCELLED:
+                raise
+            except BaseException as exc:
+                _give_up(plan, exc)
+                raise
             with LOCK:
                 need = plan.advance()
 
@@ -187,6 +203,8 @@ class Submitted:
         """Wait for the work (a checkpoint) and return the op's output (once)."""
         if self._taken:
             raise RuntimeError("the output of this submission was taken already")
+        # (a cancellation point also where the work is done already: the output stays for a later wait)
+        await _loop.checkpoint_if_cancelled()
         ev = self.event
         if ev is None:
             await cancel_shielded_checkpoint()
@@ -302,9 +320,10 @@ async def _run_planned(op: Any, stream: Stream) -> Any:
     return _finish(value, plan.pending, _completed_staging(plan))
 
 
-def run_sync(op: Any, stream: Stream | None = None) -> Any:
-    """``op.sync()``: submit and block the calling (non-trio) thread until done."""
-    check_blocking_allowed("op.sync()")
+def run_sync(op: Any, stream: Stream | None = None, what: str = "op.sync()") -> Any:
+    """``op.sync()``: submit and block the calling (non-trio) thread until done (``what``:
+    the call, as a refusal on a loop's thread names it)."""
+    check_blocking_allowed(what)
     if stream is None:
         stream = current_device()._submission_stream()
     submit_now = op._submit_now

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _loop
 from ._compiled import compiled_modules
 from ._device import Device
 from ._errors import GraphCaptureError
@@ -106,6 +107,7 @@ async def wait(event: Event) -> None:
     """Wait in trio until ``event`` completes (always a checkpoint)."""
     if not isinstance(event, Event):
         raise TypeError(f"wait() needs an Event, got {event!r}")
+    await _loop.checkpoint_if_cancelled()  # (also where the event is complete already)
     await wait_event(event)
 
 

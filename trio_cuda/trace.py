@@ -12,7 +12,8 @@ work and from the work a stream waited for to the work that waited.
 
 ``async with trio_cuda.trace(path):`` first waits, in trio, for the device work it
 traced (only that: not other work of the same devices), so every op has its device
-times; the wait honours cancellation and deadlines. The plain ``with`` never blocks. Ops
+times; the wait honours cancellation and deadlines. Its entry is a checkpoint and its
+exit a schedule point, as every await of the runtime. The plain ``with`` never blocks. Ops
 that have not finished when the trace closes (the plain ``with``'s, or a cancelled
 exit's) are written marked ``"unfinished": true`` in their args: one that started as a
 span from its start to the close, one that had not started as an instant event at the
@@ -34,7 +35,7 @@ import types
 import zlib
 from typing import Any
 
-from . import _trace
+from . import _loop, _trace
 from ._guard import LOCK
 
 __all__ = ["Trace", "draw", "main", "trace", "traced"]
@@ -56,6 +57,8 @@ class Trace:
         self._close()
 
     async def __aenter__(self) -> Trace:
+        # A checkpoint, as every await of the runtime: a cancelled task opens no trace.
+        await _loop.checkpoint()
         return self.__enter__()
 
     async def __aexit__(self, exc_type: Any, *exc: object) -> None:
@@ -70,6 +73,8 @@ class Trace:
                 with LOCK:
                     _trace.stop(tracer)
                     ends = list(tracer.ends.values())
+                if not ends:  # nothing to wait for: a schedule point still (as a nursery's exit)
+                    await _loop.cancel_shielded_checkpoint()
                 # Only the traced work, awaited in trio: other tasks' work on the same
                 # devices is not waited for, and a cancel or deadline ends the wait.
                 for ev in ends:

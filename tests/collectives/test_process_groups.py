@@ -45,7 +45,8 @@ async def every_rank(n: int, fn: Callable[[int], Awaitable[Any]]) -> list[Any]:
     out: list[Any] = [None] * n
 
     async def one(r: int) -> None:
-        out[r] = await fn(r)
+        with trio_cuda.use_device(r):
+            out[r] = await fn(r)
 
     async with trio.open_nursery() as nursery:
         for r in range(n):

@@ -5,11 +5,13 @@ asyncio loop in two threads awaiting work on one device at once."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import trio
@@ -20,8 +22,18 @@ from trio_cuda.kernels import sleep
 
 from ..helpers.devices import counter, settle
 from ..helpers.faults import scribble
+from ..helpers.loads import fresh_kernel, hold_loads
 
 SLOW_NS = 400_000_000
+
+
+def _new_loops() -> list[Any]:
+    out = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    try:
+        import uvloop
+    except ImportError:
+        return out
+    return [*out, pytest.param(uvloop.new_event_loop, id="uvloop")]
 
 
 def _runners() -> list[Any]:
@@ -108,6 +120,31 @@ def test_timeout_and_wait_for_end_a_long_await(arun: Any) -> None:
     arun(body())
 
 
+def test_a_deadline_passed_already(arun: Any) -> None:
+    # wait_for(op, 0) and anyio's move_on_after(0) submit nothing (as trio's
+    # move_on_after(0)); asyncio.timeout(0) asks for its cancel at the loop's next pass,
+    # after the await has submitted: the work runs (docs/asyncio.md).
+    async def body() -> None:
+        dev = trio_cuda.current_device()
+        c = await counter()
+        await sleep(c, 1000)
+        op = sleep(c, 1000)
+        before = dev.statistics().submissions
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(op, 0)  # type: ignore[arg-type]
+        with anyio.move_on_after(0) as scope:
+            await op
+        assert scope.cancelled_caught
+        assert dev.statistics().submissions == before
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0):
+                await op
+        assert dev.statistics().submissions == before + 1
+        np.testing.assert_array_equal(await c.tensor.to_host(), [2])
+
+    arun(body())
+
+
 @pytest.mark.faults_device
 def test_a_fault_in_a_task_group_cancels_its_siblings(arun: Any) -> None:
     async def body() -> list[str]:
@@ -139,6 +176,47 @@ def test_a_fault_in_a_task_group_cancels_its_siblings(arun: Any) -> None:
 
 async def _await(op: Any) -> Any:
     return await op
+
+
+def test_the_end_of_the_run_does_not_drop_a_submission_another_relies_on(
+    arun: Any, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A, cancelled while its kernel loads, goes on (shielded, in a task of its own) for B,
+    # a consumer of the same shared op in another thread. Then the run ends, cancelling
+    # every task, that one too: A's submission must still complete (B waited forever).
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    x = api.full((8,), 2.0).sync()
+    shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+    got: dict[str, Any] = {}
+    b = threading.Thread(target=lambda: got.update(b=shared.to_host().sync()), daemon=True)
+
+    async def release_when_cancelled() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            release()  # (the run's end cancels every task at once: A's helper has been cancelled)
+
+    async def body() -> None:
+        before = lowlevel.submission_statistics()
+        a = asyncio.create_task(_await(shared))
+        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
+            await asyncio.sleep(0)
+        b.start()
+        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
+            await asyncio.sleep(0.001)
+        ours = asyncio.all_tasks()
+        a.cancel()
+        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
+            await asyncio.sleep(0)
+        got["releaser"] = asyncio.create_task(release_when_cancelled())
+        await asyncio.sleep(0)  # (it has started)
+
+    arun(body())
+    b.join(10)
+    assert not b.is_alive(), "the consumer relying on the cancelled submission hung"
+    np.testing.assert_array_equal(got["b"], np.full(8, 4.0, np.float32))
+    np.testing.assert_array_equal(shared.to_host().sync(), np.full(8, 4.0, np.float32))
 
 
 def test_trio_and_asyncio_threads_await_on_one_device_at_once() -> None:
@@ -184,3 +262,54 @@ def test_trio_and_asyncio_threads_await_on_one_device_at_once() -> None:
         np.testing.assert_array_equal(x, np.full(64, start + 20, np.float32))
         np.testing.assert_array_equal(c, [20])
     assert max(r[2] for r in results.values()) >= 1  # waits were parked on the notifier
+
+
+@pytest.mark.parametrize("new_loop", _new_loops())
+def test_a_loop_closed_with_a_submission_another_relies_on_fails_it_instead_of_hanging(
+    new_loop: Callable[[], asyncio.AbstractEventLoop], dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As above, but the loop is closed with the tasks pending: A's submission cannot go on.
+    # B, relying on it from another thread, gets an error saying so (it waited forever).
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    x = api.full((8,), 2.0).sync()
+    shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+    got: dict[str, Any] = {}
+
+    def relying() -> None:
+        try:
+            shared.to_host().sync()
+        except trio_cuda.DeviceError as err:
+            got["b"] = err
+
+    b = threading.Thread(target=relying, daemon=True)
+
+    async def body() -> None:
+        before = lowlevel.submission_statistics()
+        a = asyncio.create_task(_await(shared))
+        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
+            await asyncio.sleep(0)
+        b.start()
+        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
+            await asyncio.sleep(0.001)
+        ours = asyncio.all_tasks()
+        a.cancel()
+        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
+            await asyncio.sleep(0)
+
+    loop = new_loop()
+    loop.run_until_complete(body())
+    loop.close()
+    release()
+    deadline = time.monotonic() + 10
+    while b.is_alive() and time.monotonic() < deadline:
+        gc.collect()  # (the closed loop's tasks are let go once the load's thread is done)
+        b.join(0.01)
+    assert not b.is_alive(), "the consumer relying on the abandoned submission hung"
+    assert "abandoned before it enqueued" in str(got["b"])
+    with pytest.raises(trio_cuda.DeviceError, match="abandoned"):
+        shared.sync()  # (the shared op failed for every consumer)
+    monkeypatch.undo()
+    out = api.zeros((8,)).sync()
+    k(out.partition((8,)), x).sync()
+    np.testing.assert_array_equal(out.to_host().sync(), np.full(8, 4.0, np.float32))

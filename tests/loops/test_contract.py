@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import trio.testing
 
 import trio_cuda
 from trio_cuda import api, collectives, lowlevel, ops
@@ -22,6 +23,7 @@ from trio_cuda.kernels import add, sleep
 
 from ..helpers.devices import counter, needs_devices, settle, started
 from ..helpers.faults import scribble
+from ..helpers.loads import fresh_kernel, hold_loads
 from ..helpers.loops import LOOPS, Run
 
 SLOW_NS = 400_000_000
@@ -120,11 +122,56 @@ def test_every_await_is_a_cancellation_point(run: Run) -> None:
     async def body() -> None:
         x = await api.zeros((4,))
         await x.ready()
-        for await_it in (x.ready, lambda: ops.add(x, 1.0)):
+        sub = await lowlevel.submit(ops.add(x, 1.0))
+        await anyio.to_thread.run_sync(settle)  # its work is done
+        assert sub.event is not None
+        done = sub.event
+        for await_it in (x.ready, lambda: ops.add(x, 1.0), lambda: trio_cuda.value(3), sub.wait, lambda: lowlevel.wait(done)):
             with anyio.CancelScope() as scope:
                 scope.cancel()
-                await await_it()  # (nothing pending, or new work: both raise the cancel)
+                await await_it()  # (nothing pending, new work, or work done: all raise the cancel)
             assert scope.cancelled_caught
+        np.testing.assert_array_equal(await (await sub.wait()).to_host(), [1, 1, 1, 1])  # (not taken by the cancelled wait)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with trio_cuda.trace():
+                pytest.fail("a cancelled task opened a trace")
+        assert scope.cancelled_caught
+
+    run(body)
+
+
+def test_every_await_is_a_schedule_point(run: Run) -> None:
+    # Also where nothing waits: no work, work complete already, a trace of nothing.
+    async def body() -> None:
+        x = await api.zeros((4,))
+        await x.ready()
+        sub = await lowlevel.submit(ops.add(x, 1.0))
+        await anyio.to_thread.run_sync(settle)  # its work is done
+        assert sub.event is not None
+        event = sub.event
+
+        async def trace_nothing() -> None:
+            async with trio_cuda.trace():
+                pass
+
+        forms = {
+            "value": lambda: trio_cuda.value(3),
+            "ready": x.ready,
+            "done": sub.wait,
+            "event": lambda: lowlevel.wait(event),
+            "trace": trace_nothing,
+        }
+        for name, await_it in forms.items():
+            if run.backend == "trio":  # (trio runs the tasks of a batch in any order)
+                with trio.testing.assert_checkpoints():
+                    await await_it()
+                continue
+            ran: list[str] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_append, ran, name)  # (asyncio runs it as soon as this task yields)
+                await await_it()
+                assert ran == [name], f"awaiting {name} let no other task run"
 
     run(body)
 
@@ -211,17 +258,34 @@ def test_bad_input_raises_before_any_work(run: Run, dev: trio_cuda.Device) -> No
     run(body)
 
 
-def test_blocking_calls_are_refused_on_the_loop_thread(run: Run) -> None:
-    async def body() -> str:
-        with pytest.raises(RuntimeError, match="would block") as info:
-            api.zeros((2,)).sync()
+def test_blocking_calls_are_refused_on_the_loop_thread(run: Run, dev: trio_cuda.Device) -> None:
+    stream = dev.create_stream()
+    c = counter().sync()
+    calls: dict[str, Any] = {
+        "op.sync()": lambda: api.zeros((2,)).sync(),
+        "op.sync_on()": lambda: api.zeros((2,)).sync_on(stream),
+        "Device.synchronize()": dev.synchronize,
+        "Stream.synchronize()": stream.synchronize,
+        "Device.reset()": dev.reset,
+        "Kernel.prepare()": lambda: sleep.prepare(c, 1000),
+    }
+
+    async def body() -> dict[str, str]:
+        refused = {}
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match="would block") as info:
+                call()
+            refused[name] = str(info.value)
         # From a worker thread of the loop, the same call works.
         out = await anyio.to_thread.run_sync(lambda: api.full((2,), 5.0).to_host().sync())
         np.testing.assert_array_equal(out, [5, 5])
-        return str(info.value)
+        return refused
 
-    message = run(body)
-    assert ("trio.to_thread" in message) if run.backend == "trio" else ("asyncio.to_thread" in message and "anyio" in message)
+    refused = run(body)
+    hint = ["trio.to_thread"] if run.backend == "trio" else ["asyncio.to_thread", "anyio.to_thread.run_sync"]
+    for name, message in refused.items():
+        assert message.startswith(f"{name} would block the {run.backend} event loop"), message
+        assert all(h in message for h in hint), message
 
 
 @pytest.mark.faults_device
@@ -287,6 +351,88 @@ def test_a_reset_wakes_waiters_with_device_reset(run: Run, dev: trio_cuda.Device
     assert len(got) == 3 and all(e.device == dev.ordinal for e in got)
 
 
+def test_a_submission_relied_on_whose_wait_fails_fails_its_dependents(
+    run: Run, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A waits for its kernel's first load; B, planned meanwhile, relies on A's plan. A is
+    # cancelled, so it goes on for B (shielded: under anyio on asyncio, asleep, though its
+    # scope cancels it again at every pass of the loop); then the load fails: both raise
+    # that error, and a later consumer too, instead of waiting for A's plan forever.
+    k = fresh_kernel()
+    release = hold_loads(dev, monkeypatch, trio_cuda.LaunchError("the module does not load", device=dev.ordinal))
+    got: dict[str, BaseException] = {}
+
+    async def consume(name: str, shared: Any, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            try:
+                await shared
+            except trio_cuda.LaunchError as err:
+                got[name] = err
+
+    async def body() -> None:
+        x = await api.full((8,), 2.0)
+        shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                a = await tg.start(consume, "a", shared)
+                await anyio.wait_all_tasks_blocked()  # A waits for the load
+                await tg.start(consume, "b", shared)
+                await anyio.wait_all_tasks_blocked()  # B waits for A's plan
+                a.cancel()
+                await anyio.wait_all_tasks_blocked()  # A goes on for B
+                release()
+            with pytest.raises(trio_cuda.LaunchError, match="does not load"):
+                await shared.to_host()
+        monkeypatch.undo()  # the next load works: nothing was left holding the kernel or x
+        out = await api.zeros((8,))
+        await k(out.partition((8,)), x)
+        np.testing.assert_array_equal(await out.to_host(), np.full(8, 4.0, np.float32))
+
+    run(body)
+    assert sorted(got) == ["a", "b"]
+    assert all("does not load" in str(e) for e in got.values())
+
+
+def test_many_tasks_waiting_for_one_submission_do_not_starve_it_of_threads(
+    run: Run, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # P compiles its kernel; A waits for P's submission (A's input is P's shared op),
+    # then must compile a kernel of its own; 50 tasks wait for A's. Waiting for another
+    # submission took a worker thread: the 50 took every one (trio's 40, the asyncio
+    # executor's few), and A's compilation never got one.
+    k1, k2 = fresh_kernel(), fresh_kernel()
+    release = hold_loads(dev, monkeypatch)
+    xs = np.arange(8, dtype=np.float32)
+    results: list[np.ndarray] = []
+
+    async def consume(op: Any) -> None:
+        results.append(await op)
+
+    async def body() -> None:
+        x = await api.from_host(xs)
+        p = k1(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
+        a = k2(api.empty((8,)).partition((8,)), p).first().unpartition().shared()
+        before = lowlevel.submission_statistics().waited_for_submission
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consume, p)
+                await anyio.wait_all_tasks_blocked()  # P waits for its kernel
+                tg.start_soon(consume, a)
+                await anyio.wait_all_tasks_blocked()  # A waits for P
+                for _ in range(50):
+                    tg.start_soon(consume, a.to_host())
+                await anyio.wait_all_tasks_blocked()  # and 50 wait for A
+                assert lowlevel.submission_statistics().waited_for_submission == before + 51
+                release()
+
+    run(body)
+    read_back = [r for r in results if isinstance(r, np.ndarray)]
+    assert len(results) == 52 and len(read_back) == 50
+    for r in read_back:
+        np.testing.assert_array_equal(r, 4 * xs)
+
+
 def test_outside_any_loop_the_error_says_what_to_do() -> None:
     coro = _await(api.zeros((2,)))
     with pytest.raises(RuntimeError, match="trio or asyncio"):
@@ -296,3 +442,7 @@ def test_outside_any_loop_the_error_says_what_to_do() -> None:
 
 async def _await(op: Awaitable[Any]) -> Any:
     return await op
+
+
+async def _append(to: list[str], item: str) -> None:
+    to.append(item)

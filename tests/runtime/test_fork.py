@@ -9,6 +9,7 @@ them) and report through a pipe.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import select
@@ -145,6 +146,31 @@ def test_forked_child_refuses_to_wait_for_the_parents_work() -> None:
         return await counter.to_host()
 
     assert trio.run(parent)[0] == 1
+
+
+def test_forked_from_inside_asyncio_the_child_refuses_and_the_parent_goes_on() -> None:
+    # Forked from an asyncio task while another task's await is parked on the notifier:
+    # the child's asyncio.run refuses at its first await; the parent's await completes.
+    counter = api.zeros((1,), np.int32).sync()
+
+    async def child() -> Any:
+        return await api.full((4,), 3.0).to_host()
+
+    async def parent() -> tuple[str, Any]:
+        waiting = asyncio.create_task(_await(sleep(counter.partition((1,)), 300_000_000)))
+        while lowlevel.notifier_statistics().parked == 0:
+            await asyncio.sleep(0.001)
+        outcome = _fork(lambda: asyncio.run(child()))
+        await waiting
+        return outcome, await counter.to_host()
+
+    outcome, count = asyncio.run(parent())
+    _assert_refused(outcome)
+    assert count[0] == 1
+
+
+async def _await(op: Any) -> Any:
+    return await op
 
 
 def test_parent_keeps_working_after_fork() -> None:
