@@ -69,7 +69,7 @@ the peers of ``_peers.py``, then PyTorch's decode step):
 
 After the table come the notifier's counters (``lowlevel.notifier_statistics()``, fast
 path vs parked waits, helper wake-ups) spent by each of trio-cuda's figures, and the
-device's ``notifier_fast_path`` / ``notifier_slow_path`` totals.
+device's statistics.
 
 Usage: ``python benchmarks/bench_host.py [--n 2000] [--tiny-rounds 7] [--tokens 30]
 [--tasks 256] [--out DIR]``; ``--smoke`` runs tiny sizes (for the simulated device,
@@ -639,8 +639,7 @@ def _notifier_lines(ours: dict[str, Any]) -> list[str]:
     total = lowlevel.notifier_statistics()
     lines.append("")
     lines.append(
-        f"device 0 statistics: notifier_fast_path {ds.get('notifier_fast_path')}, notifier_slow_path "
-        f"{ds.get('notifier_slow_path')}, launches {ds.get('launches')}, submissions {ds.get('submissions')}, "
+        f"device 0 statistics: launches {ds.get('launches')}, submissions {ds.get('submissions')}, "
         f"stream_waits {ds.get('stream_waits')}, streams {ds.get('streams')}; "
         f"notifier_statistics() now: {dataclasses.asdict(total)}"
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.machinery
-import os
 
 __all__ = ["MODULES", "check_required", "compiled_modules"]
 
@@ -60,7 +59,9 @@ def compiled_modules() -> tuple[str, ...]:
 def check_required() -> None:
     """With ``TRIO_CUDA_REQUIRE_COMPILED=1`` (CI's compiled pass): raise ImportError
     unless every module of ``MODULES`` is compiled."""
-    if os.environ.get("TRIO_CUDA_REQUIRE_COMPILED", "").strip() not in ("1", "true", "yes", "on"):
+    from ._config import env_flag  # (here, not at the top: setup.py reads this file alone)
+
+    if not env_flag("TRIO_CUDA_REQUIRE_COMPILED"):  # a bad value raises, naming the variable
         return
     missing = sorted(set(MODULES) - set(compiled_modules()))
     if missing:

@@ -31,7 +31,7 @@ from ._device_stats import Counters, DeviceStatistics
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
 from ._guard import LOCK, check_blocking_allowed, check_not_forked, lock_acquire, lock_release
 from ._staging import drain as _staging_drain
-from ._stream import Event, Stream, dropped_stream, event_waits
+from ._stream import Event, Stream, dropped_stream
 
 __all__ = ["Device", "DeviceStatistics", "set_default_policy_factory"]
 
@@ -734,7 +734,5 @@ class Device:
             bytes_allocated=c.bytes_allocated,
             bytes_freed=c.bytes_freed,
             queue_depths=tuple(max(0, st.seq - st.done_seq) for st in list(self._streams)),
-            notifier_fast_path=event_waits[0],
-            notifier_slow_path=event_waits[1],
             staging_unpinning=c.staging_unpinning,
         )

@@ -38,10 +38,6 @@ class DeviceStatistics:
         queue_depths: Per live stream of the device, the points of work enqueued on it
             that are not yet known to have completed (``seq - done_seq``; the runtime
             learns of completions when it polls or waits, so this is an upper bound).
-        notifier_fast_path: Awaits (of any device, process-wide) that completed while
-            polling between trio checkpoints.
-        notifier_slow_path: Awaits (process-wide) that parked until the notifier's helper
-            thread woke them.
     """
 
     ordinal: int
@@ -64,8 +60,6 @@ class DeviceStatistics:
     bytes_allocated: int = 0
     bytes_freed: int = 0
     queue_depths: tuple[int, ...] = ()
-    notifier_fast_path: int = 0
-    notifier_slow_path: int = 0
     staging_unpinning: int = 0
 
 

@@ -25,13 +25,7 @@ from ._guard import LOCK, check_blocking_allowed
 if TYPE_CHECKING:
     from ._backends._boundary import DeviceDriver
 
-__all__ = ["Event", "Stream", "StreamDevice", "event_waits"]
-
-# How awaits of events ended, process-wide: [completed at a poll, parked on the notifier].
-# The notifier counts; the device reports them in its statistics. They live here, below
-# both, so that neither imports the other. Updated from trio threads only (a lost
-# increment under a race between two trio runs would only skew a statistic).
-event_waits = [0, 0]
+__all__ = ["Event", "Stream", "StreamDevice"]
 
 
 class StreamDevice(Protocol):

@@ -79,6 +79,7 @@ def test_sizes_and_shapes(dev: trio_cuda.Device) -> None:
         ("TRIO_CUDA_BACKEND", "opencl"),
         ("TRIO_CUDA_QUIET", "maybe"),
         ("TRIO_CUDA_STAGING_CAP_MB", "-5"),
+        ("TRIO_CUDA_REQUIRE_COMPILED", "sure"),
     ],
 )
 def test_bad_environment_variables_name_the_variable(name: str, value: str) -> None:

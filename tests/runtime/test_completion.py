@@ -204,3 +204,20 @@ async def test_the_spin_path_waits_correctly(monkeypatch: pytest.MonkeyPatch) ->
     c = await counter()
     await sleep(c, 20_000_000)  # longer than the spin: back to the scheduler, then done
     np.testing.assert_array_equal(await c.to_host(), [1])
+    # Kernels pending at the first poll and done within the spin count as spins. (The
+    # simulated device's kernels finish on a thread that needs the GIL, which a spinning
+    # task gives up only at the interpreter's switch interval, 5 ms: hence a spin of 50
+    # ms, and a kernel kind the wait has not learned to be long.)
+    monkeypatch.setattr(_notifier, "_spin_ns", 50_000_000)
+    monkeypatch.setattr(_notifier, "_budget_ns", 100_000_000)
+    c2 = await counter()
+    before = lowlevel.notifier_statistics()
+    for _ in range(3):
+        await ops.add(c2.tensor, 1, out=c2.tensor)
+    after = lowlevel.notifier_statistics()
+    assert after.spins > before.spins
+    monkeypatch.setattr(_notifier, "_spin_ns", 0)
+    for _ in range(3):
+        await ops.add(c2.tensor, 1, out=c2.tensor)
+    assert lowlevel.notifier_statistics().spins == after.spins  # no spin time: no spins
+    np.testing.assert_array_equal(await c2.tensor.to_host(), [6])
