@@ -25,6 +25,7 @@ from ..helpers.devices import counter, needs_devices, settle, started
 from ..helpers.faults import scribble
 from ..helpers.loads import fresh_kernel, hold_loads
 from ..helpers.loops import LOOPS, Run
+from ..helpers.stores import MemoryStore
 
 SLOW_NS = 400_000_000
 
@@ -77,6 +78,51 @@ def test_collectives_are_awaitable(run: Run) -> None:
         await group.all_reduce(xs)
         for x in xs:
             np.testing.assert_array_equal(await x.to_host(), [3, 3, 3, 3])
+
+    run(body)
+
+
+@needs_devices(2)
+def test_process_groups_join_through_a_store_and_reduce(run: Run) -> None:
+    # Two ranks of one process (rank r on device r) joined through a store, as a launcher
+    # would join processes; then a join that no other rank answers is cancelled at once.
+    async def body() -> None:
+        store = MemoryStore()
+        groups: list[Any] = [None, None]
+
+        async def join(r: int) -> None:
+            groups[r] = await collectives.ProcessGroup.from_store(store, 2, r, device=r, timeout=20)
+
+        async with anyio.create_task_group() as tg:
+            for r in (0, 1):
+                tg.start_soon(join, r)
+        assert [(g.rank, g.nranks) for g in groups] == [(0, 2), (1, 2)]
+        xs = [await api.from_host(np.full(4, r + 1.0, np.float32), device=r) for r in (0, 1)]
+
+        async def reduce(r: int) -> None:
+            with trio_cuda.use_device(r):
+                await groups[r].all_reduce([xs[r]])
+
+        async with anyio.create_task_group() as tg:
+            for r in (0, 1):
+                tg.start_soon(reduce, r)
+        for x in xs:
+            np.testing.assert_array_equal(await x.to_host(), [3, 3, 3, 3])
+        for g in groups:
+            g.close()
+        # A join no other rank answers ends at its cancel (long before its timeout), and
+        # takes its hello back: the next joins of both ranks through that store meet.
+        store = MemoryStore()
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.2) as scope:
+            await collectives.ProcessGroup.from_store(store, 2, 0, device=0, timeout=60)
+        assert scope.cancelled_caught and time.monotonic() - t0 < 5
+        async with anyio.create_task_group() as tg:
+            for r in (0, 1):
+                tg.start_soon(join, r)
+        assert [(g.rank, g.nranks) for g in groups] == [(0, 2), (1, 2)]
+        for g in groups:
+            g.close()
 
     run(body)
 
