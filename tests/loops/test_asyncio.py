@@ -178,6 +178,22 @@ async def _await(op: Any) -> Any:
     return await op
 
 
+async def _cancel_a_while_b_relies(shared: Any, b: threading.Thread) -> None:
+    """Task A awaits ``shared`` (its kernel's load held back); thread ``b`` starts and
+    relies on A's submission; then A is cancelled, and goes on in a task of its own."""
+    before = lowlevel.submission_statistics()
+    a = asyncio.create_task(_await(shared))
+    while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
+        await asyncio.sleep(0)
+    b.start()
+    while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
+        await asyncio.sleep(0.001)
+    ours = asyncio.all_tasks()
+    a.cancel()
+    while asyncio.all_tasks() <= ours:
+        await asyncio.sleep(0)
+
+
 def test_the_end_of_the_run_does_not_drop_a_submission_another_relies_on(
     arun: Any, dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,17 +214,7 @@ def test_the_end_of_the_run_does_not_drop_a_submission_another_relies_on(
             release()  # (the run's end cancels every task at once: A's helper has been cancelled)
 
     async def body() -> None:
-        before = lowlevel.submission_statistics()
-        a = asyncio.create_task(_await(shared))
-        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
-            await asyncio.sleep(0)
-        b.start()
-        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
-            await asyncio.sleep(0.001)
-        ours = asyncio.all_tasks()
-        a.cancel()
-        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
-            await asyncio.sleep(0)
+        await _cancel_a_while_b_relies(shared, b)
         got["releaser"] = asyncio.create_task(release_when_cancelled())
         await asyncio.sleep(0)  # (it has started)
 
@@ -285,17 +291,7 @@ def test_a_loop_closed_with_a_submission_another_relies_on_fails_it_instead_of_h
     b = threading.Thread(target=relying, daemon=True)
 
     async def body() -> None:
-        before = lowlevel.submission_statistics()
-        a = asyncio.create_task(_await(shared))
-        while lowlevel.submission_statistics().waited_for_kernels == before.waited_for_kernels:
-            await asyncio.sleep(0)
-        b.start()
-        while lowlevel.submission_statistics().waited_for_submission == before.waited_for_submission:
-            await asyncio.sleep(0.001)
-        ours = asyncio.all_tasks()
-        a.cancel()
-        while asyncio.all_tasks() <= ours:  # A goes on in a task of its own
-            await asyncio.sleep(0)
+        await _cancel_a_while_b_relies(shared, b)
 
     loop = new_loop()
     loop.run_until_complete(body())

@@ -164,14 +164,19 @@ def test_cancelled_after_submission_returns_promptly_and_memory_outlives_the_wor
     run(body)
 
 
+async def _done_submission() -> tuple[trio_cuda.Tensor, Any, Any]:
+    """A tensor of zeros, a submitted ``x + 1`` whose work is done, and its event."""
+    x = await api.zeros((4,))
+    await x.ready()
+    sub = await lowlevel.submit(ops.add(x, 1.0))
+    await anyio.to_thread.run_sync(settle)
+    assert sub.event is not None
+    return x, sub, sub.event
+
+
 def test_every_await_is_a_cancellation_point(run: Run) -> None:
     async def body() -> None:
-        x = await api.zeros((4,))
-        await x.ready()
-        sub = await lowlevel.submit(ops.add(x, 1.0))
-        await anyio.to_thread.run_sync(settle)  # its work is done
-        assert sub.event is not None
-        done = sub.event
+        x, sub, done = await _done_submission()
         for await_it in (x.ready, lambda: ops.add(x, 1.0), lambda: trio_cuda.value(3), sub.wait, lambda: lowlevel.wait(done)):
             with anyio.CancelScope() as scope:
                 scope.cancel()
@@ -190,12 +195,7 @@ def test_every_await_is_a_cancellation_point(run: Run) -> None:
 def test_every_await_is_a_schedule_point(run: Run) -> None:
     # Also where nothing waits: no work, work complete already, a trace of nothing.
     async def body() -> None:
-        x = await api.zeros((4,))
-        await x.ready()
-        sub = await lowlevel.submit(ops.add(x, 1.0))
-        await anyio.to_thread.run_sync(settle)  # its work is done
-        assert sub.event is not None
-        event = sub.event
+        x, sub, event = await _done_submission()
 
         async def trace_nothing() -> None:
             async with trio_cuda.trace():

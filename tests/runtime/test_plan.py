@@ -20,7 +20,7 @@ from trio_cuda import api
 from trio_cuda._guard import LOCK
 from trio_cuda.kernels import add, saxpy
 
-from numba import cuda
+from ..helpers.loads import fresh_kernel
 
 
 def snapshot(dev: trio_cuda.Device) -> tuple[int, ...]:
@@ -75,18 +75,6 @@ async def test_a_bad_argument_in_another_device_branch_means_nothing_ran() -> No
     assert (snapshot(d0), snapshot(d1)) == before
 
 
-def _factory_kernel(tag: float) -> trio_cuda.Kernel:
-    """A kernel nothing has compiled yet (``tag`` makes its content unique)."""
-
-    @trio_cuda.kernel
-    def twice(out, x):  # type: ignore[no-untyped-def]
-        i = cuda.grid(1)
-        if i < out.shape[0]:
-            out[i] = 2 * x[i] + tag * 0
-
-    return twice
-
-
 def _slow_first_loads(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Make every kernel load of ``dev`` take ``seconds`` longer (a slow first compile)."""
     drv = dev._driver
@@ -102,7 +90,7 @@ def _slow_first_loads(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch, se
 async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(
     dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    k = _factory_kernel(0.31)
+    k = fresh_kernel()
     x = await api.full((8,), 4.0)
     drv = dev._driver
     real = drv.load_kernel
@@ -139,7 +127,7 @@ async def test_first_launch_compiles_in_a_worker_thread_without_the_lock(
 
 
 async def test_cancelled_during_compilation_means_nothing_ran(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
-    k = _factory_kernel(0.37)
+    k = fresh_kernel()
     x = await api.full((8,), 4.0)
     _slow_first_loads(dev, monkeypatch, 0.3)
     op = k(api.empty((8,)).partition((8,)), x).first().to_host()
@@ -206,7 +194,7 @@ def test_out_of_memory_waits_for_pending_work_cancellably() -> None:
 async def test_shared_op_used_by_concurrent_submissions_runs_once(dev: trio_cuda.Device, monkeypatch: pytest.MonkeyPatch) -> None:
     # The first submission waits (a slow first compile) after planning the shared op; the
     # second, planned meanwhile, uses its output and waits for it to enqueue.
-    k = _factory_kernel(0.43)
+    k = fresh_kernel()
     _slow_first_loads(dev, monkeypatch, 0.2)
     x = await api.full((8,), 1.5)
     shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
@@ -231,7 +219,7 @@ async def test_shared_op_first_submission_cancelled_while_others_rely_on_it(
     # Task A plans a shared op and waits for its kernel to compile; task B, planned
     # meanwhile, relies on A's plan. A is cancelled during the compilation: A must still
     # enqueue (shielded, bounded by the compilation) so B gets its result; A sees Cancelled.
-    k = _factory_kernel(0.47)
+    k = fresh_kernel()
     _slow_first_loads(dev, monkeypatch, 0.2)
     x = await api.full((8,), 2.0)
     shared = k(api.empty((8,)).partition((8,)), x).first().unpartition().shared()
