@@ -22,12 +22,13 @@ from __future__ import annotations
 from typing import Any
 
 from . import _loop
+from ._checks import arg_type
 from ._compiled import compiled_modules
 from ._device import Device
 from ._errors import GraphCaptureError
 from ._guard import LOCK
 from ._notifier import NotifierStatistics, notifier, wait_event
-from ._op import ScheduledOp
+from ._op import DeviceOp, ScheduledOp
 from ._registry import as_device
 from ._scheduling import PoolStatistics, SchedulingPolicy, SingleStream, StreamPoolByLoad, StreamPoolRoundRobin
 from ._stream import Event, Stream
@@ -130,6 +131,13 @@ async def submit(op: Any, stream: Stream | None = None) -> Submitted:
 
     Cancellation before the op is enqueued means it did not happen, as for ``await op``.
     """
+    if not isinstance(op, DeviceOp):
+        raise TypeError(f"submit() needs a DeviceOp, got {arg_type(op)}")
+    if stream is not None and not isinstance(stream, Stream):
+        hint = (
+            " (for a policy's choice: submit(op, policy.next_stream()))" if callable(getattr(stream, "next_stream", None)) else ""
+        )
+        raise TypeError(f"submit() needs a Stream or None, got {arg_type(stream)}{hint}")
     return await submit_async(op, stream)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import trio_cuda
-from trio_cuda import api
+from trio_cuda import api, lowlevel
 from trio_cuda.kernels import add
 
 from ..helpers.devices import snapshot
@@ -251,3 +251,13 @@ def test_unzip_accepts_numpy_integers() -> None:
         assert (a.sync(), b.sync()) == (1, 2)
     with pytest.raises(ValueError):
         trio_cuda.value((1, 2)).unzip(np.int64(0))
+
+
+async def test_submit_names_what_it_needs() -> None:
+    op = api.ones((2,))
+    with pytest.raises(TypeError, match="needs a DeviceOp"):
+        await lowlevel.submit(np.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"policy\.next_stream\(\)"):
+        await lowlevel.submit(op, trio_cuda.current_device().policy)  # type: ignore[arg-type]
+    sub = await lowlevel.submit(op)  # the op was not consumed by the refusals
+    np.testing.assert_array_equal(await (await sub.wait()).to_host(), [1, 1])
