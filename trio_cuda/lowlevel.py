@@ -133,12 +133,15 @@ async def submit(op: Any, stream: Stream | None = None) -> Submitted:
     """
     if not isinstance(op, DeviceOp):
         raise TypeError(f"submit() needs a DeviceOp, got {arg_type(op)}")
-    if stream is not None and not isinstance(stream, Stream):
-        hint = (
-            " (for a policy's choice: submit(op, policy.next_stream()))" if callable(getattr(stream, "next_stream", None)) else ""
-        )
-        raise TypeError(f"submit() needs a Stream or None, got {arg_type(stream)}{hint}")
-    return await submit_async(op, stream)
+    return await submit_async(op, _stream_arg(stream))
+
+
+def _stream_arg(stream: object) -> Stream | None:
+    if stream is None or isinstance(stream, Stream):
+        return stream
+    policy = callable(getattr(stream, "next_stream", None))
+    hint = " (for a policy's choice: submit(op, policy.next_stream()))" if policy else ""
+    raise TypeError(f"submit() needs a Stream or None, got {arg_type(stream)}{hint}")
 
 
 def submission_statistics() -> SubmissionStatistics:
