@@ -321,8 +321,13 @@ class Notifier:
             except DeviceError as err:  # a fault, a failed op, or a reset
                 exc = err
             if w.timer is not None:
-                w.active = False
-                w.timer.fire()  # the task polls (and meets the error, if any)
+                # Under the lock, if still watched: once unwatch() has returned, the
+                # timer may be another sleeper's (timers are pooled), which this must
+                # not wake.
+                with self._lock:
+                    if w.active:
+                        w.active = False
+                        w.timer.fire()  # the task polls (and meets the error, if any)
                 continue
             batches.setdefault(w.token, []).append((w, exc, done))
         with self._lock:
