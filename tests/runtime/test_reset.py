@@ -338,10 +338,12 @@ async def test_streams_dropped_with_pending_work_during_a_reset_in_another_threa
     evs = []
     for s in early + late:
         evs.append((await lowlevel.submit(sleep(c, SLOW_NS), s)).event)
+    before = dev.statistics()
     del early, s
     gc.collect()
-    await api.zeros((1,))  # the early ones linger now
-    assert len(dev._lingering) >= 6
+    await api.zeros((1,))  # the early ones linger now: gone, their driver streams not yet
+    now = dev.statistics()
+    assert now.streams == before.streams - 6 and now.streams_destroyed == before.streams_destroyed
     started = threading.Event()
 
     def drop_late() -> None:
@@ -365,6 +367,8 @@ async def test_streams_dropped_with_pending_work_during_a_reset_in_another_threa
     for _ in range(3):
         gc.collect()
         await api.zeros((1,))
-    assert not dev._resetting and not dev._lingering
+    assert not dev._resetting
+    # (the reset dropped the lingering streams with their work: nothing of them is left to destroy)
+    assert dev.statistics().streams_destroyed == now.streams_destroyed
     x = await api.ones((4,))
     np.testing.assert_array_equal(await x.to_host(), np.ones(4, np.float32))
