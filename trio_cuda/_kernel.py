@@ -153,18 +153,20 @@ class Kernel:
         """A DeviceOp that launches this kernel on ``args``; its output is the tuple of args."""
         if len(args) != self.nparams:
             raise TypeError(f"kernel {self.name} takes {self.nparams} arguments, got {len(args)}")
-        ops = []
+        ops: list[DeviceOp[Any]] | None = None  # (made only when an argument is an op)
         for i, a in enumerate(args):
             t = type(a)
             if t is Partition or t is Tensor or t is float or t is int:
                 continue
             if isinstance(a, DeviceOp):
+                if ops is None:
+                    ops = []
                 ops.append(a)
             elif not (isinstance(a, (Tensor, Partition)) or is_scalar(a)):
                 raise TypeError(
                     f"kernel {self.name} argument {i}: expected a DeviceOp, Tensor, Partition or scalar, got {arg_type(a)}"
                 )
-        return _Launch(self, args, tuple(ops))
+        return _Launch(self, args, () if ops is None else tuple(ops))
 
 
 @overload

@@ -135,8 +135,9 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
         lambda x: api.zeros((2,)).to_host(),
         lambda x: trio_cuda.ops.topk(x, 2),
         lambda x: trio_cuda.external(lambda s: None, reads=(x,)),
+        lambda x: trio_cuda.ops.sgd_step([x], [api.zeros((4,)).sync()], lr=0.1),
     ],
-    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external"],
+    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external", "optimizer step"],
 )
 def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[trio_cuda.Tensor], object]) -> None:
     op = make(api.zeros((4,)).sync())

@@ -24,7 +24,7 @@ from .._checks import BFLOAT16, arg_type, is_scalar
 from .._plan import Lane, Plan
 from .._tensor import Tensor
 from ._codegen import bf16_to_f32, cached, f32_to_bf16, load_expr, make_kernel, store_expr
-from ._core import TensorOp, device_of, launch, operand, out_partition, overlaps
+from ._core import LibraryOp, device_of, launch, operand, out_partition, overlaps
 from ._layout import view
 
 __all__ = ["OptimizerStep", "adamw_step", "sgd_step"]
@@ -304,7 +304,7 @@ def _sgd_kernel(
 
 
 # -- the op -----------------------------------------------------------------------------------------
-class OptimizerStep(TensorOp):
+class OptimizerStep(LibraryOp):
     """One fused step over ``groups`` of (parameter, state..., gradient) tensors; the
     arguments are flat: ``(lr, step, *hyper, *group0, *group1, ...)``. Its output is the
     tuple of the (updated) parameters."""
