@@ -43,6 +43,7 @@ __all__ = [
     "array_index",
     "extensions",
     "is_function",
+    "item_of",
     "one_item",
     "value",
     "zip",
@@ -106,8 +107,10 @@ def one_item(a: np.ndarray) -> Any:
 
 
 def _comparable(x: Any) -> bool:
-    # (arrays and lists too: the op refuses them with the way to upload them)
-    return isinstance(x, (TensorMath, int, float, np.generic, np.ndarray, list, tuple))
+    # (arrays and lists too: the op refuses them with the way to upload them; any op,
+    # not only a tensor-valued one: one of a scalar compares, another fails when planned
+    # saying what its output is, where NotImplemented would make ``==`` an identity test)
+    return isinstance(x, (TensorMath, DeviceOp, int, float, np.generic, np.ndarray, list, tuple))
 
 
 def _compare(name: str, x: Any, y: Any) -> TensorValuedOp[Any]:
@@ -119,12 +122,13 @@ def _compare(name: str, x: Any, y: Any) -> TensorValuedOp[Any]:
 
 
 def array_index(key: Any) -> bool:
-    """True if indexing ``key`` holds a tensor or an op (a gather, not a view)."""
-    if isinstance(key, TensorMath):
+    """True if indexing ``key`` holds a tensor or an op (a gather, not a view): any op,
+    so that one whose output is no tensor fails as a gather's index, saying what it is."""
+    if isinstance(key, (TensorMath, DeviceOp)):
         return True
     if type(key) is tuple:
         for k in key:
-            if isinstance(k, TensorMath):
+            if isinstance(k, (TensorMath, DeviceOp)):
                 return True
     return False
 
@@ -422,7 +426,7 @@ class DeviceOp(Generic[T]):
     def item(self) -> DeviceOp[Any]:
         """The output tensor's one element as a Python scalar: ``await loss.item()``
         (a tensor of more elements fails the op with ``ValueError``)."""
-        return _ToHost(self).map(one_item)
+        return item_of(self)
 
     def __iter__(self) -> Any:
         raise TypeError("a DeviceOp is not iterable: await it first (or unzip() an op with a tuple output)")
@@ -584,7 +588,10 @@ class _Then(TensorValuedOp[U]):
         return r
 
 
-class _Map(TensorValuedOp[U]):
+class _MapValue(DeviceOp[U]):
+    """map(): the host function over the output; this class itself, for a map known to
+    give no tensor (``item()``), has no tensor methods (see :class:`_Map`)."""
+
     __slots__ = ("_fn",)
 
     def __init__(self, src: DeviceOp[Any], fn: Callable[[Any], Any]) -> None:
@@ -600,6 +607,10 @@ class _Map(TensorValuedOp[U]):
         if isinstance(r, DeviceOp):
             raise TypeError("map() callbacks return values, not ops; use then() to continue with an op")
         return r
+
+
+class _Map(_MapValue[U], TensorValuedOp[U]):
+    __slots__ = ()
 
 
 def _pick(v: Any, index: int, expect: int | None) -> Any:
@@ -728,6 +739,12 @@ class _ToHost(DeviceOp["np.ndarray"]):
 
     def _plan(self, plan: Plan, lane: Lane, args: Any) -> Any:
         return _tensor_of(args[0], "to_host()")._plan_to_host(plan, lane)
+
+
+def item_of(op: DeviceOp[Any]) -> DeviceOp[Any]:
+    """``item()`` of ``op``'s output tensor: a Python scalar, so an op without the
+    tensor methods (its value exists only once the work completes)."""
+    return _MapValue(_ToHost(op), one_item)
 
 
 def value(x: U) -> DeviceOp[U]:

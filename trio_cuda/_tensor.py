@@ -21,7 +21,7 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, array_index, one_item, value
+from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, array_index, item_of, value
 from ._pending import Pending
 from ._plan import Lane, Plan
 
@@ -342,7 +342,7 @@ class Tensor(TensorMath):
         n = math.prod(self.shape)
         if n != 1:
             raise ValueError(f"item(): the tensor has {n} elements (shape {self.shape}); only one element converts to a scalar")
-        return value(self).to_host().map(one_item)
+        return item_of(value(self))
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

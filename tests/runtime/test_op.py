@@ -136,8 +136,10 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
         lambda x: trio_cuda.ops.topk(x, 2),
         lambda x: trio_cuda.external(lambda s: None, reads=(x,)),
         lambda x: trio_cuda.ops.sgd_step([x], [api.zeros((4,)).sync()], lr=0.1),
+        lambda x: x[:1].item(),
+        lambda x: api.ones((1,)).item(),
     ],
-    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external", "optimizer step"],
+    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external", "optimizer step", "tensor item", "op item"],
 )
 def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[trio_cuda.Tensor], object]) -> None:
     op = make(api.zeros((4,)).sync())
@@ -148,6 +150,17 @@ def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[tr
         op + 1  # type: ignore[operator]
     with pytest.raises(TypeError):
         op < 1  # type: ignore[operator]  # noqa: B015
+
+
+def test_an_op_without_tensor_methods_is_still_an_operand_of_comparisons_and_indexing() -> None:
+    # ``==`` compares elementwise as ``+`` adds (not an identity test giving False), and
+    # an op in an index is a gather's index: one whose output is no tensor fails saying so
+    x = api.arange(4).sync()
+    np.testing.assert_array_equal((x == trio_cuda.value(3)).to_host().sync(), [False, False, False, True])
+    np.testing.assert_array_equal((x < trio_cuda.value(2)).to_host().sync(), [True, True, False, False])
+    for op in (x == trio_cuda.ops.topk(x, 2), x[trio_cuda.ops.topk(x, 2)], x[:, trio_cuda.zip(api.zeros((2,)))]):
+        with pytest.raises(TypeError, match=r"pick the tensor with \.first\(\)"):
+            op.sync()
 
 
 def test_tensor_valued_ops_have_the_tensor_methods() -> None:

@@ -293,7 +293,7 @@ def embedding(weight: Any, ids: Any, *, out: Any = None) -> Gather:
 
 # -- indexing by an integer tensor: x[idx], x[:, idx], x[..., idx] ----------------------------
 def _is_array(k: Any) -> bool:
-    return isinstance(k, TensorMath)
+    return isinstance(k, (TensorMath, DeviceOp))
 
 
 def index(x: Any, key: Any) -> DeviceOp[Any]:
