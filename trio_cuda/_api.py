@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -303,7 +303,7 @@ def _new_tensor(plan: Plan, lane: Lane, shape: tuple[int, ...], dtype: np.dtype[
     return Tensor._new(plan.new_buffer(lane, nbytes_of(shape, dtype), what), shape, dtype)
 
 
-class _Memcpy(TensorValuedOp[Any]):
+class _Memcpy(DeviceOp[Any]):
     __slots__ = ("_dst", "_src")
 
     def __init__(self, dst: Any, src: Any) -> None:
@@ -319,7 +319,15 @@ class _Memcpy(TensorValuedOp[Any]):
         return _plan_copy(plan, lane, _as_copy_end(dst, "destination"), _as_copy_end(src, "source"))
 
 
-def memcpy(dst: Any, src: Any) -> TensorValuedOp[Any]:
+class _MemcpyToDevice(_Memcpy, TensorValuedOp[Any]):
+    __slots__ = ()
+
+
+@overload
+def memcpy(dst: np.ndarray, src: Any) -> DeviceOp[np.ndarray]: ...
+@overload
+def memcpy(dst: Any, src: Any) -> TensorValuedOp[Any]: ...
+def memcpy(dst: Any, src: Any) -> DeviceOp[Any]:
     """Copy ``src`` into ``dst``; the output is ``dst``.
 
     Either end may be a tensor (or partition), a numpy array (host), or an op
@@ -334,7 +342,9 @@ def memcpy(dst: Any, src: Any) -> TensorValuedOp[Any]:
         _check_same(dst.shape, dst.dtype, src.shape, src.dtype)
         if isinstance(dst, np.ndarray):
             _check_host_dst(dst)
-    return _Memcpy(dst, src)
+    if isinstance(dst, np.ndarray):
+        return _Memcpy(dst, src)  # (its output is the host array: no tensor methods)
+    return _MemcpyToDevice(dst, src)
 
 
 class _Dup(TensorValuedOp[Tensor]):

@@ -27,12 +27,12 @@ before anything is recorded.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from ._capture import Capture
 from ._errors import GraphCaptureError
 from ._guard import LOCK, check_not_forked, check_not_nested
-from ._op import DeviceOp, TensorValuedOp, extensions
+from ._op import DeviceOp, TensorValuedOp, extensions, is_tensor_like
 from ._plan import Lane, Plan
 from ._registry import current_device
 from ._stream import Stream
@@ -41,6 +41,7 @@ from ._submission import submit_blocking
 if TYPE_CHECKING:
     from ._device import Device
     from ._memory import Buffer
+    from ._tensor import Tensor
 
 __all__ = ["CudaGraph", "GraphScope", "capture_graph"]
 
@@ -128,9 +129,16 @@ class CudaGraph(Generic[T]):
         _, value = submit_blocking(op, self.stream)
         return value
 
-    def launch(self) -> TensorValuedOp[T]:
-        """A DeviceOp that replays the graph; its output is the captured output."""
+    @overload
+    def launch(self: CudaGraph[Tensor]) -> TensorValuedOp[Tensor]: ...
+    @overload
+    def launch(self) -> DeviceOp[T]: ...
+    def launch(self) -> Any:
+        """A DeviceOp that replays the graph; its output is the captured output (of a
+        tensor, a :class:`~trio_cuda.TensorValuedOp`)."""
         self._check_live()
+        if is_tensor_like(self._output):
+            return _TensorGraphLaunch(self)
         return _GraphLaunch(self)
 
     def _check_live(self) -> None:
@@ -165,7 +173,7 @@ def _graph_step(lane: Lane, g: CudaGraph[Any]) -> None:
     g.device._stats.graph_launches += 1
 
 
-class _GraphLaunch(TensorValuedOp[T]):
+class _GraphLaunch(DeviceOp[T]):
     __slots__ = ("_graph",)
 
     def __init__(self, graph: CudaGraph[T]) -> None:
@@ -184,6 +192,10 @@ class _GraphLaunch(TensorValuedOp[T]):
         plan.step(lane, _graph_step, g)
         plan.ops.append(f"graph of {g.nodes} nodes")
         return g._output  # type: ignore[no-any-return]
+
+
+class _TensorGraphLaunch(_GraphLaunch[T], TensorValuedOp[T]):
+    __slots__ = ()
 
 
 class GraphScope:

@@ -40,6 +40,7 @@ __all__ = [
     "SharedOp",
     "TensorMath",
     "TensorValuedOp",
+    "is_tensor_like",
     "array_index",
     "extensions",
     "is_function",
@@ -750,10 +751,15 @@ def item_of(op: DeviceOp[Any]) -> DeviceOp[Any]:
 def value(x: U) -> DeviceOp[U]:
     """An op whose output is the already-known value ``x`` (no device work); of a
     tensor or a partition, a :class:`TensorValuedOp`."""
-    # (a tensor, or a partition: what has the tensor views; _tensor stands above this module)
-    if isinstance(x, TensorMath) or hasattr(type(x), "unpartition"):
+    if is_tensor_like(x):
         return _TensorValue(x)
     return _Value(x)
+
+
+def is_tensor_like(x: object) -> bool:
+    """A tensor or a partition (what has the tensor views; _tensor stands above this
+    module): the output that makes an op whose output is known a TensorValuedOp."""
+    return isinstance(x, TensorMath) or hasattr(type(x), "unpartition")
 
 
 @overload

@@ -138,8 +138,22 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
         lambda x: trio_cuda.ops.sgd_step([x], [api.zeros((4,)).sync()], lr=0.1),
         lambda x: x[:1].item(),
         lambda x: api.ones((1,)).item(),
+        lambda x: api.memcpy(np.zeros(4, np.float32), x),
+        lambda x: add(x.partition((4,)), x, x).graph().launch(),
     ],
-    ids=["value(3)", "zip", "kernel launch", "to_host", "topk", "external", "optimizer step", "tensor item", "op item"],
+    ids=[
+        "value(3)",
+        "zip",
+        "kernel launch",
+        "to_host",
+        "topk",
+        "external",
+        "optimizer step",
+        "tensor item",
+        "op item",
+        "memcpy to the host",
+        "graph of a launch",
+    ],
 )
 def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[trio_cuda.Tensor], object]) -> None:
     op = make(api.zeros((4,)).sync())
@@ -171,6 +185,8 @@ def test_tensor_valued_ops_have_the_tensor_methods() -> None:
         trio_cuda.value(x),
         add(x.partition((4,)), x, x).first(),
         api.ones((4,)).then(lambda t: t),
+        api.memcpy(x, np.ones(4, np.float32)),
+        trio_cuda.ops.relu(x, out=x).graph().launch(),
     ):
         assert isinstance(op, trio_cuda.TensorValuedOp)
     y = (trio_cuda.ops.relu(x) + 1).softmax()
