@@ -201,7 +201,9 @@ def from_host(array: Any, *, device: Device | int | None = None) -> TensorValued
     dtypes: Python floats give float64)."""
     if not isinstance(array, np.ndarray):
         given = array
-        if isinstance(array, (TensorMath, DeviceOp, Partition)):
+        if isinstance(array, DeviceOp) and not isinstance(array, TensorMath):
+            raise TypeError(f"from_host() takes host data, not {arg_type(array)} (an op: await it first, and upload its value)")
+        if isinstance(array, (TensorMath, Partition)):
             raise TypeError(
                 f"from_host() takes host data, not {arg_type(array)} (already on the device: use it as it is, or ops.copy)"
             )

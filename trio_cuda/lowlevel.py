@@ -131,6 +131,8 @@ async def submit(op: Any, stream: Stream | None = None) -> Submitted:
 
     Cancellation before the op is enqueued means it did not happen, as for ``await op``.
     """
+    if isinstance(op, ScheduledOp):
+        raise TypeError("submit() needs a DeviceOp, got a ScheduledOp: submit(scheduled.op, scheduled.stream)")
     if not isinstance(op, DeviceOp):
         raise TypeError(f"submit() needs a DeviceOp, got {arg_type(op)}")
     return await submit_async(op, _stream_arg(stream))

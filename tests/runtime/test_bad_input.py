@@ -257,6 +257,10 @@ async def test_submit_names_what_it_needs() -> None:
     op = api.ones((2,))
     with pytest.raises(TypeError, match="needs a DeviceOp"):
         await lowlevel.submit(np.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"scheduled\.op, scheduled\.stream"):
+        await lowlevel.submit(api.ones((2,)).schedule())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="await it first"):
+        api.from_host(trio_cuda.value(3))
     with pytest.raises(TypeError, match=r"policy\.next_stream\(\)"):
         await lowlevel.submit(op, trio_cuda.current_device().policy)  # type: ignore[arg-type]
     sub = await lowlevel.submit(op)  # the op was not consumed by the refusals
