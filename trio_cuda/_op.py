@@ -40,6 +40,7 @@ __all__ = [
     "SharedOp",
     "TensorMath",
     "TensorValuedOp",
+    "is_device_value",
     "is_tensor_like",
     "array_index",
     "extensions",
@@ -122,14 +123,19 @@ def _compare(name: str, x: Any, y: Any) -> TensorValuedOp[Any]:
     return _ext(name)(x, y)  # type: ignore[no-any-return]
 
 
+def is_device_value(x: object) -> bool:
+    """A tensor or an op: any op, so that one whose output is no tensor fails where it is
+    used (as a gather's index, say), saying what its output is."""
+    return isinstance(x, (TensorMath, DeviceOp))
+
+
 def array_index(key: Any) -> bool:
-    """True if indexing ``key`` holds a tensor or an op (a gather, not a view): any op,
-    so that one whose output is no tensor fails as a gather's index, saying what it is."""
-    if isinstance(key, (TensorMath, DeviceOp)):
+    """True if indexing ``key`` holds a tensor or an op (a gather, not a view)."""
+    if is_device_value(key):
         return True
     if type(key) is tuple:
         for k in key:
-            if isinstance(k, (TensorMath, DeviceOp)):
+            if is_device_value(k):
                 return True
     return False
 

@@ -178,8 +178,9 @@ class StreamPoolByLoad(SchedulingPolicy):
 
     "Idle" is what polls have seen; when no stream is known idle, the driver is asked
     about the newest work of one stream, the next in rotation (work nobody awaits is
-    seen done only so; with every stream busy more asks would only cost queries). A stream handed out and given no work yet is not idle (a zip's branches get
-    distinct streams).
+    seen done only so; with every stream busy more asks would only cost queries). A
+    stream handed out and given no work yet is not idle (a zip's branches get distinct
+    streams).
 
     Args:
         device: The device (default: the current device).

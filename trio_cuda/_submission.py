@@ -204,7 +204,7 @@ class Submitted:
         if self._taken:
             raise RuntimeError("the output of this submission was taken already")
         # (a cancellation point also where the work is done already: the output stays for a later wait)
-        await _loop.checkpoint_if_cancelled()
+        await checkpoint_if_cancelled()
         ev = self.event
         if ev is None:
             await cancel_shielded_checkpoint()

@@ -95,10 +95,11 @@ def resolved(v: Any, name: str) -> Any:
 
 
 class LibraryOp(DeviceOp[Any]):
-    """An op of the library (see :class:`TensorOp` for those whose output is a tensor). Subclasses implement ``_check(*args)`` (argument checks that
-    need no plan: run by the constructor when no argument is an op, else at planning
-    once the inputs' values are known) and ``_build(plan, lane, *args)`` (allocate and
-    launch on checked arguments; returns the output tensor).
+    """An op of the library (:class:`TensorOp`: one whose output is a tensor). Subclasses
+    implement ``_check(*args)`` (argument checks that need no plan: run by the
+    constructor when no argument is an op, else at planning once the inputs' values are
+    known) and ``_build(plan, lane, *args)`` (allocate and launch on checked arguments;
+    returns the op's output).
 
     A subclass whose ``_check`` and ``_build`` depend on nothing but its class, its
     ``name`` and its arguments (their layouts, dtypes, devices, scalar values) sets

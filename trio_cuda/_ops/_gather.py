@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import BFLOAT16, arg_type, is_int
-from .._op import DeviceOp, TensorMath
+from .._op import DeviceOp, is_device_value
 from .._plan import Lane, Plan
 from .._tensor import Tensor, normalize_axis, plan_read_to_host
 from ._codegen import _unravel, cached, elementwise_kernel, make_kernel
@@ -292,17 +292,13 @@ def embedding(weight: Any, ids: Any, *, out: Any = None) -> Gather:
 
 
 # -- indexing by an integer tensor: x[idx], x[:, idx], x[..., idx] ----------------------------
-def _is_array(k: Any) -> bool:
-    return isinstance(k, (TensorMath, DeviceOp))
-
-
 def index(x: Any, key: Any) -> DeviceOp[Any]:
     """``x[key]`` where one item of ``key`` is an integer tensor (or an op producing one):
     a ``take`` along that item's axis. The items before it must be ``:`` (or ``...``
     with only ``:`` after it); the items after it index the other axes as basic
     indexing does."""
     items = key if isinstance(key, tuple) else (key,)
-    where = [i for i, k in enumerate(items) if _is_array(k)]
+    where = [i for i, k in enumerate(items) if is_device_value(k)]
     if len(where) != 1:
         raise TypeError(
             f"indexing by {len(where)} index tensors: one integer index tensor (along one axis) is supported; "
