@@ -115,15 +115,42 @@ def BF16_HI(u):
 def BF16_PACK(a, b):
     return np.uint32(BF16_OUT(a)) | (np.uint32(BF16_OUT(b)) << np.uint32(16))
 
+# float16 through 32-bit integer and float32 arithmetic only: 16-bit values split from a
+# 64-bit word (cvt to .f16 registers and back) came out in the wrong lanes on CUDA
+def F16_IN(h):
+    # the float32 of half bits ``h`` (below 2**16), exactly; subnormals without float32
+    # subnormals (a flush to zero would lose them)
+    h = np.uint32(h)
+    e = h & np.uint32(0x7C00)
+    if e == np.uint32(0x7C00):
+        b = np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << np.uint32(13))
+    elif e == np.uint32(0):
+        b = np.uint32(libdevice.float_as_int(np.float32(h & np.uint32(0x3FF)) * np.float32(5.9604644775390625e-08)))
+    else:
+        b = ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(0x38000000)
+    return libdevice.int_as_float(np.int32(b | ((h & np.uint32(0x8000)) << np.uint32(16))))
+
+def F16_OUT(f):
+    # the half bits of float32 ``f``, rounded to nearest even once (NaN kept quiet)
+    x = np.uint32(libdevice.float_as_int(np.float32(f)))
+    sign = (x >> np.uint32(16)) & np.uint32(0x8000)
+    x = x & np.uint32(0x7FFFFFFF)
+    if x >= np.uint32(0x47800000):  # 2**16 and beyond: inf; NaN
+        o = np.uint32(0x7E00) if x > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    elif x < np.uint32(0x38800000):  # below 2**-14: the float32 adder rounds to 2**-24
+        o = np.uint32(libdevice.float_as_int(libdevice.int_as_float(np.int32(x)) + np.float32(0.5))) - np.uint32(0x3F000000)
+    else:  # rebias the exponent, round the 13 dropped bits to even
+        o = (x - np.uint32(0x37FFF001) + ((x >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    return np.uint32(o | sign)
+
 def F16_LO(u):
-    return libdevice.half2float(np.int16(np.uint32(u) & np.uint32(0xFFFF)))
+    return F16_IN(np.uint32(u) & np.uint32(0xFFFF))
 
 def F16_HI(u):
-    return libdevice.half2float(np.int16(np.uint32(u) >> np.uint32(16)))
+    return F16_IN(np.uint32(u) >> np.uint32(16))
 
 def F16_PACK(a, b):
-    lo = np.uint32(np.uint16(libdevice.float2half_rn(np.float32(a))))
-    return lo | (np.uint32(np.uint16(libdevice.float2half_rn(np.float32(b)))) << np.uint32(16))
+    return F16_OUT(a) | (F16_OUT(b) << np.uint32(16))
 """
 _BF16_SIMULATOR = """
 def BF16_IN(u):
@@ -148,20 +175,26 @@ def BF16_HI(u):
 def BF16_PACK(a, b):
     return np.uint32(BF16_OUT(a)) | (np.uint32(BF16_OUT(b)) << np.uint32(16))
 
+def F16_IN(h):
+    return np.float32(np.uint16(h).view(np.float16))
+
+def F16_OUT(f):
+    return np.uint32(np.float16(f).view(np.uint16))
+
 def F16_LO(u):
-    return np.float32(np.uint16(np.uint32(u) & np.uint32(0xFFFF)).view(np.float16))
+    return F16_IN(np.uint32(u) & np.uint32(0xFFFF))
 
 def F16_HI(u):
-    return np.float32(np.uint16(np.uint32(u) >> np.uint32(16)).view(np.float16))
+    return F16_IN(np.uint32(u) >> np.uint32(16))
 
 def F16_PACK(a, b):
-    return np.uint32(np.float16(a).view(np.uint16)) | (np.uint32(np.float16(b).view(np.uint16)) << np.uint32(16))
+    return F16_OUT(a) | (F16_OUT(b) << np.uint32(16))
 """
 # numpy's integer power, which integer loops of power call (the same source on CUDA and in
 # the simulator): square and multiply in the loop's integer type, so a result beyond it
 # wraps as numpy's (``one`` is 1 of that type); a negative exponent, which numpy refuses,
 # gives 0, or 1 or -1 for a base of 1 or -1
-_INT_POWER = """
+_POWERS = """
 def IPOW(b, e, one):
     zero = one - one
     if e < zero:
@@ -177,21 +210,45 @@ def IPOW(b, e, one):
         b = b * b
         e = e >> one
     return r
+
+# numpy's float power, whose C pow is exact where the result is one rounding: exponents
+# 1, 2 and -1 are computed as that one operation (the device's pow may miss them by an ulp)
+def FPOW(b, e):
+    if e == 1:
+        return b
+    if e == 2:
+        return b * b
+    if e == -1:
+        return -e / b
+    return b ** e
 """
 _half: dict[str, Any] = {}
 
 
-_HALF_NAMES = ("BF16_IN", "BF16_OUT", "BF16_LO", "BF16_HI", "BF16_PACK", "F16_LO", "F16_HI", "F16_PACK", "IPOW")
+_HALF_NAMES = (
+    "BF16_IN",
+    "BF16_OUT",
+    "BF16_LO",
+    "BF16_HI",
+    "BF16_PACK",
+    "F16_IN",
+    "F16_OUT",
+    "F16_LO",
+    "F16_HI",
+    "F16_PACK",
+    "IPOW",
+    "FPOW",
+)
 
 
 def half_globals() -> dict[str, Any]:
-    """``BF16_IN``, ``BF16_OUT``, the packed forms and ``IPOW``, numba device functions
-    (see above) that every generated kernel may call."""
+    """``BF16_IN``, ``BF16_OUT``, their float16 twins, the packed forms, ``IPOW`` and
+    ``FPOW``: numba device functions (see above) that every generated kernel may call."""
     if not _half:
         from numba import config, cuda
         from numba.cuda import libdevice
 
-        src = (_BF16_SIMULATOR if config.ENABLE_CUDASIM else _BF16_CUDA) + _INT_POWER
+        src = (_BF16_SIMULATOR if config.ENABLE_CUDASIM else _BF16_CUDA) + _POWERS
         filename = "<trio_cuda.ops bfloat16>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         g: dict[str, Any] = {"cuda": cuda, "np": np, "libdevice": libdevice, "__name__": _MODULE}

@@ -129,7 +129,7 @@ MATH: dict[str, MathUfunc] = {
     ),
     # integers exact, wrapping as numpy's; a negative exponent gives 0 (1 or -1 for a
     # base of 1 or -1), where numpy raises
-    "power": MathUfunc("power", 2, "x0 ** x1", _power, np.power, "biuf", int_expr="IPOW(x0, x1, C(1))"),
+    "power": MathUfunc("power", 2, "FPOW(x0, x1)", _power, np.power, "biuf", int_expr="IPOW(x0, x1, C(1))"),
     # x ** 2 as numpy's operator computes it: square (bool ** 2 is int8, where power gives int64)
     "square": MathUfunc("power", 1, "x0 * x0", np.square, np.square, "biuf"),
     "clip": MathUfunc("clip", 3, _clip_expr(), lambda x, lo, hi: np.minimum(np.maximum(x, lo), hi), _ClipDtypes(), "biuf"),

@@ -57,15 +57,16 @@ def _before(r: str, va: str, ia: str | None, vb: str, ib: str | None, desc: bool
     ]
 
 
-def _exchange(indices: bool, desc: bool, bf16: bool) -> list[str]:
-    """The compare-exchange of positions ``pa < pb`` of the row (``pb < k``); ``bf16``:
-    the values are bfloat16 bits, compared decoded and moved as they are."""
+def _exchange(indices: bool, desc: bool, half: str | None) -> list[str]:
+    """The compare-exchange of positions ``pa < pb`` of the row (``pb < k``); ``half``:
+    ``"bf16"`` (the values are bfloat16 bits) or ``"f16"``, compared as float32 and moved
+    as they are."""
     if not indices:
         return [
             "ua = buf[row, pa]",
             "ub = buf[row, pb]",
-            f"va = {_value('ua', bf16)}",
-            f"vb = {_value('ub', bf16)}",
+            f"va = {_value('ua', half)}",
+            f"vb = {_value('ub', half)}",
             *_before("ba", "vb", None, "va", None, desc),
             "if ba:",
             "    buf[row, pa] = ub",
@@ -74,8 +75,8 @@ def _exchange(indices: bool, desc: bool, bf16: bool) -> list[str]:
     return [
         "ja = buf[row, pa]",
         "jb = buf[row, pb]",
-        f"va = {_value('x[row, ja]', bf16)}",
-        f"vb = {_value('x[row, jb]', bf16)}",
+        f"va = {_value('x[row, ja]', half)}",
+        f"vb = {_value('x[row, jb]', half)}",
         *_before("ba", "vb", "jb", "va", "ja", desc),
         "if ba:",
         "    buf[row, pa] = jb",
@@ -83,8 +84,12 @@ def _exchange(indices: bool, desc: bool, bf16: bool) -> list[str]:
     ]
 
 
-def _value(src: str, bf16: bool) -> str:
-    return f"BF16_IN({src})" if bf16 else src
+def _value(src: str, half: str | None) -> str:
+    # float16 compared as float16 would call numba's C++ half operators, which a kernel
+    # linked from its PTX alone cannot resolve; as float32 the order is the same
+    if half == "bf16":
+        return f"BF16_IN({src})"
+    return f"np.float32({src})" if half == "f16" else src
 
 
 @functools.cache  # the kernel source is built once per key
@@ -94,7 +99,7 @@ def _sort_kernel(dtype: np.dtype[Any], indices: bool, desc: bool) -> Any:
     the power of two >= k: the pairs of one step of the network. bfloat16 values come
     as their bits (see half_view)."""
     bf16 = dtype == BFLOAT16
-    exchange = _exchange(indices, desc, bf16)
+    exchange = _exchange(indices, desc, "bf16" if bf16 else "f16" if dtype == np.float16 else None)
     body = [
         "c = t_",
         "while c < k:",
