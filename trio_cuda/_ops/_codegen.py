@@ -116,31 +116,29 @@ def BF16_PACK(a, b):
     return np.uint32(BF16_OUT(a)) | (np.uint32(BF16_OUT(b)) << np.uint32(16))
 
 # float16 through 32-bit integer and float32 arithmetic only: 16-bit values split from a
-# 64-bit word (cvt to .f16 registers and back) came out in the wrong lanes on CUDA
+# 64-bit word (cvt to .f16 registers and back) came out in the wrong lanes on CUDA. Each
+# case is computed and one kept (selects, no branches: the loads of a row stay in flight)
 def F16_IN(h):
-    # the float32 of half bits ``h`` (below 2**16), exactly; subnormals without float32
-    # subnormals (a flush to zero would lose them)
+    # the float32 of half bits ``h`` (below 2**16), exactly: the exponent and mantissa
+    # moved to float32's place and scaled by 2**112 in a float32 product (subnormals too),
+    # inf and NaN given the whole exponent
     h = np.uint32(h)
-    e = h & np.uint32(0x7C00)
-    if e == np.uint32(0x7C00):
-        b = np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << np.uint32(13))
-    elif e == np.uint32(0):
-        b = np.uint32(libdevice.float_as_int(np.float32(h & np.uint32(0x3FF)) * np.float32(5.9604644775390625e-08)))
-    else:
-        b = ((h & np.uint32(0x7FFF)) << np.uint32(13)) + np.uint32(0x38000000)
-    return libdevice.int_as_float(np.int32(b | ((h & np.uint32(0x8000)) << np.uint32(16))))
+    m = (h & np.uint32(0x7FFF)) << np.uint32(13)
+    f = np.uint32(libdevice.float_as_int(libdevice.int_as_float(np.int32(m)) * np.float32(5.192296858534828e33)))
+    top = np.uint32(0x7F800000) if (h & np.uint32(0x7C00)) == np.uint32(0x7C00) else np.uint32(0)
+    return libdevice.int_as_float(np.int32(f | top | ((h & np.uint32(0x8000)) << np.uint32(16))))
 
 def F16_OUT(f):
-    # the half bits of float32 ``f``, rounded to nearest even once (NaN kept quiet)
+    # the half bits of float32 ``f``, rounded to nearest even once (NaN kept quiet): from
+    # 2**-14 the exponent rebiased and the 13 dropped bits rounded (the sum carries 2**17,
+    # masked off), below it the float32 adder rounding to a multiple of 2**-24, from 2**16 inf
     x = np.uint32(libdevice.float_as_int(np.float32(f)))
     sign = (x >> np.uint32(16)) & np.uint32(0x8000)
     x = x & np.uint32(0x7FFFFFFF)
-    if x >= np.uint32(0x47800000):  # 2**16 and beyond: inf; NaN
-        o = np.uint32(0x7E00) if x > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif x < np.uint32(0x38800000):  # below 2**-14: the float32 adder rounds to 2**-24
-        o = np.uint32(libdevice.float_as_int(libdevice.int_as_float(np.int32(x)) + np.float32(0.5))) - np.uint32(0x3F000000)
-    else:  # rebias the exponent, round the 13 dropped bits to even
-        o = (x - np.uint32(0x37FFF001) + ((x >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    normal = ((x + np.uint32(0x08000FFF) + ((x >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)) & np.uint32(0xFFFF)
+    small = np.uint32(libdevice.float_as_int(libdevice.int_as_float(np.int32(x)) + np.float32(0.5))) - np.uint32(0x3F000000)
+    big = np.uint32(0x7E00) if x > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    o = small if x < np.uint32(0x38800000) else (big if x >= np.uint32(0x47800000) else normal)
     return np.uint32(o | sign)
 
 def F16_LO(u):
