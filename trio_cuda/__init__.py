@@ -44,7 +44,7 @@ from ._errors import (  # noqa: E402
 from ._external import external  # noqa: E402
 from ._graph import CudaGraph, GraphScope, capture_graph  # noqa: E402
 from ._kernel import Kernel, kernel  # noqa: E402
-from ._op import DeviceOp, ScheduledOp, SharedOp, TensorValuedOp, value  # noqa: E402
+from ._op import DeviceOp, ScheduledOp, SharedOp, SharedTensorOp, TensorValuedOp, value  # noqa: E402
 from ._op import zip as zip  # noqa: E402  (public, but not in __all__: it would shadow the builtin)
 from ._registry import current_device, device, device_count, devices, use_device  # noqa: E402
 from ._scheduling import PoolStatistics, SchedulingPolicy, SingleStream, StreamPoolByLoad, StreamPoolRoundRobin  # noqa: E402
@@ -78,6 +78,7 @@ __all__ = [
     "ScheduledOp",
     "SchedulingPolicy",
     "SharedOp",
+    "SharedTensorOp",
     "SingleStream",
     "Stream",
     "StreamPoolByLoad",

@@ -402,11 +402,12 @@ class DeviceOp(Generic[T]):
         """The last element of a tuple output."""
         return _Select(self, -1, None)
 
-    def unzip(self, n: int | None = None) -> tuple[SharedOp[Any], ...]:
+    def unzip(self, n: int | None = None) -> tuple[SharedTensorOp[Any], ...]:
         """Fan a tuple output out into ``n`` independent ops; this op executes at most once.
 
         ``n`` may be omitted when the arity is known (zip, kernel launches, tuple values).
-        The returned ops are shared ops: each may have several consumers too.
+        The returned ops are shared ops: each may have several consumers too; their
+        outputs are not known until planned, so they have the tensor's methods.
         """
         arity = self._arity
         if n is None:
@@ -418,7 +419,7 @@ class DeviceOp(Generic[T]):
         if arity is not None and n != arity:
             raise ValueError(f"unzip({n}) of an op with {arity} outputs")
         src = self.shared()
-        return tuple(SharedOp(_Select(src, i, n)) for i in range(n))
+        return tuple(SharedTensorOp(_Select(src, i, n)) for i in range(n))
 
     def shared(self) -> SharedOp[T]:
         """An op that executes this one once; every consumer (and re-await) sees the same output."""
@@ -496,6 +497,13 @@ class TensorValuedOp(DeviceOp[T], TensorMath):
     return."""
 
     __slots__ = ()
+
+    def shared(self) -> SharedTensorOp[T]:
+        """An op that executes this one once; every consumer (and re-await) sees the same
+        output (see :meth:`DeviceOp.shared`)."""
+        if isinstance(self, SharedTensorOp):
+            return self
+        return SharedTensorOp(self)
 
     # tensor conveniences: the whole pipeline reads as one chain
     def partition(self: TensorValuedOp[_Partitions[U]], tile_shape: Any) -> TensorValuedOp[U]:
@@ -689,11 +697,13 @@ def _depend_shared(lane: Lane, op: SharedOp[Any]) -> None:
         raise AssertionError(f"shared op in state {st!r} at enqueue")
 
 
-class SharedOp(TensorValuedOp[T]):
+class SharedOp(DeviceOp[T]):
     """An op that executes its upstream once and gives every consumer the same output.
 
     It may be awaited any number of times and used by any number of ops, in one
     submission or many; consumers on other streams wait for the upstream's work.
+    Shared from a :class:`TensorValuedOp` it is a :class:`SharedTensorOp` (the tensor's
+    methods); from a zip, a collective or ``value()``, a plain shared op.
     """
 
     __slots__ = ()
@@ -736,6 +746,13 @@ class SharedOp(TensorValuedOp[T]):
     def is_executed(self) -> bool:
         """True once the upstream has been submitted (or is being submitted)."""
         return self._state is not None
+
+
+class SharedTensorOp(SharedOp[T], TensorValuedOp[T]):
+    """A shared :class:`TensorValuedOp` (what its ``shared()`` returns): the shared op with
+    the tensor's methods."""
+
+    __slots__ = ()
 
 
 class _ToHost(DeviceOp["np.ndarray"]):

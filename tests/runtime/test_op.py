@@ -140,6 +140,8 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
         lambda x: api.ones((1,)).item(),
         lambda x: api.memcpy(np.zeros(4, np.float32), x),
         lambda x: add(x.partition((4,)), x, x).graph().launch(),
+        lambda x: trio_cuda.zip(api.zeros((2,))).shared(),
+        lambda x: trio_cuda.ops.topk(x, 2).shared(),
     ],
     ids=[
         "value(3)",
@@ -153,6 +155,8 @@ def test_schedule_then_sync(dev: trio_cuda.Device) -> None:
         "op item",
         "memcpy to the host",
         "graph of a launch",
+        "shared zip",
+        "shared topk",
     ],
 )
 def test_ops_whose_output_is_no_tensor_have_no_tensor_methods(make: Callable[[trio_cuda.Tensor], object]) -> None:
@@ -187,6 +191,8 @@ def test_tensor_valued_ops_have_the_tensor_methods() -> None:
         api.ones((4,)).then(lambda t: t),
         api.memcpy(x, np.ones(4, np.float32)),
         trio_cuda.ops.relu(x, out=x).graph().launch(),
+        api.zeros((4,)).shared(),
+        trio_cuda.zip(api.zeros((4,)), api.ones((4,))).unzip()[1],
     ):
         assert isinstance(op, trio_cuda.TensorValuedOp)
     y = (trio_cuda.ops.relu(x) + 1).softmax()
