@@ -3,6 +3,9 @@
 # cap, within a total budget: for a lent machine whose time is short.
 #
 # Usage: scripts/gpu-plan.sh OUT_DIR [STEP ...]
+# Wheels (made here, carried as .whl): ../shared/scripts/offline-wheels.sh "cython>=3.1"
+#   fastapi uvicorn starlette "pydantic>=2" pydantic-core annotated-types typing-inspection
+#   opentelemetry-api nvidia-cudnn-frontend
 #   STEP: any of the names below (default: all, in this order). Env: BUDGET_S (total, default
 #   540), and per step its cap in seconds (e.g. CAP_serve=150).
 #
@@ -38,6 +41,10 @@ TRIO_CUDA_REQUIRE_COMPILED=1 python3 -c "import trio_cuda" 2>/dev/null && export
 # name | default cap (s) | command
 steps=(
   "roundtrip|60|taskset -c 2 python3 benchmarks/probes/probe_roundtrip.py --batches 30"
+  "half_tests|120|python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_norm.py tests/ops/test_half.py tests/ops/test_half_bits.py"
+  "ops_half|40|python3 benchmarks/bench_ops.py --only norm --reps 50"
+  "sdpa_host|60|python3 benchmarks/probes/probe_sdpa_host.py"
+  "notifier_tests|60|python3 -m pytest -q -s -p no:cacheprovider tests/runtime/test_notifier.py"
   "host|150|python3 benchmarks/bench_host.py --tiny-rounds 3 --rounds 3 --reps 3 --out $out"
   "optim_probe|90|python3 benchmarks/probes/probe_optim.py --rounds 3"
   "optim|60|python3 benchmarks/bench_optim.py --reps 20 --out $out"
