@@ -38,6 +38,7 @@ __all__ = [
     "DeviceOp",
     "ScheduledOp",
     "SharedOp",
+    "SharedTensorOp",
     "TensorMath",
     "TensorValuedOp",
     "is_device_value",
