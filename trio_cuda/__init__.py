@@ -44,12 +44,13 @@ from ._errors import (  # noqa: E402
 from ._external import external  # noqa: E402
 from ._graph import CudaGraph, GraphScope, capture_graph  # noqa: E402
 from ._kernel import Kernel, kernel  # noqa: E402
-from ._op import DeviceOp, ScheduledOp, SharedOp, SharedTensorOp, TensorValuedOp, value  # noqa: E402
-from ._op import zip as zip  # noqa: E402  (public, but not in __all__: it would shadow the builtin)
+from ._op import DeviceOp, ScheduledOp, SharedOp, SharedTensorOp, TensorValuedOp  # noqa: E402
 from ._registry import current_device, device, device_count, devices, use_device  # noqa: E402
 from ._scheduling import PoolStatistics, SchedulingPolicy, SingleStream, StreamPoolByLoad, StreamPoolRoundRobin  # noqa: E402
 from ._stream import Stream  # noqa: E402
 from ._tensor import Partition, Tensor  # noqa: E402
+from ._zip import value  # noqa: E402
+from ._zip import zip as zip  # noqa: E402  (public, but not in __all__: it would shadow the builtin)
 
 _check_required()
 

@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from . import _reclaim, _reset
 from ._backends._boundary import DeviceDriver, Waker
 from ._device_stats import Counters, DeviceStatistics
 from ._errors import DeviceError, DeviceFault, DeviceOutOfMemory, DeviceReset, DeviceUnavailable, fresh
@@ -42,23 +43,6 @@ _REPOLL_S = 0.02  # a sleeping wait re-polls this often (a faulted device posts 
 # Polls answer from the stream where they can (see Device.poll); False asks the driver
 # about the awaited event only (benchmarks/probes/probe_poll.py measures both in one process).
 poll_by_stream = True
-
-
-class _Released:
-    """A foreign buffer's release, run when its stream point completes."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def stream_done(self) -> None:
-        fn, self.fn = self.fn, None
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # a library's deleter failing must not break the runtime
-                pass
 
 
 class SchedulingPolicy(Protocol):
@@ -236,52 +220,7 @@ class Device:
 
     def _housekeeping(self) -> None:
         """Destroy streams and graphs nothing references any more (under LOCK)."""
-        gen = self.generation
-        if self._resetting:
-            return
-        dead = self._dead_streams
-        while dead:
-            s = dead.popleft()
-            if s.generation != gen or s.handle is None:
-                continue  # its work went with a reset
-            pending = s.seq > s.done_seq or bool(s._keep)
-            handle = None if s._foreign else s.handle  # another library's stream is never destroyed here
-            if pending:
-                # Its last work may still run: an event after it stands in for the stream
-                # (for waits on it, synchronize() and out-of-memory retries), and holds
-                # what that work uses and its driver stream until that work is done. Measured on an H200: destroying a driver stream with
-                # a long kernel queued made the next stream created wait for that kernel.
-                s._final = s.event_at(s.seq)
-                self._lingering.append((s._final, s._keep, handle))
-            elif handle is not None:
-                self._destroy_driver_stream(handle)
-            s.handle = None
-        if self._lingering:
-            still = []
-            for ev, keep, handle in self._lingering:
-                try:
-                    done = self._driver.query(ev.handle)
-                except DeviceError:
-                    done = False  # a fault: kept until the reset drops everything
-                if done:
-                    for _, obj in keep:
-                        release = getattr(obj, "stream_done", None)
-                        if release is not None:
-                            release()
-                    if handle is not None:
-                        self._destroy_driver_stream(handle)
-                else:
-                    still.append((ev, keep, handle))
-            self._lingering = still
-        graphs = self._dead_graphs
-        while graphs:
-            g, handle = graphs.popleft()
-            if g == gen:
-                self._driver.graph_destroy(handle)  # replays in flight finish first
-
-    def _destroy_driver_stream(self, handle: Any) -> None:
-        self._driver.destroy_stream(handle)
-        self._stats.streams_destroyed += 1
+        _reclaim.housekeeping(self)
 
     # -- policy -------------------------------------------------------------------
     @property
@@ -363,53 +302,11 @@ class Device:
                 after an illegal address: the process must be restarted).
             DeviceUnavailable: Another reset of this device is in progress.
         """
-        check_blocking_allowed("Device.reset()")
-        with LOCK:
-            if self._resetting:
-                check_not_forked()
-                raise DeviceUnavailable("a reset of this device is already in progress", device=self.ordinal)
-            self._resetting = True
-            self.generation += 1
-            self._event_pool.clear()
-            # Filled lock-free by finalizers (any thread): their work goes with the reset.
-            self._dead_streams.clear()
-            self._dead_graphs.clear()
-            # Their driver streams go with the reset (the context's streams all do).
-            self._lingering = []
-            self._bytes_in_use = 0
-            wakers = list(self._blocking)
-            callbacks = list(self._reset_callbacks)
-            readers, self._peer_readers = self._peer_readers, []
-        try:
-            for w in wakers:
-                w.post()
-            for cb in callbacks:
-                cb(self)
-            with self._host_cond:  # host reads of the old generation's pinned memory
-                while self._host_readers:
-                    self._host_cond.wait()
-            for ev in readers:
-                # Copies queued on other devices that read this device's memory: they run
-                # before it is released (else the other device reads released memory).
-                try:
-                    ev.device.wait_blocking(ev)
-                except DeviceError:
-                    pass  # that device failed or was reset: its copy will not read
-            with self._slow_lock:
-                self._driver.reset()
-        finally:
-            with LOCK:
-                self._resetting = False
+        _reset.reset(self)
 
     def _orphan(self) -> None:
-        """In a forked child (see _guard): the device refuses new work for good, as if a
-        reset began that never ends, and everything of the parent's generation is stale.
-        The checks that refuse work during a reset then raise ForkedProcessError; nothing
-        reaches the driver (or waits for a stream thread), housekeeping and the exit hook
-        skip the device, and finalizers only queue. Called without LOCK: the child has one
-        thread."""
-        self._resetting = True
-        self.generation += 1
+        """In a forked child: the device refuses new work for good (see _reset.orphan)."""
+        _reset.orphan(self)
 
     def _read_by_peer(self, ev: Event) -> None:
         """Note work of another device (done at ``ev``) that reads this device's memory:
@@ -471,57 +368,7 @@ class Device:
 
     def flush_frees(self) -> None:
         """Enqueue deferred frees, each after every pending access to its memory (under LOCK)."""
-        pending = self._dead_buffers
-        if not pending or self._resetting:
-            return
-        gen = self.generation
-        while pending:
-            g, ptr, nbytes, accesses, release = pending.popleft()
-            if release is not None:
-                self._release_foreign(g, release, accesses)
-                continue
-            if g != gen:
-                continue  # memory of a reset device is gone already
-            self._bytes_in_use -= nbytes
-            # Free on the stream of the last writer if it is usable, else on the utility
-            # stream; after every pending access (of any stream, any device).
-            target = None
-            for s, _ in accesses:
-                # Never another library's stream: it may be destroyed by now (its last
-                # event, recorded by the submission that used it, is all a free waits for).
-                if s.device is self and s.generation == gen and s.capture is None and s.handle is not None and not s._foreign:
-                    target = s
-                    break
-            if target is None:
-                target = self._utility_stream()
-            for s, seq in accesses:
-                other = s.device
-                if s.generation != other.generation or other._resetting:
-                    continue
-                try:
-                    target.wait_for(s, seq, ordering_only=True)
-                except DeviceError:
-                    pass  # the other device faulted: its work will never touch this memory
-            self._driver.free(ptr, target.handle)
-            target.mark()
-            self._stats.frees += 1
-            self._stats.bytes_freed += nbytes
-
-    def _release_foreign(self, g: int, release: Any, accesses: list[tuple[Stream, int]]) -> None:
-        """Let another library's memory go once trio-cuda's accesses are done (under LOCK)."""
-        if g != self.generation:
-            _Released(release).stream_done()  # the device was reset: nothing of ours is pending
-            return
-        target = self._utility_stream()
-        for s, seq in accesses:
-            if s.generation != s.device.generation or s.device._resetting:
-                continue
-            try:
-                target.wait_for(s, seq, ordering_only=True)
-            except DeviceError:
-                pass  # that device faulted: its work will never touch this memory
-        target.keep(_Released(release))
-        target.mark()
+        _reclaim.flush_frees(self)
 
     def memory_in_use(self) -> int:
         """Bytes of device memory held by live tensors (and frees not yet enqueued)."""

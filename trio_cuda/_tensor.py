@@ -21,9 +21,10 @@ from ._backends._boundary import ArrayArg
 from ._checks import check_shape, is_int
 from ._errors import DeviceReset, GraphCaptureError
 from ._memory import Buffer
-from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, array_index, item_of, value
+from ._op import DeviceOp, TensorMath, TensorValuedOp, _ext, array_index, item_of
 from ._pending import Pending
 from ._plan import Lane, Plan
+from ._zip import value
 
 if TYPE_CHECKING:
     from ._device import Device
