@@ -53,9 +53,6 @@ __all__ = [
 T = TypeVar("T", covariant=True)
 U = TypeVar("U")
 A = TypeVar("A")
-B = TypeVar("B")
-C = TypeVar("C")
-D = TypeVar("D")
 Ts = TypeVarTuple("Ts")
 # The tensor conveniences are typed by what the output can do, not by naming Tensor and
 # Partition: those live a layer above (their to_host() makes one of these ops).

@@ -13,7 +13,7 @@ __all__ = ["value", "zip"]
 
 T = TypeVar("T", covariant=True)
 U = TypeVar("U")
-A = TypeVar("A")
+A = TypeVar("A")  # (the element types of a zip's tuple)
 B = TypeVar("B")
 C = TypeVar("C")
 D = TypeVar("D")
