@@ -21,6 +21,7 @@ cdef class _Pool:
     cdef public dict of
     cdef public list owners
     cdef public Py_ssize_t shared
+    cdef public list spare
     cdef public list streams
 
     @cython.locals(s=Stream, i=Py_ssize_t)

@@ -184,8 +184,10 @@ class StreamPoolByLoad(SchedulingPolicy):
 
     Args:
         device: The device (default: the current device).
-        num_streams: Streams made at once (default 4).
-        max_streams: The most the pool grows to (default 16). CUDA maps streams onto
+        num_streams: Streams in use from the start (default 4).
+        max_streams: The most the pool grows to (default 16). All are made at once, the
+            rest kept for growing: making a CUDA stream can block the calling thread
+            until the work running on the device completes. CUDA maps streams onto
             ``CUDA_DEVICE_MAX_CONNECTIONS`` hardware queues (8 unless set), so more
             streams than that may wait for each other in hardware.
     """
@@ -237,6 +239,7 @@ class _Pool:
         "of",
         "owners",
         "shared",
+        "spare",
         "streams",
     )
 
@@ -244,6 +247,10 @@ class _Pool:
         self.device = device
         self.cap = cap
         self.streams: list[Stream] = [device.create_stream() for _ in range(n)]
+        # The streams it may grow by, made now: the pool grows while every stream is busy,
+        # and making a CUDA stream can block the calling thread (the event loop's) until
+        # the work running on the device completes.
+        self.spare: list[Stream] = [device.create_stream() for _ in range(cap - n)]
         self.owners: list[int] = [0] * n  # who submitted last to each stream
         # Each stream's seq when it was last handed out: a stream handed out and not yet
         # given work (a submission being planned, a zip's other branches) is not idle.
@@ -320,7 +327,7 @@ class _Pool:
                 if asked == _ASK:
                     break
         if pick < 0 and n < self.cap:
-            streams.append(self.device.create_stream())
+            streams.append(self.spare.pop() if self.spare else self.device.create_stream())
             self.owners.append(0)
             self.handed.append(-1)
             self.handed_at.append(0)

@@ -57,23 +57,34 @@ async def _no_thread_per_wait(pool: trio_cuda.StreamPoolByLoad) -> None:
     threads_before = threading.active_count()
     parked_peak = 0
     thread_peak = threads_before
+    samples = 0
+    longest_gap = 0.0  # (a loop blocked while the waits were parked would hide them)
 
     async def watch() -> None:
-        nonlocal parked_peak, thread_peak
+        nonlocal parked_peak, thread_peak, samples, longest_gap
+        last = time.perf_counter()
         while True:
             thread_peak = max(thread_peak, threading.active_count())
             parked_peak = max(parked_peak, lowlevel.notifier_statistics().parked)
+            samples += 1
             await trio.sleep(0.005)
+            now = time.perf_counter()
+            longest_gap, last = max(longest_gap, now - last), now
 
     before = lowlevel.notifier_statistics()
+    t0 = time.perf_counter()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch)
         async with trio.open_nursery() as waiters:
             for _ in range(40):
                 waiters.start_soon(_await, sleep(counter(), 100_000_000))
         nursery.cancel_scope.cancel()
+    took = time.perf_counter() - t0
     after = lowlevel.notifier_statistics()
-    assert parked_peak >= 10, f"only {parked_peak} waits parked at once: the test lost its point ({before} -> {after})"
+    assert parked_peak >= 10, (
+        f"only {parked_peak} waits parked at once: the test lost its point ({before} -> {after}; "
+        f"{took:.3f} s, {samples} samples, the longest gap between them {longest_gap * 1000:.1f} ms)"
+    )
     # 40 concurrent parked waits, no new thread (the pool's streams and the helper exist).
     assert thread_peak == threads_before
 

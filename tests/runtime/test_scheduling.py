@@ -224,12 +224,17 @@ async def _hold(pool: trio_cuda.StreamPoolByLoad, task_status: trio.TaskStatus[t
 
 async def test_by_load_never_queues_behind_another_tasks_pending_work(dev: trio_cuda.Device) -> None:
     pool = trio_cuda.StreamPoolByLoad(dev, num_streams=2, max_streams=8)
+    await counter()  # (the device's own policy made its streams)
+    live = dev.statistics().streams
     async with trio.open_nursery() as n:
         held = [await n.start(_hold, pool) for _ in range(3)]
         busy = {s for s, _ in held}
         assert len(busy) == 3  # three tasks, three streams: none shares another's pending kernel
         st = pool.statistics()
-        assert st.streams == 3 and st.grown == 1  # two made at once, one grown
+        assert st.streams == 3 and st.grown == 1  # two in use at once, one grown
+        # Growing made no stream while the kernels ran (making one can block the loop
+        # until the device's work completes): the pool made all eight with itself.
+        assert dev.statistics().streams == live
         mine = pool.submission_stream()  # this task: no pending work anywhere
         assert mine not in busy
         assert all(not sub.event.query() for _, sub in held)  # (they were pending all along)

@@ -162,7 +162,11 @@ class CudaDevice(DeviceDriver):
         )
         self._launchers: dict[tuple[Any, ...], Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
-        self._notify: dict[int, Any] = {}
+        # Each stream's side stream for completion wake-ups (see arm), made with the stream:
+        # creating a stream can block the calling thread until the work running on the
+        # device completes (seen on an H200: 300 ms, while 100 ms kernels ran), so none
+        # is created on the await path. 0: the side stream of work on streams not made here.
+        self._notify: dict[int, Any] = {0: self._new_stream()}
         self._gemms = Gemms()
         self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
@@ -226,6 +230,15 @@ class CudaDevice(DeviceDriver):
     # -- streams and events ---------------------------------------------------------
     def create_stream(self) -> Any:
         self._current()
+        stream = self._new_stream()
+        try:
+            self._notify[int(stream)] = self._new_stream()
+        except DeviceError:
+            cu.cuStreamDestroy(stream)
+            raise
+        return stream
+
+    def _new_stream(self) -> Any:
         return check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
 
     def destroy_stream(self, stream: Any) -> None:
@@ -284,10 +297,10 @@ class CudaDevice(DeviceDriver):
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
         assert isinstance(waker, SemWaker)
         self._current()
-        key = int(stream) if stream is not None else 0  # 0: one side stream for orphans
-        side = self._notify.get(key)
-        if side is None:
-            side = self._notify[key] = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate", self)
+        # (the side stream made with the stream; work on a stream made elsewhere, or on none,
+        # shares one: a wake-up there can wait behind an earlier, longer one, until the
+        # notifier's periodic poll)
+        side = self._notify.get(int(stream) if stream is not None else 0) or self._notify[0]
         err = cu.cuStreamWaitEvent(side, event, 0)[0]
         if err == SUCCESS:
             err = cu.cuLaunchHostFunc(side, cu.CUhostFn(SEM_POST_ADDR), waker.addr)[0]
