@@ -337,10 +337,12 @@ def test_blocking_calls_are_refused_on_the_loop_thread(run: Run, dev: trio_cuda.
 @pytest.mark.faults_device
 def test_a_fault_reaches_every_awaiter_and_the_task_group_cancels_siblings(run: Run, dev: trio_cuda.Device) -> None:
     outcome: list[str] = []
+    # (the waiters' streams made before any long kernel runs: making a stream can wait for it)
+    own = [trio_cuda.SingleStream(dev) for _ in range(2)]
 
-    async def waiter(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def waiter(policy: trio_cuda.SingleStream, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
         try:
-            await started(sleep(counter(), 3_000_000_000), trio_cuda.SingleStream(dev), task_status=task_status)
+            await started(sleep(counter(), 3_000_000_000), policy, task_status=task_status)
         except trio_cuda.DeviceFault:
             outcome.append("fault")
 
@@ -357,8 +359,8 @@ def test_a_fault_reaches_every_awaiter_and_the_task_group_cancels_siblings(run: 
         await anyio.to_thread.run_sync(scribble.prepare, target.partition((32,)))
         await sleep(counter(), 1000)
         async with anyio.create_task_group() as waiters:  # (not cancelled by the fault)
-            for _ in range(2):
-                await waiters.start(waiter)
+            for policy in own:
+                await waiters.start(waiter, policy)
             with pytest.raises(BaseExceptionGroup) as info:
                 async with anyio.create_task_group() as tg:
                     await tg.start(sibling)

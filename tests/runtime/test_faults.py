@@ -71,26 +71,29 @@ async def test_reset_of_a_healthy_device(dev: trio_cuda.Device) -> None:
 @pytest.mark.faults_device
 async def test_fault_reaches_every_task_waiting_on_the_device(dev: trio_cuda.Device) -> None:
     outcomes: list[str] = []
-    # Load both kernels first: on CUDA, loading a kernel waits for running work, which
-    # would hold the faulting launch back until the sleeps were over.
+    # Load both kernels and make the streams first: on CUDA, loading a kernel or making
+    # a stream can wait for running work, which would hold the faulting launch back until
+    # the sleeps were over.
     target = await api.zeros((32,))
     await trio.to_thread.run_sync(scribble.prepare, target.partition((32,)))
     await sleep(counter(), 1000)
+    # Each waiter on a stream of its own, so that the faulting launch is not queued behind it.
+    own = [trio_cuda.SingleStream(dev) for _ in range(3)]
+    faulting = trio_cuda.SingleStream(dev)
 
-    async def waiter(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def waiter(policy: trio_cuda.SingleStream, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            # Each on a stream of its own, so that the faulting launch is not queued behind it.
-            await started(sleep(counter(), 3_000_000_000), trio_cuda.SingleStream(dev), task_status=task_status)
+            await started(sleep(counter(), 3_000_000_000), policy, task_status=task_status)
             outcomes.append("completed")
         except trio_cuda.DeviceFault:
             outcomes.append("fault")
 
     start = time.perf_counter()
     async with trio.open_nursery() as n:
-        for _ in range(3):
-            await n.start(waiter)
+        for policy in own:
+            await n.start(waiter, policy)
         with pytest.raises(trio_cuda.DeviceFault):
-            await scribble(target.partition((32,))).schedule(trio_cuda.SingleStream(dev))
+            await scribble(target.partition((32,))).schedule(faulting)
     assert outcomes == ["fault"] * 3
     assert time.perf_counter() - start < 2.0, "the waiters were not woken by the fault"
 

@@ -275,6 +275,7 @@ async def test_a_fault_wakes_a_task_sleeping_through_long_work(dev: trio_cuda.De
     await trio.to_thread.run_sync(scribble.prepare, target.partition((32,)))
     c = await counter()
     own = trio_cuda.SingleStream(dev)  # the long kernel's stream is not the faulting one
+    faulting = trio_cuda.SingleStream(dev)  # (made now: making a stream can wait for running work)
     for _ in range(3):  # learned: the next one sleeps until about 30 ms
         await started(sleep(c, 30_000_000), own)
     before = lowlevel.notifier_statistics().sleeping.timed
@@ -287,7 +288,7 @@ async def test_a_fault_wakes_a_task_sleeping_through_long_work(dev: trio_cuda.De
     async with trio.open_nursery() as n:
         await n.start(long_wait)
         with pytest.raises(trio_cuda.DeviceFault):
-            await scribble(target.partition((32,))).schedule(trio_cuda.SingleStream(dev))
+            await scribble(target.partition((32,))).schedule(faulting)
     assert lowlevel.notifier_statistics().sleeping.timed > before
     assert time.perf_counter() - start < 2.0, "the sleeping waiter was not woken by the fault"
 

@@ -66,6 +66,9 @@ class _ThreadState(threading.local):
 
 
 _tls = _ThreadState()
+# Side streams for completion wake-ups per context: as many as a default stream pool's
+# streams at its cap, so that those seldom share one.
+_SIDE_STREAMS = 16
 
 
 # -- graphs ----------------------------------------------------------------------------------
@@ -162,11 +165,15 @@ class CudaDevice(DeviceDriver):
         )
         self._launchers: dict[tuple[Any, ...], Launcher] = {}
         self._load_locks: dict[tuple[Any, ...], threading.Lock] = {}
-        # Each stream's side stream for completion wake-ups (see arm), made with the stream:
-        # creating a stream can block the calling thread until the work running on the
-        # device completes (seen on an H200: 300 ms, while 100 ms kernels ran), so none
-        # is created on the await path. 0: the side stream of work on streams not made here.
-        self._notify: dict[int, Any] = {0: self._new_stream()}
+        # The side streams for completion wake-ups (see arm), all made now, while nothing
+        # runs: making a stream can block the calling thread until the work running on
+        # the device completes (seen on an H200: 300 ms, while 100 ms kernels ran), so
+        # none is made on the await path, and one made later costs one stream, not two.
+        # Each stream made here takes the next in turn; work on a stream made elsewhere,
+        # or on none, the first.
+        self._sides = [self._new_stream() for _ in range(_SIDE_STREAMS)]
+        self._notify: dict[int, Any] = {}
+        self._next_side = 0
         self._gemms = Gemms()
         self._attention = Attentions()
         # Timing off and no blocking sync: nothing waits on these events with
@@ -231,11 +238,8 @@ class CudaDevice(DeviceDriver):
     def create_stream(self) -> Any:
         self._current()
         stream = self._new_stream()
-        try:
-            self._notify[int(stream)] = self._new_stream()
-        except DeviceError:
-            cu.cuStreamDestroy(stream)
-            raise
+        self._notify[int(stream)] = self._sides[self._next_side % _SIDE_STREAMS]
+        self._next_side += 1
         return stream
 
     def _new_stream(self) -> Any:
@@ -245,9 +249,7 @@ class CudaDevice(DeviceDriver):
         if self._fault is not None:
             return  # the context is gone with the fault
         self._current()
-        side = self._notify.pop(int(stream), None)
-        if side is not None:
-            cu.cuStreamDestroy(side)
+        self._notify.pop(int(stream), None)  # (its side stream serves others: it stays)
         self._gemms.drop_stream(int(stream), cu.cuGraphExecDestroy)
         ws = self._gemms.workspaces.pop(int(stream), None)
         if ws is not None:
@@ -297,10 +299,9 @@ class CudaDevice(DeviceDriver):
     def arm(self, event: Any, stream: Any, waker: Waker) -> None:
         assert isinstance(waker, SemWaker)
         self._current()
-        # (the side stream made with the stream; work on a stream made elsewhere, or on none,
-        # shares one: a wake-up there can wait behind an earlier, longer one, until the
-        # notifier's periodic poll)
-        side = self._notify.get(int(stream) if stream is not None else 0) or self._notify[0]
+        # (streams that share a side stream: a wake-up can wait there behind an earlier,
+        # longer one, until the notifier's periodic poll)
+        side = self._notify.get(int(stream) if stream is not None else 0) or self._sides[0]
         err = cu.cuStreamWaitEvent(side, event, 0)[0]
         if err == SUCCESS:
             err = cu.cuLaunchHostFunc(side, cu.CUhostFn(SEM_POST_ADDR), waker.addr)[0]
