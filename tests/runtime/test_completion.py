@@ -26,6 +26,13 @@ async def test_an_event_of_a_dropped_stream_is_not_done_while_its_work_runs() ->
     await ops.add(x, 1.0, out=x)  # loaded now: on CUDA, loading a module waits for running kernels
     xs = [await api.zeros((8,)) for _ in range(8)]  # allocated now, before memory is freed behind the sleep
     c = await counter()
+    # Nine streams made and dropped before the sleep: on CUDA, making a stream can wait for
+    # the work running on the device while the driver grows its stream resources; the
+    # streams made after the drop below reuse what these leave.
+    warm = [dev.create_stream() for _ in range(9)]
+    del warm
+    gc.collect()
+    await ops.add(x, 0.0, out=x)  # (the housekeeping destroys them)
     s1 = dev.create_stream()
     pending = await lowlevel.submit(sleep(c, 2_000_000_000), s1)  # about 2 s of device time
     ev = pending.event
