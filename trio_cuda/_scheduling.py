@@ -326,8 +326,8 @@ class _Pool:
                 asked += 1
                 if asked == _ASK:
                     break
-        if pick < 0 and n < self.cap:
-            streams.append(self.spare.pop() if self.spare else self.device.create_stream())
+        if pick < 0 and self.spare:  # (below the cap: the streams and the spares make it up)
+            streams.append(self.spare.pop())
             self.owners.append(0)
             self.handed.append(-1)
             self.handed_at.append(0)

@@ -301,7 +301,7 @@ class CudaDevice(DeviceDriver):
         self._current()
         # (streams that share a side stream: a wake-up can wait there behind an earlier,
         # longer one, until the notifier's periodic poll)
-        side = self._notify.get(int(stream) if stream is not None else 0) or self._sides[0]
+        side = self._notify.get(int(stream), self._sides[0]) if stream is not None else self._sides[0]
         err = cu.cuStreamWaitEvent(side, event, 0)[0]
         if err == SUCCESS:
             err = cu.cuLaunchHostFunc(side, cu.CUhostFn(SEM_POST_ADDR), waker.addr)[0]
